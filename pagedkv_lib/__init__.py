@@ -1,0 +1,46 @@
+"""pagedkv_lib: bookkeeping, Python references and plots for paged KV caches.
+
+Pure Python + PyTorch; importing it never imports triton (the ``kernels`` package
+does, after :mod:`pagedkv_lib.runtime` has chosen the backend).
+"""
+
+from . import runtime
+from .allocator import BlockAllocator, OutOfBlocksError
+from .formats import (
+    PAD,
+    block_table_to_csr,
+    csr_seq_lens,
+    csr_to_block_table,
+    get_batch_indices_positions,
+    pad_block_tables,
+    slot_mapping,
+)
+from .indexing import element_offset, locate, locate_pow2
+from .manager import KVCacheManager
+from .memory import PRESETS, ModelSpec, kv_bytes_per_token, kv_cache_bytes, max_tokens
+from .pool import PagedKVPool
+from .window import RingWindow
+
+__all__ = [
+    "runtime",
+    "BlockAllocator",
+    "OutOfBlocksError",
+    "KVCacheManager",
+    "PagedKVPool",
+    "RingWindow",
+    "ModelSpec",
+    "PRESETS",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "max_tokens",
+    "PAD",
+    "block_table_to_csr",
+    "csr_seq_lens",
+    "csr_to_block_table",
+    "get_batch_indices_positions",
+    "pad_block_tables",
+    "slot_mapping",
+    "element_offset",
+    "locate",
+    "locate_pow2",
+]

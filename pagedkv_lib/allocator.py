@@ -1,0 +1,99 @@
+"""A reference-counted allocator of physical KV pages (blocks)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["OutOfBlocksError", "BlockAllocator"]
+
+
+class OutOfBlocksError(MemoryError):
+    """Raised when a request needs more free blocks than the pool has."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"asked for {requested} blocks but only {free} are free")
+        self.requested = requested
+        self.free = free
+
+
+class BlockAllocator:
+    """Hands out block ids ``0 .. num_blocks - 1`` and counts their references.
+
+    A block is free at refcount 0. ``allocate`` sets it to 1; sharing (forks, the
+    prefix cache) raises it with ``incref``; ``decref`` lowers it and returns the block
+    to the free list at 0. Freed blocks are reused first-in first-out, so a freed id
+    is not handed out again at once (stale tables show up sooner in tests).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refcount = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def _check(self, block: int) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block={block!r} is not a block id (0..{self.num_blocks - 1})")
+
+    def refcount(self, block: int) -> int:
+        self._check(block)
+        return self._refcount[block]
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self) -> int:
+        """Return a free block with refcount 1; OutOfBlocksError if none is free."""
+        return self.allocate_many(1)[0]
+
+    def allocate_many(self, n: int) -> list[int]:
+        """Return ``n`` free blocks, or raise OutOfBlocksError leaving everything as it was."""
+        if n < 0:
+            raise ValueError(f"n={n} must be >= 0")
+        if n > len(self._free):
+            raise OutOfBlocksError(n, len(self._free))
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refcount[b] = 1
+        return blocks
+
+    def incref(self, block: int) -> int:
+        """Add a reference to an allocated block; return the new count."""
+        self._check(block)
+        if self._refcount[block] == 0:
+            raise ValueError(f"incref of block {block}, which is free")
+        self._refcount[block] += 1
+        return self._refcount[block]
+
+    def decref(self, block: int) -> int:
+        """Drop a reference; the block is freed when the count reaches 0. Returns the new count."""
+        self._check(block)
+        if self._refcount[block] == 0:
+            raise ValueError(f"decref of block {block}, which is already free (double free?)")
+        self._refcount[block] -= 1
+        if self._refcount[block] == 0:
+            self._free.append(block)
+        return self._refcount[block]
+
+    def free(self, block: int) -> None:
+        """Free a block held by exactly one owner; shared blocks need ``decref``."""
+        self._check(block)
+        count = self._refcount[block]
+        if count == 0:
+            raise ValueError(f"free of block {block}, which is not allocated (double free or never allocated)")
+        if count > 1:
+            raise ValueError(f"free of block {block}, which has {count} references; use decref")
+        self.decref(block)
+
+    def check_integrity(self) -> None:
+        """Assert the allocator's own invariant: the free list is exactly the blocks at refcount 0."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        zero = {b for b, c in enumerate(self._refcount) if c == 0}
+        assert free == zero, f"free list {sorted(free)} != blocks at refcount 0 {sorted(zero)}"
+        assert all(c >= 0 for c in self._refcount)

@@ -1,0 +1,210 @@
+"""Batch formats for page tables, and conversions between them (int32 torch tensors).
+
+* padded block table (vLLM): ``block_tables [batch, max_blocks]``, ``-1`` where unused,
+  with ``seq_lens [batch]``;
+* CSR page table (FlashInfer): ``kv_indptr [batch + 1]``, ``kv_indices [nnz_pages]``,
+  ``kv_last_page_len [batch]``; request ``b`` owns pages
+  ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills ``kv_last_page_len[b]`` rows of
+  the last one (``1 <= last <= page_size``; an empty request has no pages and 0);
+* ``slot_mapping [num_tokens]`` (vLLM): the flat slot ``page * page_size + offset`` of
+  every new token, ``-1`` for padding tokens that must not be written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .indexing import locate, slot_of
+from .window import RingWindow
+
+__all__ = [
+    "PAD",
+    "pad_block_tables",
+    "csr_seq_lens",
+    "block_table_to_csr",
+    "csr_to_block_table",
+    "slot_mapping",
+    "get_batch_indices_positions",
+    "check_csr",
+]
+
+PAD = -1  # the padding value of block tables and slot mappings
+
+
+def _int_tensor(name: str, x, dims: int) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
+        raise ValueError(f"{name} must hold integers, got dtype {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def _check_page_size(page_size: int) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size={page_size!r} must be a positive int")
+
+
+def pad_block_tables(tables: Sequence[Sequence[int]], max_blocks: int | None = None) -> torch.Tensor:
+    """Stack per-sequence page lists into ``[batch, max_blocks]`` int32, padded with ``-1``."""
+    width = max((len(t) for t in tables), default=0) if max_blocks is None else max_blocks
+    out = torch.full((len(tables), width), PAD, dtype=torch.int32)
+    for b, row in enumerate(tables):
+        if len(row) > width:
+            raise ValueError(f"tables[{b}] has {len(row)} pages, more than max_blocks={width}")
+        out[b, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+    return out
+
+
+def csr_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
+    """Sequence lengths ``[batch]`` of a CSR page table:
+    ``clamp(pages - 1, min=0) * page_size + last_page_len``."""
+    _check_page_size(page_size)
+    indptr = _int_tensor("kv_indptr", kv_indptr, 1)
+    last = _int_tensor("kv_last_page_len", kv_last_page_len, 1)
+    pages = indptr[1:] - indptr[:-1]
+    return (torch.clamp(pages - 1, min=0) * page_size + last).to(torch.int32)
+
+
+def check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> None:
+    """Raise ValueError naming the first violated rule of a CSR page table."""
+    _check_page_size(page_size)
+    indptr = _int_tensor("kv_indptr", kv_indptr, 1)
+    indices = _int_tensor("kv_indices", kv_indices, 1)
+    last = _int_tensor("kv_last_page_len", kv_last_page_len, 1)
+    if indptr.numel() != last.numel() + 1:
+        raise ValueError(
+            f"kv_indptr has {indptr.numel()} entries; kv_last_page_len has {last.numel()}, so "
+            f"kv_indptr needs {last.numel() + 1}"
+        )
+    if indptr[0] != 0:
+        raise ValueError(f"kv_indptr[0]={int(indptr[0])} must be 0")
+    pages = indptr[1:] - indptr[:-1]
+    if (pages < 0).any():
+        b = int(torch.nonzero(pages < 0)[0])
+        raise ValueError(f"kv_indptr decreases at {b}: {int(indptr[b])} -> {int(indptr[b + 1])}")
+    if indptr[-1] != indices.numel():
+        raise ValueError(f"kv_indptr[-1]={int(indptr[-1])} but kv_indices has {indices.numel()} entries")
+    for b in range(last.numel()):
+        n, lp = int(pages[b]), int(last[b])
+        if n == 0 and lp != 0:
+            raise ValueError(f"kv_last_page_len[{b}]={lp} for a request with no pages (must be 0)")
+        if n > 0 and not 1 <= lp <= page_size:
+            raise ValueError(f"kv_last_page_len[{b}]={lp} must be in [1, page_size={page_size}]")
+    if (indices < 0).any():
+        i = int(torch.nonzero(indices < 0)[0])
+        raise ValueError(f"kv_indices[{i}]={int(indices[i])} is not a page id")
+
+
+def block_table_to_csr(block_tables, seq_lens, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded table -> ``(kv_indptr, kv_indices, kv_last_page_len)``.
+
+    Request ``b`` keeps its first ``ceil(seq_lens[b] / page_size)`` table entries;
+    each of them must be a page id (not ``-1``).
+    """
+    _check_page_size(page_size)
+    table = _int_tensor("block_tables", block_tables, 2)
+    lens = _int_tensor("seq_lens", seq_lens, 1)
+    if lens.numel() != table.shape[0]:
+        raise ValueError(f"seq_lens has {lens.numel()} entries for {table.shape[0]} block_tables rows")
+    if (lens < 0).any():
+        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
+    num_pages = torch.div(lens + page_size - 1, page_size, rounding_mode="floor")
+    if (num_pages > table.shape[1]).any():
+        b = int(torch.nonzero(num_pages > table.shape[1])[0])
+        raise ValueError(
+            f"seq_lens[{b}]={int(lens[b])} needs {int(num_pages[b])} pages but block_tables has "
+            f"{table.shape[1]} columns"
+        )
+    used = torch.arange(table.shape[1]) < num_pages[:, None]
+    indices = table[used]
+    if (indices < 0).any():
+        b, j = (int(x) for x in torch.nonzero(used & (table < 0))[0])
+        raise ValueError(f"block_tables[{b}, {j}]={int(table[b, j])} lies inside seq_lens[{b}]={int(lens[b])}")
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(num_pages, 0)
+    last = torch.where(lens > 0, lens - (num_pages - 1) * page_size, 0)
+    return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32)
+
+
+def csr_to_block_table(
+    kv_indptr, kv_indices, kv_last_page_len, page_size: int, max_blocks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR page table -> ``(block_tables [batch, max_blocks], seq_lens [batch])``, int32,
+    padded with ``-1``. ``max_blocks`` defaults to the longest request's page count."""
+    check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+    indptr = _int_tensor("kv_indptr", kv_indptr, 1)
+    indices = _int_tensor("kv_indices", kv_indices, 1)
+    rows = [indices[indptr[b] : indptr[b + 1]].tolist() for b in range(indptr.numel() - 1)]
+    table = pad_block_tables(rows, max_blocks)
+    return table, csr_seq_lens(indptr, kv_last_page_len, page_size)
+
+
+def slot_mapping(
+    block_tables, batch_indices, positions, page_size: int, window: RingWindow | None = None
+) -> torch.Tensor:
+    """Flat slots ``[num_tokens]`` (int64) of tokens given by request and position.
+
+    ``slot = block_tables[b, block] * page_size + offset`` with
+    ``(block, offset) = locate(row, page_size)`` and ``row = position`` (or
+    ``window.kv_token_idx(position)`` with a ring window). A token whose batch index or
+    position is ``-1`` is padding and maps to ``-1``. A real token whose table entry
+    is ``-1`` or beyond the table raises ValueError: indexing with ``-1`` would
+    silently hit the last page.
+    """
+    _check_page_size(page_size)
+    table = _int_tensor("block_tables", block_tables, 2)
+    batch = _int_tensor("batch_indices", batch_indices, 1)
+    pos = _int_tensor("positions", positions, 1)
+    if batch.numel() != pos.numel():
+        raise ValueError(f"batch_indices has {batch.numel()} entries but positions has {pos.numel()}")
+    if window is not None and window.tokens_per_block != page_size:
+        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
+    pad = (batch < 0) | (pos < 0)
+    if (batch >= table.shape[0]).any():
+        i = int(torch.nonzero(batch >= table.shape[0])[0])
+        raise ValueError(f"batch_indices[{i}]={int(batch[i])} but block_tables has {table.shape[0]} rows")
+    rows = torch.where(pad, 0, pos)
+    if window is not None:
+        rows = window.kv_token_idx(rows)
+    block, offset = locate(rows, page_size)
+    b = torch.where(pad, 0, batch)
+    outside = ~pad & (block >= table.shape[1])
+    if outside.any():
+        i = int(torch.nonzero(outside)[0])
+        raise ValueError(
+            f"positions[{i}]={int(pos[i])} falls in logical block {int(block[i])} but block_tables has "
+            f"{table.shape[1]} columns"
+        )
+    page = table[b, torch.clamp(block, max=max(table.shape[1] - 1, 0))] if table.shape[1] else b
+    missing = ~pad & (page < 0)
+    if missing.any():
+        i = int(torch.nonzero(missing)[0])
+        raise ValueError(
+            f"positions[{i}]={int(pos[i])} of request {int(batch[i])} falls in logical block "
+            f"{int(block[i])}, whose block_tables entry is -1 (no page allocated)"
+        )
+    return torch.where(pad, PAD, slot_of(page, offset, page_size))
+
+
+def get_batch_indices_positions(append_indptr, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request and position ``[num_new_tokens]`` (int32) of every appended token.
+
+    ``append_indptr [batch + 1]`` delimits each request's new tokens in the ragged
+    batch; ``seq_lens [batch]`` are the lengths after the append, so the new tokens of
+    request ``b`` take its last ``append_indptr[b+1] - append_indptr[b]`` positions.
+    """
+    indptr = _int_tensor("append_indptr", append_indptr, 1)
+    lens = _int_tensor("seq_lens", seq_lens, 1)
+    if indptr.numel() != lens.numel() + 1:
+        raise ValueError(f"append_indptr needs {lens.numel() + 1} entries for {lens.numel()} seq_lens")
+    counts = indptr[1:] - indptr[:-1]
+    if (counts < 0).any() or (counts > lens).any():
+        b = int(torch.nonzero((counts < 0) | (counts > lens))[0])
+        raise ValueError(f"request {b} appends {int(counts[b])} tokens but seq_lens[{b}]={int(lens[b])}")
+    batch = torch.repeat_interleave(torch.arange(lens.numel()), counts)
+    within = torch.arange(int(counts.sum())) - torch.repeat_interleave(indptr[:-1], counts)
+    positions = lens[batch] - counts[batch] + within
+    return batch.to(torch.int32), positions.to(torch.int32)

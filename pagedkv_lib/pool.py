@@ -1,0 +1,150 @@
+"""The paged KV pool: one 5-D tensor holding K and V for every page, and its layouts.
+
+Layouts (FlashInfer's names), index 0 of dim 1 is K and 1 is V:
+
+* ``NHD``: ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (token rows outermost
+  within a page; one token's heads are adjacent, which suits writes);
+* ``HND``: ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (one head's rows are
+  adjacent, which suits reads that walk a head's keys).
+
+The references and the kernels take the raw tensor (``pool.cache`` or any tensor of
+that shape); :func:`cache_dims` and :func:`cache_strides` read a layout from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from .indexing import element_offset
+
+__all__ = ["LAYOUTS", "CacheDims", "check_layout", "cache_dims", "cache_strides", "PagedKVPool"]
+
+LAYOUTS = ("NHD", "HND")
+
+
+class CacheDims(NamedTuple):
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def check_layout(layout: str) -> str:
+    """Return ``layout`` if it is ``"NHD"`` or ``"HND"``, else raise ValueError."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    return layout
+
+
+def cache_dims(cache: torch.Tensor, layout: str = "NHD") -> CacheDims:
+    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a raw 5-D pool tensor."""
+    check_layout(layout)
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[1] != 2:
+        shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+        want = "[num_pages, 2, page_size, num_kv_heads, head_dim]"
+        if layout == "HND":
+            want = "[num_pages, 2, num_kv_heads, page_size, head_dim]"
+        raise ValueError(f"cache has shape {shape}; a {layout} pool is {want}")
+    pages, _, a, b, dim = cache.shape
+    return CacheDims(pages, a, b, dim) if layout == "NHD" else CacheDims(pages, b, a, dim)
+
+
+def cache_strides(cache: torch.Tensor, layout: str = "NHD") -> tuple[int, int, int, int, int]:
+    """Element strides ``(stride_page, stride_kv, stride_n, stride_h, stride_d)`` of a
+    raw pool tensor, in the layout-independent order that :func:`element_offset` takes."""
+    cache_dims(cache, layout)
+    sp, skv, s2, s3, sd = cache.stride()
+    return (sp, skv, s2, s3, sd) if layout == "NHD" else (sp, skv, s3, s2, sd)
+
+
+class PagedKVPool:
+    """A pool of ``num_pages`` pages of ``page_size`` token rows for K and V.
+
+    ``cache`` is the 5-D tensor (see the module docstring for the layouts); pages are
+    zero-filled at creation. Page ids are the first index.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float16,
+        layout: str = "NHD",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PagedKVPool: {name}={value!r} must be a positive int")
+        self.layout = check_layout(layout)
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        inner = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
+        self.cache = torch.zeros((num_pages, 2, *inner, head_dim), dtype=dtype, device=device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
+
+    @property
+    def num_slots(self) -> int:
+        """Token rows in the pool: ``num_pages * page_size``."""
+        return self.num_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def strides(self) -> tuple[int, int, int, int, int]:
+        """Element strides ``(page, kv, token row, head, feature)``."""
+        return cache_strides(self.cache, self.layout)
+
+    def element_offset(self, page, kv, head, entry, feat):
+        """Element offset of (page, K=0/V=1, head, row in page, feature) into the
+        flat storage: ``page*stride_page + kv*stride_kv + entry*stride_n + head*stride_h + feat``."""
+        return element_offset(self.strides, page, kv, head, entry, feat)
+
+    def rows(self, page: int, kv: int) -> torch.Tensor:
+        """View of one page's K (``kv=0``) or V (``kv=1``) as ``[page_size, num_kv_heads, head_dim]``."""
+        block = self.cache[page, kv]
+        return block if self.layout == "NHD" else block.transpose(0, 1)
+
+    def copy_blocks(self, pairs: Iterable[tuple[int, ...]]) -> None:
+        """Copy pages (K and V) for every ``(src, dst)`` or ``(src, dst, num_rows)``.
+
+        With ``num_rows`` only the first ``num_rows`` token rows are copied (a partial
+        block copy: copy-on-write of a partly filled last page needs no more). Every
+        id is checked before anything is copied; ``src == dst`` is refused.
+        """
+        pairs = [tuple(p) for p in pairs]
+        for i, pair in enumerate(pairs):
+            if len(pair) not in (2, 3):
+                raise ValueError(f"pairs[{i}]={pair!r} must be (src, dst) or (src, dst, num_rows)")
+            for name, page in zip(("src", "dst"), pair[:2]):
+                if not 0 <= page < self.num_pages:
+                    raise ValueError(f"pairs[{i}].{name}={page} is outside the pool ({self.num_pages} pages)")
+            if pair[0] == pair[1]:
+                raise ValueError(f"pairs[{i}] copies page {pair[0]} onto itself")
+            if len(pair) == 3 and not 0 <= pair[2] <= self.page_size:
+                raise ValueError(f"pairs[{i}].num_rows={pair[2]} must be in [0, {self.page_size}]")
+        for src, dst, *rows in pairs:
+            n = rows[0] if rows else self.page_size
+            if self.layout == "NHD":
+                self.cache[dst, :, :n] = self.cache[src, :, :n]
+            else:
+                self.cache[dst, :, :, :n] = self.cache[src, :, :, :n]

@@ -1,0 +1,90 @@
+"""Backend selection: the one place that decides where Triton kernels run.
+
+Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a kernel, so the
+choice must be made before any module that defines kernels is imported. The
+``kernels`` package imports this module first; notebooks import ``pagedkv_lib``
+(which never imports triton) before ``kernels``.
+
+Choice, in order:
+
+* ``PAGEDKV_BACKEND=interpreter`` forces Triton's interpreter (kernels run on CPU
+  through numpy, tensors live on the CPU);
+* ``PAGEDKV_BACKEND=gpu`` forces compiled kernels and fails loudly without CUDA;
+* otherwise (``auto``, the default) compiled kernels when CUDA is available, else
+  the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+ENV_VAR = "PAGEDKV_BACKEND"
+_CHOICES = ("auto", "gpu", "interpreter")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where kernels run: ``name`` is ``"gpu"`` or ``"interpreter"``; ``device`` is
+    the torch device their tensors must live on."""
+
+    name: str
+    device: torch.device
+
+    @property
+    def interpreted(self) -> bool:
+        return self.name == "interpreter"
+
+
+def _choose() -> Backend:
+    requested = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if requested not in _CHOICES:
+        raise ValueError(f"{ENV_VAR}={requested!r}: expected one of {', '.join(_CHOICES)}")
+    cuda = torch.cuda.is_available()
+    if requested == "gpu" and not cuda:
+        raise RuntimeError(f"{ENV_VAR}=gpu but torch sees no CUDA device")
+    if requested == "interpreter" or not cuda:
+        return Backend("interpreter", torch.device("cpu"))
+    return Backend("gpu", torch.device("cuda"))
+
+
+def _apply(backend: Backend) -> None:
+    want = "1" if backend.interpreted else "0"
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != want:
+        # Kernels already decorated keep the old mode; mixing the two corrupts
+        # results silently, so refuse instead.
+        raise RuntimeError(
+            "triton was imported before pagedkv chose its backend "
+            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}, wanted {want!r}); "
+            "import pagedkv_lib or kernels before triton"
+        )
+    os.environ["TRITON_INTERPRET"] = want
+
+
+BACKEND: Backend = _choose()
+_apply(BACKEND)
+
+
+def device() -> torch.device:
+    """Return the torch device kernel inputs must live on (``cuda`` or ``cpu``)."""
+    return BACKEND.device
+
+
+def backend_line() -> str:
+    """Return one line naming the backend and versions; notebooks print it and the
+    nbval sanitizer masks it, since it differs between machines."""
+    try:
+        from importlib.metadata import version
+
+        triton_version = version("triton")
+    except Exception:  # triton is optional for the pure-Python notebooks
+        triton_version = "not installed"
+    where = (
+        f"compiled on {torch.cuda.get_device_name()}"
+        if BACKEND.name == "gpu"
+        else "Triton interpreter on CPU"
+    )
+    return f"backend: {BACKEND.name} ({where}); torch {torch.__version__}, triton {triton_version}"
