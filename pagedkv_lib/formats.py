@@ -35,6 +35,8 @@ PAD = -1  # the padding value of block tables and slot mappings
 
 def _int_tensor(name: str, x, dims: int) -> torch.Tensor:
     t = torch.as_tensor(x)
+    if t.numel() == 0 and not isinstance(x, torch.Tensor):
+        t = t.to(torch.int64)  # an empty Python list is an empty index list, not float32
     if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
         raise ValueError(f"{name} must hold integers, got dtype {t.dtype}")
     if t.dim() != dims:
@@ -64,6 +66,8 @@ def csr_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
     _check_page_size(page_size)
     indptr = _int_tensor("kv_indptr", kv_indptr, 1)
     last = _int_tensor("kv_last_page_len", kv_last_page_len, 1)
+    if indptr.numel() != last.numel() + 1:
+        raise ValueError(f"kv_indptr has {indptr.numel()} entries for {last.numel()} kv_last_page_len entries")
     pages = indptr[1:] - indptr[:-1]
     return (torch.clamp(pages - 1, min=0) * page_size + last).to(torch.int32)
 

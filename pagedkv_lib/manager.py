@@ -146,11 +146,7 @@ class KVCacheManager:
         new_blocks = max(-(-self._rows(start + n) // ps) - len(seq.block_table), 0)
         filled = self._rows(start)
         to_copy = sorted(
-            {
-                j
-                for j, _ in targets
-                if j < len(seq.block_table) and self.allocator.refcount(seq.block_table[j]) > 1
-            }
+            {j for j, _ in targets if j < len(seq.block_table) and self.allocator.refcount(seq.block_table[j]) > 1}
         )
         fresh = self._reserve(new_blocks + len(to_copy))
         for j in to_copy:

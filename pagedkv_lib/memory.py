@@ -176,9 +176,7 @@ PRESETS: dict[str, ModelSpec] = {
     "falcon-7b": ModelSpec("falcon-7b", 32, 71, 1, 64),
     # deepseek-ai/DeepSeek-V2: 60 layers, 128 heads, kv_lora_rank 512,
     # qk_rope_head_dim 64, qk_nope_head_dim 128 (q/k head dim 192).
-    "deepseek-v2": ModelSpec(
-        "deepseek-v2", 60, 128, 128, 192, kv_lora_rank=512, qk_rope_head_dim=64
-    ),
+    "deepseek-v2": ModelSpec("deepseek-v2", 60, 128, 128, 192, kv_lora_rank=512, qk_rope_head_dim=64),
 }
 
 

@@ -82,9 +82,5 @@ def backend_line() -> str:
         triton_version = version("triton")
     except Exception:  # triton is optional for the pure-Python notebooks
         triton_version = "not installed"
-    where = (
-        f"compiled on {torch.cuda.get_device_name()}"
-        if BACKEND.name == "gpu"
-        else "Triton interpreter on CPU"
-    )
+    where = f"compiled on {torch.cuda.get_device_name()}" if BACKEND.name == "gpu" else "Triton interpreter on CPU"
     return f"backend: {BACKEND.name} ({where}); torch {torch.__version__}, triton {triton_version}"

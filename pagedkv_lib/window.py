@@ -112,9 +112,7 @@ class RingWindow:
         return self.cyclic_cache_len - (self.max_attention_window - self.sink_tokens) + 1
 
 
-def window_mask(
-    query_pos: torch.Tensor, key_pos: torch.Tensor, window: RingWindow | None = None
-) -> torch.Tensor:
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: RingWindow | None = None) -> torch.Tensor:
     """Boolean mask ``[..., q, k]``: may a query at ``query_pos`` attend a key at ``key_pos``?
 
     Always causal (``key <= query``). With a window, only the sinks and the last

@@ -1,0 +1,41 @@
+# pagedkv: two commands for everything (see README.md).
+#   make run    set up, then execute every notebook into build/ (ipynb + HTML)
+#   make test   set up, then lint + pytest over tests/ + nbval over notebooks/
+#   make lab    set up, then open JupyterLab on notebooks/
+#   make refresh  rebuild notebooks/*.ipynb from notebooks/src and store outputs (developers)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, pinned, so nothing later pulls a multi-GB CUDA build. On a laptop
+# without a GPU point TORCH_INDEX at PyTorch's CPU wheels:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+
+.PHONY: setup run lab test refresh clean
+
+$(BIN)/.pagedkv-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/.pagedkv-installed
+
+run: setup
+	$(BIN)/python scripts/build_notebooks.py run --out build
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest tests notebooks $(NBVAL)
+
+refresh: setup
+	$(BIN)/python scripts/build_notebooks.py refresh $(NAMES)
+
+clean:
+	rm -rf build .pytest_cache .hypothesis

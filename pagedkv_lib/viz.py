@@ -1,0 +1,247 @@
+"""Plot helpers for the notebooks: the one home of every figure the suite draws.
+
+Every function returns a matplotlib ``Figure`` (and draws nothing else), so a
+notebook cell can assert on the data and end with ``plt.show()``. Figures are kept
+small (``use_style``) because notebooks are committed with their outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from .pool import cache_dims, cache_strides
+
+__all__ = [
+    "use_style",
+    "line_plot",
+    "bar_plot",
+    "occupancy",
+    "plot_occupancy",
+    "plot_block_table",
+    "plot_address_map",
+    "plot_ring_slots",
+    "plot_heatmap",
+    "plot_histogram",
+]
+
+_SEQ_CMAP = "tab20"
+
+
+def use_style() -> None:
+    """Small, legible figures (about 40-80 kB per PNG at this size and dpi)."""
+    plt.rcParams.update(
+        {
+            "figure.figsize": (6.4, 3.4),
+            "figure.dpi": 72,
+            "savefig.dpi": 72,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "font.size": 9,
+        }
+    )
+
+
+def line_plot(
+    x: Sequence[float],
+    series: Mapping[str, Sequence[float]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+    logy: bool = False,
+    marker: str = "o",
+):
+    """One line per entry of ``series`` (label -> y values) over ``x``."""
+    fig, ax = plt.subplots()
+    for label, y in series.items():
+        ax.plot(x, y, marker=marker, markersize=3, label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def bar_plot(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str, annotate: str = "{:.1f}"):
+    """Bars with their values written on top."""
+    fig, ax = plt.subplots()
+    bars = ax.bar(labels, values, color="tab:blue")
+    for bar, value in zip(bars, values):
+        ax.annotate(
+            annotate.format(value),
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax.set(title=title, ylabel=ylabel)
+    ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    return fig
+
+
+def occupancy(manager) -> tuple[np.ndarray, np.ndarray]:
+    """Per page of a :class:`KVCacheManager`: ``owner`` (index into ``manager.sequences``,
+    ``-1`` free, ``-2`` shared by several) and ``rows`` (token rows filled, 0..page_size)."""
+    owner = np.full(manager.num_blocks, -1)
+    rows = np.zeros(manager.num_blocks, dtype=int)
+    ps = manager.page_size
+    for i, seq_id in enumerate(manager.sequences):
+        table, n = manager.block_table(seq_id), manager.seq_len(seq_id)
+        used_rows = n if manager.window is None else manager.window.cache_len(n)
+        for j, page in enumerate(table):
+            owner[page] = i if owner[page] in (-1, i) else -2
+            rows[page] = max(rows[page], min(ps, used_rows - j * ps))
+    return owner, rows
+
+
+def plot_occupancy(manager, title: str = "pool occupancy", columns: int = 16):
+    """The pool as a grid of pages coloured by owning sequence; the filled fraction of
+    each page is the coloured height, so partial last pages show. Shared pages hatched."""
+    owner, rows = occupancy(manager)
+    names = manager.sequences
+    cmap = plt.get_cmap(_SEQ_CMAP)
+    n = manager.num_blocks
+    nrows = -(-n // columns)
+    fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.45 * nrows))
+    for page in range(n):
+        r, c = divmod(page, columns)
+        y = nrows - 1 - r
+        ax.add_patch(plt.Rectangle((c, y), 0.92, 0.92, facecolor="0.93", edgecolor="0.7"))
+        if owner[page] != -1:
+            color = "0.45" if owner[page] == -2 else cmap(owner[page] % 20)
+            frac = rows[page] / manager.page_size
+            ax.add_patch(
+                plt.Rectangle(
+                    (c, y),
+                    0.92,
+                    0.92 * frac,
+                    facecolor=color,
+                    hatch="//" if owner[page] == -2 else None,
+                    edgecolor="0.3",
+                )
+            )
+        ax.text(c + 0.46, y + 0.46, str(page), ha="center", va="center", fontsize=6)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 20)) for i in range(len(names))]
+    labels = [str(s) for s in names]
+    if (owner == -2).any():
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="0.45", hatch="//"))
+        labels.append("shared")
+    if handles:
+        ax.legend(handles, labels, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set(xlim=(0, columns), ylim=(0, nrows), title=title)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def plot_block_table(tables: Mapping[str, Sequence[int]], num_pages: int, title: str = "block tables"):
+    """Logical blocks of each sequence (left) with arrows to the physical pages they name (right)."""
+    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.3 * max(num_pages, 4)))
+    cmap = plt.get_cmap(_SEQ_CMAP)
+    y = 0
+    for i, (name, table) in enumerate(tables.items()):
+        for j, page in enumerate(table):
+            ax.annotate("", xy=(3.0, page), xytext=(1.0, y), arrowprops={"arrowstyle": "->", "color": cmap(i % 20)})
+            ax.text(0.95, y, f"{name}[{j}]", ha="right", va="center", fontsize=7, color=cmap(i % 20))
+            y += 1
+        y += 0.5
+    for page in range(num_pages):
+        ax.text(3.05, page, f"page {page}", ha="left", va="center", fontsize=7)
+    ax.set(xlim=(0, 4), ylim=(max(y, num_pages), -1), title=title)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def plot_address_map(cache: torch.Tensor, layout: str, page: int = 0, kv: int = 0, title: str | None = None):
+    """Element offset of feature 0 of every (token row, head) of one page: NHD puts one
+    token's heads side by side, HND one head's rows."""
+    dims = cache_dims(cache, layout)
+    sp, skv, sn, sh, _ = cache_strides(cache, layout)
+    offsets = np.array(
+        [
+            [page * sp + kv * skv + entry * sn + head * sh for head in range(dims.num_kv_heads)]
+            for entry in range(dims.page_size)
+        ]
+    )
+    fig, ax = plt.subplots(figsize=(3.6, 3.0))
+    im = ax.imshow(offsets, cmap="viridis", aspect="auto")
+    for (entry, head), value in np.ndenumerate(offsets):
+        ax.text(head, entry, str(value), ha="center", va="center", fontsize=6, color="w")
+    ax.set(xlabel="head", ylabel="token row in page", title=title or f"{layout}: element offset of feature 0")
+    ax.grid(False)
+    fig.colorbar(im, ax=ax, label="elements")
+    fig.tight_layout()
+    return fig
+
+
+def plot_ring_slots(window, num_tokens: int, title: str | None = None, highlight: int | None = None):
+    """Which token position each cache row holds after each step of a sequence written
+    through a :class:`RingWindow` (rows on y, steps on x; empty white, bubble grey)."""
+    rows = window.max_cache_len
+    held = np.full((rows, num_tokens), np.nan)
+    current = np.full(rows, np.nan)
+    for t in range(num_tokens):
+        current[window.kv_token_idx(t)] = t
+        held[:, t] = current
+    fig, ax = plt.subplots()
+    ax.axhspan(window.sink_tokens - 0.5, window.sink_tokens + window.bubble_len - 0.5, color="0.85", zorder=0)
+    im = ax.imshow(held, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest")
+    if highlight is not None:
+        ax.axvline(highlight, color="r", lw=1)
+    ax.set(
+        xlabel="step (token position written)",
+        ylabel="cache row",
+        title=title
+        or (f"ring: window {window.max_attention_window}, {window.sink_tokens} sinks, bubble {window.bubble_len}"),
+    )
+    ax.grid(False)
+    fig.colorbar(im, ax=ax, label="token position held")
+    fig.tight_layout()
+    return fig
+
+
+def plot_heatmap(
+    values, title: str, xlabel: str, ylabel: str, cmap: str = "viridis", label: str = "", annotate: bool = False
+):
+    """A labelled heatmap of a 2-D array (e.g. a diff against a reference, refcounts)."""
+    values = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=float)
+    fig, ax = plt.subplots()
+    im = ax.imshow(values, aspect="auto", cmap=cmap, interpolation="nearest")
+    if annotate:
+        for (r, c), v in np.ndenumerate(values):
+            ax.text(c, r, f"{v:g}", ha="center", va="center", fontsize=6, color="w")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(False)
+    fig.colorbar(im, ax=ax, label=label)
+    fig.tight_layout()
+    return fig
+
+
+def plot_histogram(samples: Mapping[str, Sequence[float]], title: str, xlabel: str, bins: int = 40, logx=True):
+    """Overlaid histograms (e.g. absolute errors per dtype), log-spaced bins by default."""
+    fig, ax = plt.subplots()
+    for label, values in samples.items():
+        v = np.asarray(values, dtype=float).ravel()
+        v = v[v > 0] if logx else v
+        if v.size == 0:
+            continue
+        edges = np.logspace(np.log10(v.min()), np.log10(v.max()) + 1e-9, bins) if logx else bins
+        ax.hist(v, bins=edges, alpha=0.6, label=label)
+    if logx:
+        ax.set_xscale("log")
+    ax.set(title=title, xlabel=xlabel, ylabel="count")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

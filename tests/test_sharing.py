@@ -1,0 +1,310 @@
+"""Prefix sharing: the block hash chain, KVCacheManager.admit and LRU eviction.
+
+Scenarios use pages of 4 (or 2) tokens and prompts of small integers, so which
+blocks are full, cached, shared or evicted can be followed by hand.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedkv_lib import KVCacheManager, OutOfBlocksError, PagedKVPool
+from pagedkv_lib.manager import Admission
+from pagedkv_lib.reference import append_paged_kv, paged_decode_attention, paged_prefill_attention
+from pagedkv_lib.sharing import PrefixCache, block_hash
+
+
+def refcounts(m):
+    return [m.refcount(b) for b in range(m.num_blocks)]
+
+
+def cached_blocks(m):
+    return sorted(b for b in range(m.num_blocks) if b in m.prefix_cache)
+
+
+# ----------------------------------------------------------------------------- the hash chain
+
+
+def test_block_hash_depends_on_parent_and_tokens():
+    h0 = block_hash(None, [1, 2, 3, 4])
+    assert h0 == block_hash(None, (1, 2, 3, 4)) == block_hash(None, torch.tensor([1, 2, 3, 4]))
+    assert 0 <= h0 < 2**64
+    assert block_hash(None, [1, 2, 3, 5]) != h0  # one token differs
+    assert block_hash(None, [4, 3, 2, 1]) != h0  # order matters
+    # The same block under two different parents is two different prefixes.
+    assert block_hash(h0, [5, 6, 7, 8]) != block_hash(block_hash(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert block_hash(h0, [5, 6, 7, 8]) != block_hash(None, [5, 6, 7, 8])
+    # [1, 23] and [12, 3] must not collide through naive concatenation.
+    assert block_hash(None, [1, 23]) != block_hash(None, [12, 3])
+
+
+def test_block_hash_is_stable_across_processes():
+    # Python's hash() of a str changes with PYTHONHASHSEED; stored expectations need a
+    # digest that does not.
+    code = "from pagedkv_lib.sharing import block_hash; print(block_hash(block_hash(None, [1, 2]), [3, 4]))"
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout) == block_hash(block_hash(None, [1, 2]), [3, 4])
+
+
+def test_prefix_cache_lookup_checks_tokens_and_insert_refuses_duplicates():
+    c = PrefixCache()
+    h = block_hash(None, [1, 2])
+    assert c.insert(h, [1, 2], 5)
+    assert c.lookup(h, [1, 2]) == 5
+    assert c.lookup(h, [9, 9]) is None  # same key, other tokens: never trusted
+    assert not c.insert(h, [1, 2], 6)  # hash already cached
+    assert not c.insert(block_hash(None, [3]), [3], 5)  # block already cached
+    assert len(c) == 1 and 5 in c and 6 not in c and c.hash_of(5) == h
+
+
+# ----------------------------------------------------------------------------- admit
+
+
+PROMPT = list(range(100, 110))  # 10 tokens: blocks [100..103], [104..107] full, [108, 109] partial
+
+
+def test_first_admission_caches_full_blocks_but_not_the_partial_one():
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    adm = m.admit("a", PROMPT)
+    assert adm.num_cached_tokens == 0
+    assert adm.slots == list(range(10))
+    assert m.block_table("a") == [0, 1, 2]
+    assert cached_blocks(m) == [0, 1]  # page 2 holds only 2 of 4 rows
+    # The cache holds its own reference on every block it maps.
+    assert refcounts(m)[:3] == [2, 2, 1]
+    m.check_integrity()
+
+
+def test_same_prompt_admitted_next_in_the_same_step_shares_the_full_blocks():
+    # "b" arrives right after "a", before any K/V is written: its two full blocks are
+    # found in the cache (a registered them at admission), so b allocates only a page
+    # for its own partial block.
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    m.admit("a", PROMPT)
+    free_before = m.num_free
+    adm = m.admit("b", PROMPT)
+    assert adm.num_cached_tokens == 8
+    assert adm.slots == [3 * 4 + 0, 3 * 4 + 1]  # tokens 8, 9 into fresh page 3
+    assert m.block_table("b") == [0, 1, 3]
+    assert m.num_free == free_before - 1
+    assert refcounts(m)[:4] == [3, 3, 1, 1]  # a + b + cache on the shared ones
+    m.check_integrity()
+
+
+def test_prompt_whose_every_block_hits_recomputes_its_last_block_into_a_fresh_page():
+    # "b" is exactly a's first 8 tokens: both of its blocks are cached, but the last
+    # prompt token must be computed, so only 4 tokens come from the cache and block 1
+    # is recomputed into page 3 (never written into a's shared page 1).
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    m.admit("a", PROMPT)
+    adm = m.admit("b", PROMPT[:8])
+    assert adm.num_cached_tokens == 4
+    assert adm.slots == [12, 13, 14, 15]
+    assert m.block_table("b") == [0, 3]
+    assert refcounts(m)[:4] == [3, 2, 1, 1]
+    assert 3 not in m.prefix_cache  # block 1's hash is already served by page 1
+    m.check_integrity()
+
+
+def test_one_token_prompt_is_never_served_from_cache():
+    m = KVCacheManager(4, 1, prefix_cache=True)
+    m.admit("a", [7])
+    adm = m.admit("b", [7])
+    assert adm.num_cached_tokens == 0 and adm.slots == [1]
+    assert m.block_table("b") == [1]
+
+
+def test_one_token_difference_in_block_k_shares_exactly_blocks_before_k():
+    # 16-token prompt = 4 full blocks of 4. "b" changes one token inside block 2, so
+    # it shares blocks 0 and 1; block 3 has a's tokens but a different parent, so it
+    # is not shared either.
+    prompt = list(range(16))
+    changed = list(prompt)
+    changed[9] = 999
+    m = KVCacheManager(12, 4, prefix_cache=True)
+    m.admit("a", prompt + [16])
+    assert m.block_table("a") == [0, 1, 2, 3, 4]
+    adm = m.admit("b", changed + [16])
+    assert adm.num_cached_tokens == 8
+    assert m.block_table("b") == [0, 1, 5, 6, 7]
+    assert refcounts(m)[:8] == [3, 3, 2, 2, 1, 2, 2, 1]
+    m.check_integrity()
+
+
+def test_identical_prompts_share_pages_and_hit_rate_counts_block_lookups():
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    m.admit("a", PROMPT)  # looks up block 0 only: miss
+    m.admit("b", PROMPT)  # blocks 0, 1 hit, no block 2 to look up (partial)
+    assert m.block_table("a")[:2] == m.block_table("b")[:2] == [0, 1]
+    assert (m.prefix_cache.queries, m.prefix_cache.hits) == (3, 2)
+    assert m.prefix_cache.hit_rate() == pytest.approx(2 / 3)
+
+
+def test_appends_with_token_ids_keep_caching_and_without_them_stop():
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6])  # page 0 full + cached, page 1 has 2 rows
+    m.append_tokens("a", 2, [7, 8])  # completes page 1: now cached
+    assert cached_blocks(m) == [0, 1]
+    m.append_tokens("a", 4)  # no ids: page 2 fills but is never cached
+    assert m.block_table("a") == [0, 1, 2] and cached_blocks(m) == [0, 1]
+    m.append_tokens("a", 4, [13, 14, 15, 16])  # untracked for good
+    assert cached_blocks(m) == [0, 1]
+    adm = m.admit("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert adm.num_cached_tokens == 8
+    m.check_integrity()
+
+
+def test_admit_errors():
+    m = KVCacheManager(4, 4)
+    with pytest.raises(ValueError, match="prefix_cache=True"):
+        m.admit("a", [1])
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    with pytest.raises(ValueError, match="empty"):
+        m.admit("a", [])
+    m.admit("a", [1, 2])
+    with pytest.raises(ValueError, match="'a'"):
+        m.admit("a", [1, 2])
+    assert m.sequences == ["a"] and m.num_free == 3
+
+
+# ----------------------------------------------------------------------------- freeing and eviction
+
+
+def test_freed_cached_blocks_stay_reusable_tail_first_evictable():
+    m = KVCacheManager(8, 2, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6, 7])  # pages 0, 1, 2 full and cached, page 3 partial
+    m.free_sequence("a")
+    # Page 3 (uncached) is free again; the cached pages keep the cache's reference
+    # and are evictable, tail first (a later block is useless without its prefix).
+    assert refcounts(m)[:4] == [1, 1, 1, 0]
+    assert m.prefix_cache.evictable_blocks() == [2, 1, 0]
+    assert m.num_free == 5
+    m.check_integrity()
+    # Until evicted they serve a new request as if "a" were still alive.
+    adm = m.admit("b", [1, 2, 3, 4, 5, 6, 9])
+    assert adm.num_cached_tokens == 6
+    assert m.block_table("b") == [0, 1, 2, 4]
+    assert m.prefix_cache.evictable_blocks() == []
+    m.check_integrity()
+
+
+def test_eviction_is_lru_and_evicted_block_is_not_found_by_its_old_hash():
+    m = KVCacheManager(6, 2, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4])  # pages 0, 1
+    m.free_sequence("a")  # evictable [1, 0]
+    m.admit("b", [5, 6, 7, 8])  # pages 2, 3
+    m.free_sequence("b")  # evictable [1, 0, 3, 2]
+    assert m.prefix_cache.evictable_blocks() == [1, 0, 3, 2] and m.num_free == 2
+    # "c" needs 3 pages: pages 4, 5 from the free list, then the LRU cached page, 1.
+    m.admit("c", [9, 9, 9, 9, 9, 9])
+    assert m.block_table("c") == [4, 5, 1]
+    assert m.prefix_cache.evictable_blocks() == [0, 3, 2]
+    # Page 1 now holds c's third block; a's second block is gone from the cache.
+    h0 = block_hash(None, [1, 2])
+    assert m.prefix_cache.lookup(block_hash(h0, [3, 4]), [3, 4]) is None
+    assert m.prefix_cache.lookup(h0, [1, 2]) == 0
+    assert m.prefix_cache.hash_of(1) != block_hash(h0, [3, 4])
+    # A request for a's prompt finds only block 0; the next two pages come from
+    # evicting 3, then 2 (b's tail first).
+    adm = m.admit("d", [1, 2, 3, 4, 0])
+    assert adm.num_cached_tokens == 2
+    assert m.block_table("d") == [0, 3, 2]
+    assert m.prefix_cache.evictable_blocks() == []
+    m.check_integrity()
+
+
+def test_eviction_never_frees_a_referenced_page():
+    # "a" is alive: its two cached pages are referenced, not evictable. "b" needs 3
+    # pages and only 2 are free: it must fail rather than take a's pages.
+    m = KVCacheManager(4, 2, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4])
+    before = (m.block_table("a"), refcounts(m), m.num_free, cached_blocks(m))
+    with pytest.raises(OutOfBlocksError, match="asked for 3 blocks but only 2 are free"):
+        m.admit("b", [5, 6, 7, 8, 9, 10])
+    assert (m.block_table("a"), refcounts(m), m.num_free, cached_blocks(m)) == before
+    assert m.sequences == ["a"]
+    m.check_integrity()
+
+
+def test_failed_admission_releases_its_cache_hits_again():
+    # "b" hits a's cached block 0, then runs out of pages for the rest: afterwards b
+    # does not exist and block 0 is back to being evictable-only.
+    m = KVCacheManager(3, 2, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4])
+    m.free_sequence("a")  # pages 0, 1 evictable, page 2 free
+    m.add_sequence("x")
+    m.append_tokens("x", 2)  # takes page 2
+    before = (refcounts(m), m.num_free, cached_blocks(m), sorted(m.prefix_cache.evictable_blocks()))
+    with pytest.raises(OutOfBlocksError):
+        m.admit("b", [1, 2, 7, 7, 7, 7, 7])  # needs 3 pages beyond the hit, has 1 evictable
+    assert (refcounts(m), m.num_free, cached_blocks(m), sorted(m.prefix_cache.evictable_blocks())) == before
+    assert m.sequences == ["x"]
+    m.check_integrity()
+
+
+# ----------------------------------------------------------------------------- served from cache == computed
+
+
+def _fake_model_kv(tokens, heads, dim):
+    """K/V of a prompt as a toy model would produce them: a function of (token, position)
+    only, so equal prefixes give equal cached values (what prefix caching relies on)."""
+    t = torch.tensor(tokens, dtype=torch.float64)[:, None, None]
+    p = torch.arange(len(tokens), dtype=torch.float64)[:, None, None]
+    f = torch.arange(heads * dim, dtype=torch.float64).view(1, heads, dim)
+    k = torch.sin(0.37 * t + 0.11 * p + 0.05 * f)
+    v = torch.cos(0.23 * t - 0.07 * p + 0.03 * f)
+    return k.float(), v.float()
+
+
+@pytest.mark.parametrize("second", ["shares_two_blocks", "all_hit"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_attention_of_request_served_from_prefix_cache_equals_unshared(second, layout):
+    heads_q, heads, dim, ps = 4, 2, 16, 4
+    first = list(range(50, 62))  # 12 tokens, 3 full blocks
+    prompt = first[:8] + [7, 8, 9, 10, 11] if second == "shares_two_blocks" else first[:8]
+    q = torch.randn(len(prompt) + 1, heads_q, dim, generator=torch.Generator().manual_seed(1))
+
+    def serve(prefix_cache):
+        pool = PagedKVPool(16, ps, heads, dim, dtype=torch.float32, layout=layout)
+        m = KVCacheManager(16, ps, prefix_cache=prefix_cache)
+        if prefix_cache:
+            k, v = _fake_model_kv(first, heads, dim)
+            append_paged_kv(k, v, pool.cache, m.admit("first", first).slots, layout)
+            adm = m.admit("req", prompt)
+        else:
+            m.add_sequence("req")
+            adm = Admission(0, m.append_tokens("req", len(prompt)))
+        k, v = _fake_model_kv(prompt, heads, dim)
+        c = adm.num_cached_tokens
+        shared_before = pool.cache.clone()
+        append_paged_kv(k[c:], v[c:], pool.cache, adm.slots, layout)
+        if prefix_cache:  # writing b's new tokens touched no page a still holds
+            for page in m.block_table("first"):
+                assert torch.equal(pool.cache[page], shared_before[page])
+        table = torch.tensor([m.block_table("req")])
+        n = len(prompt)
+        pre = paged_prefill_attention(q[c:n], pool.cache, [0, n - c], table, [n], layout=layout)
+        # one decode step on top
+        kd, vd = _fake_model_kv(prompt + [3], heads, dim)
+        append_paged_kv(kd[n:], vd[n:], pool.cache, m.append_tokens("req", 1), layout)
+        table = torch.tensor([m.block_table("req")])
+        dec = paged_decode_attention(q[n:], pool.cache, table, [n + 1], layout=layout)
+        return c, pre, dec
+
+    c, pre_shared, dec_shared = serve(True)
+    assert c == (8 if second == "shares_two_blocks" else 4)
+    _, pre_plain, dec_plain = serve(False)
+    assert torch.equal(pre_shared, pre_plain[c:])
+    assert torch.equal(dec_shared, dec_plain)
+    # and both are right: an independent SDPA over the contiguous K/V
+    k, v = _fake_model_kv(prompt + [3], heads, dim)
+    kk = k.double().repeat_interleave(2, dim=1).transpose(0, 1)
+    vv = v.double().repeat_interleave(2, dim=1).transpose(0, 1)
+    full = torch.nn.functional.scaled_dot_product_attention(q.double().transpose(0, 1), kk, vv, is_causal=True)
+    full = full.transpose(0, 1)
+    torch.testing.assert_close(pre_shared.double(), full[c : len(prompt)], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dec_shared.double(), full[len(prompt) :], rtol=1e-5, atol=1e-5)
