@@ -51,6 +51,7 @@ from .validate import (
     check_decode_launch,
     check_device,
     check_gather_launch,
+    check_window,
 )
 
 __all__ = [
@@ -493,6 +494,7 @@ def paged_decode_attention(
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
         ``num_splits``, ``scale``, ``window``) before anything is launched.
     """
+    check_window(window)
     table, lens = check_decode_args(q, cache, _cpu(block_tables), _cpu(seq_lens), layout, window)
     check_decode_launch(q, cache, block_tables, seq_lens, scale=scale, num_splits=num_splits, window=window)
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
@@ -519,6 +521,7 @@ def paged_decode_attention_partials(
     :func:`merge_partials` turns them into the result of
     :func:`paged_decode_attention`. Arguments and errors as there.
     """
+    check_window(window)
     table, lens = check_decode_args(q, cache, _cpu(block_tables), _cpu(seq_lens), layout, window)
     check_decode_launch(q, cache, block_tables, seq_lens, scale=scale, num_splits=num_splits, window=window)
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0

@@ -119,3 +119,12 @@ def check_gather_launch(cache, block_tables, seq_lens) -> None:
     check_device("cache", cache)
     check_index_tensor("block_tables", block_tables)
     check_index_tensor("seq_lens", seq_lens)
+
+
+def check_window(window) -> None:
+    """``window`` must be a :class:`~pagedkv_lib.window.RingWindow` or None (checked
+    first: the value checks read its fields)."""
+    from pagedkv_lib.window import RingWindow
+
+    if window is not None and not isinstance(window, RingWindow):
+        raise ValueError(f"window must be a RingWindow or None, got {type(window).__name__}")

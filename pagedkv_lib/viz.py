@@ -21,6 +21,7 @@ __all__ = [
     "bar_plot",
     "occupancy",
     "plot_occupancy",
+    "plot_occupancy_steps",
     "plot_block_table",
     "plot_address_map",
     "plot_ring_slots",
@@ -89,13 +90,16 @@ def bar_plot(labels: Sequence[str], values: Sequence[float], title: str, ylabel:
     return fig
 
 
-def occupancy(manager) -> tuple[np.ndarray, np.ndarray]:
-    """Per page of a :class:`KVCacheManager`: ``owner`` (index into ``manager.sequences``,
-    ``-1`` free, ``-2`` shared by several) and ``rows`` (token rows filled, 0..page_size)."""
+def occupancy(manager, order: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per page of a :class:`KVCacheManager`: ``owner`` (index of the owning sequence in
+    ``order``, default ``manager.sequences``; ``-1`` free, ``-2`` shared by several) and
+    ``rows`` (token rows filled, 0..page_size)."""
+    order = manager.sequences if order is None else order
     owner = np.full(manager.num_blocks, -1)
     rows = np.zeros(manager.num_blocks, dtype=int)
     ps = manager.page_size
-    for i, seq_id in enumerate(manager.sequences):
+    for seq_id in manager.sequences:
+        i = order.index(seq_id)
         table, n = manager.block_table(seq_id), manager.seq_len(seq_id)
         used_rows = n if manager.window is None else manager.window.cache_len(n)
         for j, page in enumerate(table):
@@ -104,43 +108,60 @@ def occupancy(manager) -> tuple[np.ndarray, np.ndarray]:
     return owner, rows
 
 
-def plot_occupancy(manager, title: str = "pool occupancy", columns: int = 16):
-    """The pool as a grid of pages coloured by owning sequence; the filled fraction of
-    each page is the coloured height, so partial last pages show. Shared pages hatched."""
-    owner, rows = occupancy(manager)
-    names = manager.sequences
+def _draw_occupancy(ax, manager, title: str, columns: int, order: list) -> None:
+    owner, rows = occupancy(manager, order)
     cmap = plt.get_cmap(_SEQ_CMAP)
     n = manager.num_blocks
     nrows = -(-n // columns)
-    fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.45 * nrows))
     for page in range(n):
         r, c = divmod(page, columns)
         y = nrows - 1 - r
         ax.add_patch(plt.Rectangle((c, y), 0.92, 0.92, facecolor="0.93", edgecolor="0.7"))
         if owner[page] != -1:
-            color = "0.45" if owner[page] == -2 else cmap(owner[page] % 20)
-            frac = rows[page] / manager.page_size
+            shared = owner[page] == -2
             ax.add_patch(
                 plt.Rectangle(
                     (c, y),
                     0.92,
-                    0.92 * frac,
-                    facecolor=color,
-                    hatch="//" if owner[page] == -2 else None,
+                    0.92 * rows[page] / manager.page_size,
+                    facecolor="0.45" if shared else cmap(owner[page] % 20),
+                    hatch="//" if shared else None,
                     edgecolor="0.3",
                 )
             )
-        ax.text(c + 0.46, y + 0.46, str(page), ha="center", va="center", fontsize=6)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 20)) for i in range(len(names))]
-    labels = [str(s) for s in names]
+        ax.text(c + 0.46, y + 0.46, str(page), ha="center", va="center", fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(order.index(s) % 20)) for s in manager.sequences]
+    labels = [str(s) for s in manager.sequences]
     if (owner == -2).any():
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="0.45", hatch="//"))
         labels.append("shared")
     if handles:
-        ax.legend(handles, labels, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set(xlim=(0, columns), ylim=(0, nrows), title=title)
+        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set(xlim=(0, columns), ylim=(0, nrows))
+    ax.set_title(title, fontsize=9)
     ax.set_aspect("equal")
     ax.axis("off")
+
+
+def plot_occupancy(manager, title: str = "pool occupancy", columns: int = 16):
+    """The pool as a grid of pages coloured by owning sequence; the filled fraction of
+    each page is the coloured height, so partial last pages show. Shared pages hatched."""
+    return plot_occupancy_steps([manager], [title], columns)
+
+
+def plot_occupancy_steps(managers, titles, columns: int = 16):
+    """:func:`plot_occupancy` for several snapshots side by side (two per row); a
+    sequence keeps its colour across snapshots."""
+    order = list(dict.fromkeys(s for m in managers for s in m.sequences))
+    nrows_pool = -(-managers[0].num_blocks // columns)
+    per_row = 1 if len(managers) == 1 else 2
+    grid_rows = -(-len(managers) // per_row)
+    width = per_row * (0.42 * columns + 0.9)
+    fig, axes = plt.subplots(grid_rows, per_row, figsize=(width, grid_rows * (0.42 * nrows_pool + 0.45)), squeeze=False)
+    for ax, manager, title in zip(axes.flat, managers, titles):
+        _draw_occupancy(ax, manager, title, columns, order)
+    for ax in list(axes.flat)[len(managers) :]:
+        ax.axis("off")
     fig.tight_layout()
     return fig
 
