@@ -612,6 +612,13 @@ def gather_paged_kv(
     """
     _, lens = check_block_tables(cache, _cpu(block_tables), _cpu(seq_lens), layout)
     check_gather_launch(cache, block_tables, seq_lens)
+    device = cache.device
+    return _launch_gather(cache, _int32(block_tables, device), _int32(seq_lens, device), lens, layout)
+
+
+def _launch_gather(cache, table, lens_dev, lens: torch.Tensor, layout: str) -> GatheredKV:
+    """The gather without checks: ``table``/``lens_dev`` int32 on the device, ``lens``
+    the same lengths on the host (they size the output and the grid)."""
     dims = cache_dims(cache, layout)
     device = cache.device
     indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
@@ -620,18 +627,17 @@ def gather_paged_kv(
     k = torch.empty((total, dims.num_kv_heads, dims.head_dim), dtype=cache.dtype, device=device)
     v = torch.empty_like(k)
     indptr = indptr.to(device)
-    max_len = int(lens.max()) if lens.numel() else 0
     if total == 0:
         return GatheredKV(k, v, indptr)
+    max_len = int(lens.max())
     block_h, block_d = _pow2(dims.num_kv_heads), _pow2(dims.head_dim)
     budget = (1 << 16) if runtime.BACKEND.interpreted else (1 << 12)  # elements per tile, as for _block_n
     block_t = max(1, min(_pow2(max_len), budget // (block_h * block_d)))
     block_t = 1 << (block_t.bit_length() - 1)
-    table = _int32(block_tables, device)
     _gather_kernel[(lens.numel(), triton.cdiv(max_len, block_t))](
         cache,
         table,
-        _int32(seq_lens, device),
+        lens_dev,
         indptr,
         k,
         v,

@@ -128,3 +128,214 @@ def check_window(window) -> None:
 
     if window is not None and not isinstance(window, RingWindow):
         raise ValueError(f"window must be a RingWindow or None, got {type(window).__name__}")
+
+
+# --------------------------------------------------------------------------- write kernel
+
+
+def check_integer_tensor(name: str, t) -> None:
+    """An index argument of the write kernel: an integer torch tensor on the kernels'
+    device. Unlike :func:`check_index_tensor` values need not fit int32 (the write
+    kernel loads slots as they are and widens every offset to int64)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch tensor on {runtime.device()}, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got dtype {t.dtype}")
+    check_device(name, t)
+
+
+def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
+    """A tensor a kernel writes must not reach one element through two indices (an
+    expanded view, stride 0), or two programs would race. Sufficient test: with the
+    dimensions sorted by stride, each stride exceeds the span of the smaller ones."""
+    span = 0
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride <= span:
+            raise ValueError(
+                f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) reaches some elements twice; "
+                "a kernel cannot write it"
+            )
+        span += (size - 1) * stride
+
+
+def check_in_storage(name: str, t: torch.Tensor) -> None:
+    """Every address of ``t`` must lie inside its storage: the kernels compute offsets
+    from ``t``'s strides and would write past the allocation otherwise."""
+    end = t.storage_offset() + max_element_offset(t)
+    if t.numel() and end >= t.untyped_storage().nbytes() // t.element_size():
+        raise ValueError(f"{name} reaches element {end} but its storage holds fewer")
+
+
+def check_append_launch(k, v, cache, layout: str = "NHD", **index_tensors) -> None:
+    """Launch-only checks of the write kernel, after
+    :func:`pagedkv_lib.reference.check_append_args` has checked the values: devices,
+    the kernel dtypes, index tensors, and a cache that can be written (no element
+    reached twice, every address inside its storage). Raises ValueError naming the
+    argument."""
+    for name, t in (("k", k), ("v", v), ("cache", cache)):
+        check_device(name, t)
+    check_kernel_dtype("cache", cache)
+    for name, t in index_tensors.items():
+        check_integer_tensor(name, t)
+    check_no_self_overlap("cache", cache)
+    check_in_storage("cache", cache)
+    if k.shape[0] > INT32_MAX:
+        raise ValueError(f"k has {k.shape[0]} tokens; token indices must fit int32")
+
+
+def _cpu_1d(name: str, t, numel: int | None = None) -> torch.Tensor:
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} entries for {numel} tokens")
+    return t.detach().to("cpu", torch.int64)
+
+
+def csr_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size: int, window=None) -> torch.Tensor:
+    """Flat slots ``[num_tokens]`` (int64, CPU) of tokens given by request and position
+    over a CSR page table, ``-1`` for padding (request or position ``-1``): the host
+    twin of the write kernel's CSR addressing, used to validate before a launch.
+
+    Raises ValueError when ``kv_indptr`` is not a non-decreasing ``[batch + 1]`` array
+    inside ``kv_indices``, a request id is not in ``[0, batch)``, a token's page lies
+    past its request's pages, or its page id is negative.
+    """
+    from pagedkv_lib.indexing import locate, slot_of
+
+    batch, pos = _cpu_1d("batch_indices", batch_indices), _cpu_1d("positions", positions, batch_indices.numel())
+    indptr, indices = _cpu_1d("kv_indptr", kv_indptr), _cpu_1d("kv_indices", kv_indices)
+    if indptr.numel() == 0 or int(indptr[0]) != 0:
+        raise ValueError(f"kv_indptr must start with 0, got {indptr[:1].tolist()}")
+    if (indptr[1:] < indptr[:-1]).any() or int(indptr[-1]) > indices.numel():
+        raise ValueError(f"kv_indptr={indptr.tolist()} must be non-decreasing and end <= {indices.numel()}")
+    if window is not None and window.tokens_per_block != page_size:
+        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
+    pad = (batch < 0) | (pos < 0)
+    bad = ~pad & (batch >= indptr.numel() - 1)
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"batch_indices[{i}]={int(batch[i])} but kv_indptr describes {indptr.numel() - 1} requests")
+    b, rows = torch.where(pad, 0, batch), torch.where(pad, 0, pos)
+    if window is not None:
+        rows = window.kv_token_idx(rows)
+    block, offset = locate(rows, page_size)
+    owned = indptr[b + 1] - indptr[b]
+    outside = ~pad & (block >= owned)
+    if outside.any():
+        i = int(torch.nonzero(outside)[0])
+        raise ValueError(
+            f"positions[{i}]={int(pos[i])} falls in block {int(block[i])} but request {int(batch[i])} "
+            f"owns {int(owned[i])} pages in kv_indices"
+        )
+    page = indices[torch.where(pad, 0, indptr[b] + block).clamp(max=max(indices.numel() - 1, 0))]
+    if (~pad & (page < 0)).any():
+        i = int(torch.nonzero(~pad & (page < 0))[0])
+        raise ValueError(f"positions[{i}] of request {int(batch[i])} lands on kv_indices entry {int(page[i])}")
+    return torch.where(pad, -1, slot_of(page, offset, page_size))
+
+
+def check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout="NHD", window=None):
+    """All value checks of the CSR write: the index tensors' shapes, every token on a
+    page of its own request (:func:`csr_slot_mapping`), then
+    :func:`pagedkv_lib.reference.check_append_args` on the resulting slots (shapes,
+    dtypes, slot range, no slot twice). Returns ``(slots, batch_indices, positions)``:
+    the slots as int64 on the CPU, the other two unchanged."""
+    from pagedkv_lib.pool import cache_dims
+    from pagedkv_lib.reference import check_append_args
+
+    for name, t in (("batch_indices", batch_indices), ("positions", positions)):
+        check_integer_tensor(name, t)
+    for name, t in (("kv_indices", kv_indices), ("kv_indptr", kv_indptr)):
+        check_index_tensor(name, t)
+    page_size = cache_dims(cache, layout).page_size
+    slots = csr_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size, window)
+    check_append_args(k, v, cache, slots, layout)
+    return slots, batch_indices, positions
+
+
+def check_rope_launch(k, cache, layout, rope, positions, rope_theta, q, valid) -> torch.Tensor | None:
+    """Checks of the fused RoPE options; returns ``positions`` (None without RoPE).
+
+    ``rope`` is None, ``"neox"`` or ``"gptj"``; with it ``head_dim`` is even,
+    ``rope_theta`` a finite number > 1 and ``positions [num_tokens]`` an integer tensor
+    on the device, >= 0 where ``valid``. ``q [num_tokens, num_q_heads, head_dim]``
+    (fp32/fp16/bf16, rotated in place) needs ``rope``, no element twice, and no memory
+    shared with ``cache``."""
+    import math
+
+    from pagedkv_lib.pool import cache_dims
+
+    if rope not in (None, "neox", "gptj"):
+        raise ValueError(f"rope={rope!r} must be None, 'neox' or 'gptj'")
+    if rope is None:
+        if q is not None:
+            raise ValueError("q is given but rope is None: q is only touched to rotate it")
+        return None
+    head_dim = cache_dims(cache, layout).head_dim
+    if head_dim % 2:
+        raise ValueError(f"rope needs an even head_dim, the cache has {head_dim}")
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not math.isfinite(rope_theta):
+        raise ValueError(f"rope_theta={rope_theta!r} must be a finite number")
+    if rope_theta <= 1:
+        raise ValueError(f"rope_theta={rope_theta!r} must be > 1")
+    if positions is None:
+        raise ValueError("rope needs positions [num_tokens], the tokens' absolute positions")
+    check_integer_tensor("positions", positions)
+    pos = _cpu_1d("positions", positions, k.shape[0])
+    bad = valid.cpu() & (pos < 0)
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"positions[{i}]={int(pos[i])} must be >= 0 for a token that is written")
+    if q is not None:
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {getattr(q, 'shape', type(q))}")
+        if q.shape[0] != k.shape[0] or q.shape[2] != head_dim:
+            raise ValueError(f"q has shape {tuple(q.shape)}; expected [{k.shape[0]}, num_q_heads, {head_dim}]")
+        check_device("q", q)
+        check_kernel_dtype("q", q)
+        check_no_self_overlap("q", q)
+        if q.numel() and q.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
+            raise ValueError("q shares memory with cache; it is rotated in place, so it must not")
+    return positions
+
+
+def check_v_tail_args(cache, layout, kv_indptr, kv_indices, kv_last_page_len, written=None):
+    """Checks of V-tail zeroing; returns ``(kv_indptr, kv_indices, kv_last_page_len)``.
+
+    A valid CSR page table (:func:`pagedkv_lib.formats.check_csr`) of integer tensors
+    on the device, with page ids inside the pool; a last page with a tail appears only
+    once in ``kv_indices`` (zeroing it must not erase rows another request reads); and
+    no ``written`` slot (``[num_tokens]``, ``-1`` ignored) lies in a tail, where the
+    zeroing would erase it. Raises ValueError naming the argument."""
+    from pagedkv_lib.formats import check_csr
+    from pagedkv_lib.pool import cache_dims
+
+    check_device("cache", cache)
+    check_kernel_dtype("cache", cache)
+    check_no_self_overlap("cache", cache)
+    dims = cache_dims(cache, layout)
+    names = ("kv_indptr", "kv_indices", "kv_last_page_len")
+    for name, t in zip(names, (kv_indptr, kv_indices, kv_last_page_len)):
+        check_index_tensor(name, t)
+    indptr, indices, last = (t.detach().to("cpu", torch.int64) for t in (kv_indptr, kv_indices, kv_last_page_len))
+    check_csr(indptr, indices, last, dims.page_size)
+    if indices.numel() and int(indices.max()) >= dims.num_pages:
+        i = int(torch.nonzero(indices >= dims.num_pages)[0])
+        raise ValueError(f"kv_indices[{i}]={int(indices[i])} is not a page of the pool ({dims.num_pages} pages)")
+    has_tail = (indptr[1:] > indptr[:-1]) & (last < dims.page_size)
+    tail_pages = indices[indptr[1:][has_tail] - 1]
+    uses = (indices[None, :] == tail_pages[:, None]).sum(1)
+    if (uses > 1).any():
+        page = int(tail_pages[uses > 1][0])
+        raise ValueError(f"kv_indices holds page {page} more than once; its V tail cannot be zeroed")
+    if written is not None and tail_pages.numel():
+        rows = torch.arange(dims.page_size)
+        in_tail = rows[None, :] >= last[has_tail][:, None]
+        tail_slots = (tail_pages[:, None] * dims.page_size + rows[None, :])[in_tail]
+        hit = torch.isin(written.cpu(), tail_slots)
+        if hit.any():
+            i = int(torch.nonzero(hit)[0])
+            raise ValueError(
+                f"token {i} is written to slot {int(written[i])}, inside a V tail that kv_last_page_len zeroes"
+            )
+    return kv_indptr, kv_indices, kv_last_page_len

@@ -241,8 +241,9 @@ def plot_heatmap(
     fig, ax = plt.subplots()
     im = ax.imshow(values, aspect="auto", cmap=cmap, interpolation="nearest")
     if annotate:
+        mid = (np.nanmin(values) + np.nanmax(values)) / 2
         for (r, c), v in np.ndenumerate(values):
-            ax.text(c, r, f"{v:g}", ha="center", va="center", fontsize=6, color="w")
+            ax.text(c, r, f"{v:g}", ha="center", va="center", fontsize=7, color="k" if v > mid else "w")
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(False)
     fig.colorbar(im, ax=ax, label=label)
