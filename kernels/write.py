@@ -177,7 +177,18 @@ def _rope_tile(
 
 @triton.jit
 def _copy_tile(
-    src_ptr, src_base, src_sh, src_sd, dst_ptr, dst_base, dst_sh, dst_sd, heads, mask_th, head_dim, BLOCK_D: tl.constexpr
+    src_ptr,
+    src_base,
+    src_sh,
+    src_sd,
+    dst_ptr,
+    dst_base,
+    dst_sh,
+    dst_sd,
+    heads,
+    mask_th,
+    head_dim,
+    BLOCK_D: tl.constexpr,
 ):
     """Copy one ``[BLOCK_T, BLOCK_H, head_dim]`` tile without leaving the source dtype
     (bit-exact)."""
@@ -320,13 +331,16 @@ def _zero_v_tail_kernel(
     end = tl.load(kv_indptr_ptr + b + 1)
     has_pages = end > start
     page = tl.load(kv_indices_ptr + end - 1, mask=has_pages, other=0)
-    last = tl.load(last_ptr + b)
+    # A request without pages zeroes nothing: its tail starts at page_size. (Folded into
+    # the row bound rather than and-ed as a scalar mask, which the interpreter widens
+    # to int32.)
+    first_zero = tl.where(has_pages, tl.load(last_ptr + b), page_size)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     feat = tl.arange(0, BLOCK_D)
     zeros = tl.zeros((BLOCK_R, BLOCK_H, BLOCK_D), dtype=cache_ptr.dtype.element_ty)
     for r0 in range(0, page_size, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        mask_r = has_pages & (rows >= last) & (rows < page_size)
+        mask_r = (rows >= first_zero) & (rows < page_size)
         mask = mask_r[:, None, None] & (heads < num_kv_heads)[None, :, None] & (feat < head_dim)[None, None, :]
         offs = _cache_offset(
             page,
@@ -532,4 +546,3 @@ def zero_paged_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: st
     are skipped. Raises ValueError naming the argument (see :func:`append_paged_kv`)."""
     tail = check_v_tail_args(cache, layout, kv_indptr, kv_indices, kv_last_page_len)
     _launch_v_tail(cache, layout, *tail)
-

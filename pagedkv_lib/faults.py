@@ -1,25 +1,125 @@
 """Named, switchable faults: the silent bugs of paged KV caches, made reproducible.
 
-Each fault is an explicit object or parameter handed to the code path that should
-misbehave; nothing here patches a module globally, so a fault never leaks into the
-next cell or test.
+A fault is switched on by name, explicitly, where it acts: :mod:`pagedkv_lib.verify`
+takes ``faults={"past_len_zero", ...}`` and swaps the one component the fault is
+about (the chunk positions, the manager, the table a reader holds, the window a
+reader is given, the offset arithmetic) or wraps the callable under test. Nothing is
+patched globally, so a fault never leaks into the next cell or test.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from .formats import get_batch_indices_positions
+from .indexing import element_offset
+from .manager import KVCacheManager
+from .pool import cache_dims
 from .window import RingWindow
 
-__all__ = ["AbsolutePositionWindow"]
+__all__ = [
+    "FAULTS",
+    "check_faults",
+    "chunk_positions",
+    "AbsolutePositionWindow",
+    "NoCopyOnWriteManager",
+    "minus_one_as_index",
+    "element_offset_int32",
+    "whole_page_decode",
+]
+
+FAULTS: dict[str, str] = {
+    "past_len_zero": "chunked prefill writes every chunk from position 0 instead of past_len = cache_len - chunk_len",
+    "window_write_only": "the ring mapping is used when writing, but the reader is not given the window",
+    "v_tail_not_zeroed": "prefill leaves the unused V rows of each last page as they were (NaN in a poisoned pool)",
+    "no_copy_on_write": "a fork shares pages, but a write into a shared page is not preceded by a copy",
+    "minus_one_as_index": "a padding slot -1 is used as an index, so the token lands in the pool's last row",
+    "stale_block_table": "a reader keeps a block table from before its pages were freed and reused",
+    "int32_offset": "element offsets are computed in int32 and wrap on a pool of more than 2**31 elements",
+}
+
+
+def check_faults(faults) -> frozenset[str]:
+    """Return ``faults`` as a frozenset; ValueError names any unknown fault."""
+    faults = frozenset(faults or ())
+    unknown = sorted(faults - FAULTS.keys())
+    if unknown:
+        raise ValueError(f"faults={unknown} unknown; known faults: {sorted(FAULTS)}")
+    return faults
+
+
+def chunk_positions(append_indptr, seq_lens, fault: bool = False):
+    """``(batch_indices, positions)`` of appended tokens; with ``fault`` every chunk
+    starts at position 0 (the forgotten ``past_len``)."""
+    batch, positions = get_batch_indices_positions(append_indptr, seq_lens)
+    if fault:
+        counts = torch.as_tensor(append_indptr)[1:] - torch.as_tensor(append_indptr)[:-1]
+        past = (torch.as_tensor(seq_lens) - counts).to(positions.dtype)
+        positions = positions - past[batch.long()]
+    return batch, positions
 
 
 @dataclass(frozen=True)
 class AbsolutePositionWindow(RingWindow):
-    """A read side that forgets the ring: it looks a token up at its absolute position
-    (wrapped into the sequence's pages only so the read stays in bounds) instead of
-    :meth:`RingWindow.kv_token_idx`. Pass it as the ``window`` of a *read*; the write
-    side keeps the real :class:`RingWindow`."""
+    """A reader that forgets the ring: it looks a token up at its absolute position
+    (wrapped into the sequence's pages only so that the read stays in bounds) instead
+    of :meth:`RingWindow.kv_token_idx`. Give it to a *read*; the write keeps the real
+    :class:`RingWindow`. Honoured by the Python references; a kernel that takes only
+    the window's numbers (sinks, bubble, cyclic length) keeps the right mapping."""
 
     def kv_token_idx(self, t):
         return t % self.max_cache_len
+
+
+class NoCopyOnWriteManager(KVCacheManager):
+    """A manager whose forks share pages but whose writes never copy them first."""
+
+    def _needs_copy(self, block: int) -> bool:
+        return False
+
+
+def minus_one_as_index(append_fn, cache_arg: int = 2, slots_arg: int = 3):
+    """Wrap an append callable so that padding slots ``-1`` become the pool's last slot,
+    as ``cache.view(-1, ...)[slot]`` does with a negative index."""
+
+    def append(*args, **kwargs):
+        args = list(args)
+        cache, slots = args[cache_arg], args[slots_arg]
+        layout = kwargs.get("layout", args[4] if len(args) > 4 else "NHD")
+        dims = cache_dims(cache, layout)
+        args[slots_arg] = torch.where(slots < 0, slots + dims.num_pages * dims.page_size, slots)
+        return append_fn(*args, **kwargs)
+
+    return append
+
+
+def element_offset_int32(strides, page, kv, head, entry, feat):
+    """:func:`pagedkv_lib.indexing.element_offset` evaluated in int32 tensors, which
+    wrap silently on overflow exactly as 32-bit GPU index arithmetic does."""
+    as32 = [torch.as_tensor(x, dtype=torch.int32) for x in (page, kv, head, entry, feat)]
+    return element_offset(tuple(torch.tensor(s, dtype=torch.int32) for s in strides), *as32)
+
+
+def whole_page_decode(q, cache, block_tables, seq_lens, layout: str = "NHD"):
+    """Decode attention that loads every row of every page a sequence names, then gives
+    the rows past its end probability 0 (as kernels that load whole pages do). Correct
+    only if those rows hold finite values: ``0 * NaN`` is NaN. Float64 result."""
+    dims = cache_dims(cache, layout)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // dims.num_kv_heads
+    for b, n in enumerate(torch.as_tensor(seq_lens).tolist()):
+        pages = torch.as_tensor(block_tables)[b, : -(-n // dims.page_size)].long().cpu()
+        if n == 0:
+            continue
+        blocks = cache[pages].cpu().double()  # [pages, 2, ...]
+        if layout == "HND":
+            blocks = blocks.transpose(2, 3)
+        k = blocks[:, 0].reshape(-1, dims.num_kv_heads, dims.head_dim).repeat_interleave(group, 1)
+        v = blocks[:, 1].reshape(-1, dims.num_kv_heads, dims.head_dim).repeat_interleave(group, 1)
+        scores = torch.einsum("hd,thd->ht", q[b].cpu().double(), k) / dims.head_dim**0.5
+        scores[:, n:] = float("-inf")
+        probs = torch.softmax(scores, dim=-1)  # exactly 0 past the end
+        out[b] = torch.einsum("ht,thd->hd", probs, v)
+    return out

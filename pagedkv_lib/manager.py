@@ -96,6 +96,11 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def _needs_copy(self, block: int) -> bool:
+        """A write into ``block`` must go to a private copy: another table (or the prefix
+        cache) still reads it."""
+        return self.allocator.refcount(block) > 1
+
     def _rows(self, num_tokens: int) -> int:
         """Cache rows a sequence of ``num_tokens`` spans (the ring caps it)."""
         return num_tokens if self.window is None else self.window.cache_len(num_tokens)
@@ -145,9 +150,7 @@ class KVCacheManager:
         # Plan: blocks to add at the end of the table, shared blocks to copy first.
         new_blocks = max(-(-self._rows(start + n) // ps) - len(seq.block_table), 0)
         filled = self._rows(start)
-        to_copy = sorted(
-            {j for j, _ in targets if j < len(seq.block_table) and self.allocator.refcount(seq.block_table[j]) > 1}
-        )
+        to_copy = sorted({j for j, _ in targets if j < len(seq.block_table) and self._needs_copy(seq.block_table[j])})
         fresh = self._reserve(new_blocks + len(to_copy))
         for j in to_copy:
             src, dst = seq.block_table[j], fresh.pop()

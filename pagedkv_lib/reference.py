@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .formats import PAD, _int_tensor
+from .formats import PAD, _int_tensor, check_csr
 from .indexing import locate, split_slot
 from .pool import cache_dims
 from .window import RingWindow, window_mask
@@ -24,6 +24,7 @@ __all__ = [
     "check_decode_args",
     "append_paged_kv",
     "append_paged_kv_loop",
+    "zero_paged_v_tail",
     "gather_paged_kv",
     "gather_paged_kv_loop",
     "paged_decode_attention",
@@ -146,17 +147,35 @@ def _row_index(layout: str, page, kv: int, offset):
     return (page, kv, offset) if layout == "NHD" else (page, kv, slice(None), offset)
 
 
-def append_paged_kv(k, v, cache, slot_mapping, layout: str = "NHD") -> None:
+def append_paged_kv(k, v, cache, slot_mapping, layout: str = "NHD", *, zero_v_tail=None) -> None:
     """Write ``k, v [num_tokens, num_kv_heads, head_dim]`` into ``cache`` in place.
 
-    Token ``i`` goes to flat slot ``slot_mapping[i]`` (``-1``: skipped). Everything is
+    Token ``i`` goes to flat slot ``slot_mapping[i]`` (``-1``: skipped). With
+    ``zero_v_tail=(kv_indptr, kv_indices, kv_last_page_len)`` the unused V rows of every
+    request's last page are zeroed afterwards (:func:`zero_paged_v_tail`). Everything is
     validated before the first write.
     """
     slots = check_append_args(k, v, cache, slot_mapping, layout)
+    if zero_v_tail is not None:
+        check_csr(*zero_v_tail, cache_dims(cache, layout).page_size)
     keep = slots >= 0
     page, offset = split_slot(slots[keep], cache_dims(cache, layout).page_size)
     cache[_row_index(layout, page, 0, offset)] = k[keep]
     cache[_row_index(layout, page, 1, offset)] = v[keep]
+    if zero_v_tail is not None:
+        zero_paged_v_tail(cache, *zero_v_tail, layout=layout)
+
+
+def zero_paged_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> None:
+    """Zero V rows ``kv_last_page_len[b] .. page_size - 1`` of every request's last page
+    (a CSR page table), so a reader that loads whole pages never meets NaN or stale V."""
+    dims = cache_dims(cache, layout)
+    check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size)
+    indptr, indices = _int_tensor("kv_indptr", kv_indptr, 1), _int_tensor("kv_indices", kv_indices, 1)
+    for b, last in enumerate(_int_tensor("kv_last_page_len", kv_last_page_len, 1).tolist()):
+        if indptr[b + 1] > indptr[b]:
+            page = int(indices[indptr[b + 1] - 1])
+            cache[_row_index(layout, page, 1, slice(last, None))] = 0
 
 
 def append_paged_kv_loop(k, v, cache, slot_mapping, layout: str = "NHD") -> None:
@@ -334,6 +353,9 @@ def paged_decode_attention(
     v = cache[_row_index(layout, page, 1, offset)].to(dtype)
     mask = window_mask(lens[:, None] - 1, pos.expand(batch, max_len), window)[:, 0] & (pos < lens[:, None])
     group = q.shape[1] // dims.num_kv_heads
+    # Rows past a sequence's end were read from whatever page 0 holds (NaN in a poisoned
+    # pool); a zero probability does not cancel NaN (0 * NaN = NaN), so zero them.
+    v = v.masked_fill(~mask[:, :, None, None], 0.0)
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bhd,bthd->bht", q.to(dtype), k) * scale

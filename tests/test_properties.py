@@ -55,8 +55,8 @@ class ManagerMachine(RuleBasedStateMachine):
         layout=st.sampled_from(["NHD", "HND"]),
         heads=st.sampled_from([1, 2]),
         dim=st.sampled_from(HEAD_DIMS),
-        num_blocks=st.integers(3, 14),
-        prefix_cache=st.booleans(),
+        num_blocks=st.integers(3, 24),
+        prefix_cache=st.sampled_from([True, True, False]),
     )
     def setup(self, ps, layout, heads, dim, num_blocks, prefix_cache):
         self.ps, self.layout, self.num_blocks = ps, layout, num_blocks
@@ -135,7 +135,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tracked=st.booleans())
     def append(self, data, tracked):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        n = data.draw(st.integers(0, 2 * self.ps + 2))
+        self._append(seq, data, tracked)
+
+    def _append(self, seq, data, tracked):
+        n = data.draw(st.one_of(st.integers(0, self.ps + 1), st.integers(0, 3 * self.ps)))
         tokens = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
         before, shared = self.observable(), self.shared_pages()
         start = self.m.seq_len(seq)
@@ -152,12 +155,23 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
     @rule(data=st.data())
     def fork(self, data):
+        self._fork(data)
+
+    def _fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child, self.next_id = self.next_id, self.next_id + 1
         free_before = self.m.num_free
         self.m.fork(parent, child)
         assert self.m.num_free == free_before and self.m.block_table(child) == self.m.block_table(parent)
         self.tokens[child], self.prints[child] = list(self.tokens[parent]), list(self.prints[parent])
+        return parent, child
+
+    @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
+    @rule(data=st.data(), child_writes=st.booleans(), tracked=st.booleans())
+    def fork_then_write(self, data, child_writes, tracked):
+        # The case copy-on-write exists for: a fork, then a write into the shared tail.
+        parent, child = self._fork(data)
+        self._append(child if child_writes else parent, data, tracked)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -170,9 +184,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def admit(self, data):
         # A prompt that often shares a prefix with something seen before.
-        base = data.draw(st.sampled_from(self.history))
-        cut = data.draw(st.integers(0, len(base)))
-        tail = data.draw(st.lists(st.integers(0, 2), max_size=2 * self.ps + 1))
+        base = data.draw(st.sampled_from(self.history[-8:]))
+        whole_blocks = len(base) // self.ps * self.ps
+        cut = data.draw(st.sampled_from([len(base), whole_blocks, max(whole_blocks - self.ps, 0)]) | st.integers(0, len(base)))
+        tail = data.draw(st.lists(st.integers(0, 2), max_size=self.ps + 1))
         prompt = base[:cut] + tail
         if not prompt:
             return
@@ -251,8 +266,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=25,
+    max_examples=120,
+    stateful_step_count=30,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
