@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv_lib import runtime
+from pagedkv_lib.formats import csr_slot_mapping
 
 INT32_MAX = 2**31 - 1
 
@@ -191,49 +192,6 @@ def _cpu_1d(name: str, t, numel: int | None = None) -> torch.Tensor:
     return t.detach().to("cpu", torch.int64)
 
 
-def csr_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size: int, window=None) -> torch.Tensor:
-    """Flat slots ``[num_tokens]`` (int64, CPU) of tokens given by request and position
-    over a CSR page table, ``-1`` for padding (request or position ``-1``): the host
-    twin of the write kernel's CSR addressing, used to validate before a launch.
-
-    Raises ValueError when ``kv_indptr`` is not a non-decreasing ``[batch + 1]`` array
-    inside ``kv_indices``, a request id is not in ``[0, batch)``, a token's page lies
-    past its request's pages, or its page id is negative.
-    """
-    from pagedkv_lib.indexing import locate, slot_of
-
-    batch, pos = _cpu_1d("batch_indices", batch_indices), _cpu_1d("positions", positions, batch_indices.numel())
-    indptr, indices = _cpu_1d("kv_indptr", kv_indptr), _cpu_1d("kv_indices", kv_indices)
-    if indptr.numel() == 0 or int(indptr[0]) != 0:
-        raise ValueError(f"kv_indptr must start with 0, got {indptr[:1].tolist()}")
-    if (indptr[1:] < indptr[:-1]).any() or int(indptr[-1]) > indices.numel():
-        raise ValueError(f"kv_indptr={indptr.tolist()} must be non-decreasing and end <= {indices.numel()}")
-    if window is not None and window.tokens_per_block != page_size:
-        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
-    pad = (batch < 0) | (pos < 0)
-    bad = ~pad & (batch >= indptr.numel() - 1)
-    if bad.any():
-        i = int(torch.nonzero(bad)[0])
-        raise ValueError(f"batch_indices[{i}]={int(batch[i])} but kv_indptr describes {indptr.numel() - 1} requests")
-    b, rows = torch.where(pad, 0, batch), torch.where(pad, 0, pos)
-    if window is not None:
-        rows = window.kv_token_idx(rows)
-    block, offset = locate(rows, page_size)
-    owned = indptr[b + 1] - indptr[b]
-    outside = ~pad & (block >= owned)
-    if outside.any():
-        i = int(torch.nonzero(outside)[0])
-        raise ValueError(
-            f"positions[{i}]={int(pos[i])} falls in block {int(block[i])} but request {int(batch[i])} "
-            f"owns {int(owned[i])} pages in kv_indices"
-        )
-    page = indices[torch.where(pad, 0, indptr[b] + block).clamp(max=max(indices.numel() - 1, 0))]
-    if (~pad & (page < 0)).any():
-        i = int(torch.nonzero(~pad & (page < 0))[0])
-        raise ValueError(f"positions[{i}] of request {int(batch[i])} lands on kv_indices entry {int(page[i])}")
-    return torch.where(pad, -1, slot_of(page, offset, page_size))
-
-
 def check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout="NHD", window=None):
     """All value checks of the CSR write: the index tensors' shapes, every token on a
     page of its own request (:func:`csr_slot_mapping`), then
@@ -247,6 +205,8 @@ def check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_
         check_integer_tensor(name, t)
     for name, t in (("kv_indices", kv_indices), ("kv_indptr", kv_indptr)):
         check_index_tensor(name, t)
+    if isinstance(k, torch.Tensor) and k.dim() and batch_indices.numel() != k.shape[0]:
+        raise ValueError(f"batch_indices has {batch_indices.numel()} entries for {k.shape[0]} tokens")
     page_size = cache_dims(cache, layout).page_size
     slots = csr_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size, window)
     check_append_args(k, v, cache, slots, layout)

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv_lib import reference
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.reference import check_append_args
 from pagedkv_lib.window import RingWindow
@@ -376,13 +377,17 @@ def write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, in
 
 
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    """``theta ** (-2i / head_dim)`` for pairs ``i < head_dim / 2``, float64: the
-    frequencies of :func:`pagedkv_lib.reference.rope_reference`."""
-    return theta ** (-torch.arange(0, head_dim // 2, dtype=torch.float64, device=device) * 2 / head_dim)
+    """:func:`pagedkv_lib.reference.rope_inv_freq` (float64) on ``device``."""
+    return reference.rope_inv_freq(head_dim, theta).to(device)
 
 
 def _launch_append(k, v, cache, layout, idx, positions, kv_indptr, kv_indices, window, rope, rope_theta, q) -> None:
     dims = cache_dims(cache, layout)
+    # The kernel indexes the 1-D index arrays densely; views of them (slots[::2]) are
+    # copied (a no-op for the usual contiguous ones).
+    idx, positions, kv_indptr, kv_indices = (
+        None if t is None else t.contiguous() for t in (idx, positions, kv_indptr, kv_indices)
+    )
     num_tokens = k.shape[0]
     num_q_heads = 0 if q is None else q.shape[1]
     block_t, block_h, block_d = write_tiles(num_tokens, max(dims.num_kv_heads, num_q_heads), dims.head_dim)
@@ -425,6 +430,7 @@ def _launch_append(k, v, cache, layout, idx, positions, kv_indptr, kv_indices, w
 
 def _launch_v_tail(cache, layout, kv_indptr, kv_indices, kv_last_page_len) -> None:
     dims = cache_dims(cache, layout)
+    kv_indptr, kv_indices, kv_last_page_len = (t.contiguous() for t in (kv_indptr, kv_indices, kv_last_page_len))
     batch = kv_last_page_len.numel()
     if batch == 0:
         return
@@ -487,7 +493,8 @@ def append_paged_kv(
     positions = check_rope_launch(k, cache, layout, rope, positions, rope_theta, q, valid=slots >= 0)
     tail = None if zero_v_tail is None else check_v_tail_args(cache, layout, *zero_v_tail, written=slots)
     if k.shape[0]:
-        _launch_append(k, v, cache, layout, slots, positions, None, None, None, rope, rope_theta, q)
+        # The device tensor itself: check_append_args returns its host copy.
+        _launch_append(k, v, cache, layout, slot_mapping, positions, None, None, None, rope, rope_theta, q)
     if tail is not None:
         _launch_v_tail(cache, layout, *tail)
 

@@ -26,6 +26,7 @@ __all__ = [
     "block_table_to_csr",
     "csr_to_block_table",
     "slot_mapping",
+    "csr_slot_mapping",
     "get_batch_indices_positions",
     "check_csr",
 ]
@@ -41,7 +42,7 @@ def _int_tensor(name: str, x, dims: int) -> torch.Tensor:
         raise ValueError(f"{name} must hold integers, got dtype {t.dtype}")
     if t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
-    return t.to(torch.int64)
+    return t.to("cpu", torch.int64)  # index bookkeeping stays on the host, whatever the pool's device
 
 
 def _check_page_size(page_size: int) -> None:
@@ -72,8 +73,9 @@ def csr_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
     return (torch.clamp(pages - 1, min=0) * page_size + last).to(torch.int32)
 
 
-def check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> None:
-    """Raise ValueError naming the first violated rule of a CSR page table."""
+def check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int, num_pages: int | None = None) -> None:
+    """Raise ValueError naming the first violated rule of a CSR page table (page ids are
+    also checked against ``num_pages`` when given)."""
     _check_page_size(page_size)
     indptr = _int_tensor("kv_indptr", kv_indptr, 1)
     indices = _int_tensor("kv_indices", kv_indices, 1)
@@ -97,9 +99,13 @@ def check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> None:
             raise ValueError(f"kv_last_page_len[{b}]={lp} for a request with no pages (must be 0)")
         if n > 0 and not 1 <= lp <= page_size:
             raise ValueError(f"kv_last_page_len[{b}]={lp} must be in [1, page_size={page_size}]")
-    if (indices < 0).any():
-        i = int(torch.nonzero(indices < 0)[0])
-        raise ValueError(f"kv_indices[{i}]={int(indices[i])} is not a page id")
+    bad = indices < 0
+    if num_pages is not None:
+        bad |= indices >= num_pages
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        pool = f" of the pool ({num_pages} pages)" if num_pages is not None else ""
+        raise ValueError(f"kv_indices[{i}]={int(indices[i])} is not a page id{pool}")
 
 
 def block_table_to_csr(block_tables, seq_lens, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,6 +197,49 @@ def slot_mapping(
             f"{int(block[i])}, whose block_tables entry is -1 (no page allocated)"
         )
     return torch.where(pad, PAD, slot_of(page, offset, page_size))
+
+
+def csr_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size: int, window=None) -> torch.Tensor:
+    """Flat slots ``[num_tokens]`` (int64, CPU) of tokens given by request and position
+    over a CSR page table, ``-1`` for padding (request or position ``-1``): the host
+    twin of the write kernel's CSR addressing, used by the write kernel to validate before a launch.
+
+    Raises ValueError when ``kv_indptr`` is not a non-decreasing ``[batch + 1]`` array
+    inside ``kv_indices``, a request id is not in ``[0, batch)``, a token's page lies
+    past its request's pages, or its page id is negative.
+    """
+    batch, pos = _int_tensor("batch_indices", batch_indices, 1), _int_tensor("positions", positions, 1)
+    if pos.numel() != batch.numel():
+        raise ValueError(f"positions has {pos.numel()} entries for {batch.numel()} tokens")
+    indptr, indices = _int_tensor("kv_indptr", kv_indptr, 1), _int_tensor("kv_indices", kv_indices, 1)
+    if indptr.numel() == 0 or int(indptr[0]) != 0:
+        raise ValueError(f"kv_indptr must start with 0, got {indptr[:1].tolist()}")
+    if (indptr[1:] < indptr[:-1]).any() or int(indptr[-1]) > indices.numel():
+        raise ValueError(f"kv_indptr={indptr.tolist()} must be non-decreasing and end <= {indices.numel()}")
+    if window is not None and window.tokens_per_block != page_size:
+        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
+    pad = (batch < 0) | (pos < 0)
+    bad = ~pad & (batch >= indptr.numel() - 1)
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"batch_indices[{i}]={int(batch[i])} but kv_indptr describes {indptr.numel() - 1} requests")
+    b, rows = torch.where(pad, 0, batch), torch.where(pad, 0, pos)
+    if window is not None:
+        rows = window.kv_token_idx(rows)
+    block, offset = locate(rows, page_size)
+    owned = indptr[b + 1] - indptr[b]
+    outside = ~pad & (block >= owned)
+    if outside.any():
+        i = int(torch.nonzero(outside)[0])
+        raise ValueError(
+            f"positions[{i}]={int(pos[i])} falls in block {int(block[i])} but request {int(batch[i])} "
+            f"owns {int(owned[i])} pages in kv_indices"
+        )
+    page = indices[torch.where(pad, 0, indptr[b] + block).clamp(max=max(indices.numel() - 1, 0))]
+    if (~pad & (page < 0)).any():
+        i = int(torch.nonzero(~pad & (page < 0))[0])
+        raise ValueError(f"positions[{i}] of request {int(batch[i])} lands on kv_indices entry {int(page[i])}")
+    return torch.where(pad, -1, slot_of(page, offset, page_size))
 
 
 def get_batch_indices_positions(append_indptr, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,10 @@ and HND layouts), so any tensor of that shape works. Each operation comes twice:
 short loop (``*_loop``, for reading) and a vectorized torch form (for speed); the
 tests hold them equal. The ``check_*_args`` functions are the one home of argument
 checking; the Triton launchers call them too.
+
+Devices: the pool may live on any device (appends write it in place there); index
+tensors are read on the host, and the attention references compute on the CPU and
+return CPU tensors.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = [
     "check_decode_args",
     "append_paged_kv",
     "append_paged_kv_loop",
+    "check_v_tail_args",
     "zero_paged_v_tail",
     "gather_paged_kv",
     "gather_paged_kv_loop",
@@ -31,6 +36,7 @@ __all__ = [
     "paged_decode_attention_loop",
     "paged_prefill_attention",
     "paged_prefill_attention_loop",
+    "rope_inv_freq",
     "rope_reference",
 ]
 
@@ -88,7 +94,7 @@ def _check_q(q, cache, layout: str) -> None:
         raise ValueError(f"q.dtype={q.dtype} is not a float dtype")
     if q.shape[2] != dims.head_dim:
         raise ValueError(f"q has head_dim {q.shape[2]} but the cache has {dims.head_dim}")
-    if q.shape[1] % dims.num_kv_heads:
+    if q.shape[1] == 0 or q.shape[1] % dims.num_kv_heads:
         raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {dims.num_kv_heads} KV heads")
 
 
@@ -157,7 +163,7 @@ def append_paged_kv(k, v, cache, slot_mapping, layout: str = "NHD", *, zero_v_ta
     """
     slots = check_append_args(k, v, cache, slot_mapping, layout)
     if zero_v_tail is not None:
-        check_csr(*zero_v_tail, cache_dims(cache, layout).page_size)
+        check_v_tail_args(cache, *zero_v_tail, layout)
     keep = slots >= 0
     page, offset = split_slot(slots[keep], cache_dims(cache, layout).page_size)
     cache[_row_index(layout, page, 0, offset)] = k[keep]
@@ -166,16 +172,26 @@ def append_paged_kv(k, v, cache, slot_mapping, layout: str = "NHD", *, zero_v_ta
         zero_paged_v_tail(cache, *zero_v_tail, layout=layout)
 
 
+def check_v_tail_args(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> list[tuple[int, int]]:
+    """Validate a V-tail zeroing request; return ``(last_page, rows_in_use)`` per non-empty
+    request. A tail page named twice in ``kv_indices`` is refused: zeroing it would
+    erase rows another request reads."""
+    dims = cache_dims(cache, layout)
+    check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
+    indptr, indices = _int_tensor("kv_indptr", kv_indptr, 1), _int_tensor("kv_indices", kv_indices, 1)
+    last = _int_tensor("kv_last_page_len", kv_last_page_len, 1).tolist()
+    tails = [(int(indices[indptr[b + 1] - 1]), last[b]) for b in range(len(last)) if indptr[b + 1] > indptr[b]]
+    for page, _ in tails:
+        if int((indices == page).sum()) > 1:
+            raise ValueError(f"kv_indices names tail page {page} more than once: zeroing it would erase rows in use")
+    return tails
+
+
 def zero_paged_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> None:
     """Zero V rows ``kv_last_page_len[b] .. page_size - 1`` of every request's last page
     (a CSR page table), so a reader that loads whole pages never meets NaN or stale V."""
-    dims = cache_dims(cache, layout)
-    check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size)
-    indptr, indices = _int_tensor("kv_indptr", kv_indptr, 1), _int_tensor("kv_indices", kv_indices, 1)
-    for b, last in enumerate(_int_tensor("kv_last_page_len", kv_last_page_len, 1).tolist()):
-        if indptr[b + 1] > indptr[b]:
-            page = int(indices[indptr[b + 1] - 1])
-            cache[_row_index(layout, page, 1, slice(last, None))] = 0
+    for page, rows in check_v_tail_args(cache, kv_indptr, kv_indices, kv_last_page_len, layout):
+        cache[_row_index(layout, page, 1, slice(rows, None))] = 0
 
 
 def append_paged_kv_loop(k, v, cache, slot_mapping, layout: str = "NHD") -> None:
@@ -263,9 +279,9 @@ def _attend(q, k, v, mask, scale: float, dtype: torch.dtype):
     [nq, nk]``; query head ``h`` reads KV head ``h // (Hq // Hk)``. Rows with nothing
     visible return zeros."""
     group = q.shape[1] // k.shape[1]
-    k = k.to(dtype).repeat_interleave(group, dim=1)
-    v = v.to(dtype).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
+    k = k.cpu().to(dtype).repeat_interleave(group, dim=1)
+    v = v.cpu().to(dtype).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.cpu().to(dtype), k) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
     return torch.einsum("hqk,khd->qhd", probs, v)
@@ -349,8 +365,8 @@ def paged_decode_attention(
     block = block.clamp(max=max(table.shape[1] - 1, 0))
     page = table[:, block].clamp(min=0) if table.shape[1] else torch.zeros((batch, max_len), dtype=torch.long)
     offset = offset.expand(batch, max_len)
-    k = cache[_row_index(layout, page, 0, offset)].to(dtype)  # [batch, max_len, Hk, D]
-    v = cache[_row_index(layout, page, 1, offset)].to(dtype)
+    k = cache[_row_index(layout, page, 0, offset)].cpu().to(dtype)  # [batch, max_len, Hk, D]
+    v = cache[_row_index(layout, page, 1, offset)].cpu().to(dtype)
     mask = window_mask(lens[:, None] - 1, pos.expand(batch, max_len), window)[:, 0] & (pos < lens[:, None])
     group = q.shape[1] // dims.num_kv_heads
     # Rows past a sequence's end were read from whatever page 0 holds (NaN in a poisoned
@@ -358,7 +374,7 @@ def paged_decode_attention(
     v = v.masked_fill(~mask[:, :, None, None], 0.0)
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bhd,bthd->bht", q.to(dtype), k) * scale
+    scores = torch.einsum("bhd,bthd->bht", q.cpu().to(dtype), k) * scale
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bht,bthd->bhd", probs, v)
@@ -440,6 +456,11 @@ def paged_prefill_attention_loop(
 # --------------------------------------------------------------------------- rope
 
 
+def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE frequencies ``theta ** (-2i / head_dim)`` of pairs ``i < head_dim / 2``, float64."""
+    return theta ** (-torch.arange(0, head_dim // 2, dtype=torch.float64) * 2 / head_dim)
+
+
 def rope_reference(x, positions, theta: float = 10000.0, style: str = "neox"):
     """Rotary embedding of ``x [num_tokens, num_heads, head_dim]`` at ``positions
     [num_tokens]``, in float64, returned in float64.
@@ -454,7 +475,7 @@ def rope_reference(x, positions, theta: float = 10000.0, style: str = "neox"):
     if dim % 2:
         raise ValueError(f"head_dim={dim} must be even for RoPE")
     x = x.to(torch.float64)
-    inv_freq = theta ** (-torch.arange(0, dim // 2, dtype=torch.float64) * 2 / dim)
+    inv_freq = rope_inv_freq(dim, theta)
     angle = torch.as_tensor(positions, dtype=torch.float64)[:, None] * inv_freq  # [n, dim/2]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
     if style == "neox":

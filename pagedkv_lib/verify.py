@@ -61,11 +61,16 @@ class CaseResult:
     max_rel: float = 0.0
     atol: float = 0.0
     detail: str = ""
+    tol_ratio: float | None = None  # max |err| / (atol + rtol |ref|); None: max_abs / atol
+    faults: tuple[str, ...] = ()
 
     @property
     def repro(self) -> str:
-        """A line that re-runs this case on the suite's kernels when pasted."""
-        return f"from pagedkv_lib import verify; verify.run_case({self.check!r}, {self.case!r})"
+        """A line that re-runs this case when pasted: on the suite's kernels, or on yours
+        with ``append_fn=`` / ``decode_fn=`` added."""
+        extra = f", faults={set(self.faults)!r}" if self.faults else ""
+        check = self.check.split("[")[0]
+        return f"from pagedkv_lib import verify; verify.run_case({check!r}, {self.case!r}{extra})"
 
 
 @dataclass
@@ -126,7 +131,7 @@ class Report:
         for r in self.results:
             if r.passed is None:
                 continue
-            ratio = r.max_abs / r.atol if r.atol else (0.0 if r.passed else 1.0)
+            ratio = r.tol_ratio if r.tol_ratio is not None else (r.max_abs / r.atol if r.atol else 0.0)
             ratios.append(max(ratio if math.isfinite(ratio) else 1e3, 1e-8) if r.passed else max(ratio, 1.0))
             colors.append("tab:green" if r.passed else "tab:red")
         fig, ax = plt.subplots()
@@ -214,7 +219,10 @@ def _decode_case(decode_fn, case: dict) -> CaseResult:
     except Exception as err:  # a kernel that rejects a valid case fails it
         return CaseResult("decode", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
     ok, max_abs, max_rel, detail = _compare(out, expected, atol, rtol)
-    return CaseResult("decode", case, ok, max_abs, max_rel, atol, detail)
+    ratio = None
+    if ok and expected.numel():
+        ratio = float(((out.cpu().double() - expected).abs() / (atol + rtol * expected.abs())).max())
+    return CaseResult("decode", case, ok, max_abs, max_rel, atol, detail, ratio)
 
 
 def _append_case(append_fn, case: dict) -> CaseResult:
@@ -334,18 +342,20 @@ def _scenario(name: str, passed: bool, detail: str = "", max_abs: float = 0.0, a
     return CaseResult(name, case, passed, max_abs, 0.0, atol, detail)
 
 
-def check_chunked_prefill(append_fn, decode_fn, faults) -> CaseResult:
+def check_chunked_prefill(append_fn, decode_fn, faults, prompt_len: int = 29, chunk: int = 8) -> CaseResult:
     """A prompt written in chunks (each at ``past_len = cache_len - chunk_len``) gives the
     same pool as one write, and decode over it matches the contiguous oracle."""
     gen, dev = torch.Generator().manual_seed(1), runtime.device()
-    n, chunk, ps, hk, d = 29, 8, 4, 2, 32
+    n, ps, hk, d = prompt_len, 4, 2, 32
     k, v, q = (
         _rand((n, hk, d), torch.float32, gen),
         _rand((n, hk, d), torch.float32, gen),
         _rand((1, 4, d), torch.float32, gen),
     )
-    tables = pad_block_tables([torch.randperm(10, generator=gen)[: -(-n // ps)].tolist()])
-    expected, pool = PagedKVPool(10, ps, hk, d, torch.float32), PagedKVPool(10, ps, hk, d, torch.float32, device=dev)
+    num_pages = -(-n // ps) + 2
+    tables = pad_block_tables([torch.randperm(num_pages, generator=gen)[: -(-n // ps)].tolist()])
+    expected = PagedKVPool(num_pages, ps, hk, d, torch.float32)
+    pool = PagedKVPool(num_pages, ps, hk, d, torch.float32, device=dev)
     reference.append_paged_kv(
         k, v, expected.cache, slot_mapping(tables, torch.zeros(n, dtype=torch.long), torch.arange(n), ps)
     )
@@ -356,17 +366,17 @@ def check_chunked_prefill(append_fn, decode_fn, faults) -> CaseResult:
     same, _, detail = _bit_compare(pool.cache, expected.cache)
     out = decode_fn(q.to(dev), pool.cache, tables.to(dev), torch.tensor([n], dtype=torch.int32, device=dev))
     ok, max_abs, _, d2 = _compare(out, _attention_oracle(q[0], k, v, list(range(n)))[None], 1e-5)
-    return _scenario("chunked_prefill", same and ok, detail or d2, max_abs, 1e-5, prompt=n, chunk=chunk)
+    return _scenario("chunked_prefill", same and ok, detail or d2, max_abs, 1e-5, prompt_len=n, chunk=chunk)
 
 
-def check_ring_window(append_fn, decode_fn, faults) -> CaseResult:
+def check_ring_window(append_fn, decode_fn, faults, seq_lens: tuple[int, ...] = (57, 9)) -> CaseResult:
     """Decode through a ring cache (sinks, bubble, several wraps) equals attention over
     the sinks + last ``window - sinks`` tokens of a contiguous copy."""
     gen, dev = torch.Generator().manual_seed(2), runtime.device()
     window = RingWindow(max_attention_window=14, sink_tokens=3, tokens_per_block=4)
-    lens, hk, d = [57, 9], 2, 32
+    lens, hk, d = list(seq_lens), 2, 32
     blocks = [window.num_blocks(n) for n in lens]
-    tables = pad_block_tables([list(range(sum(blocks[:b]), sum(blocks[: b + 1]))) for b in range(2)])
+    tables = pad_block_tables([list(range(sum(blocks[:b]), sum(blocks[: b + 1]))) for b in range(len(lens))])
     pool = PagedKVPool(sum(blocks), 4, hk, d, torch.float32, device=dev)
     ks, vs = (
         [_rand((n, hk, d), torch.float32, gen) for n in lens],
@@ -378,7 +388,7 @@ def check_ring_window(append_fn, decode_fn, faults) -> CaseResult:
         k = torch.stack([ks[b][t] for b in live]).to(dev)
         v = torch.stack([vs[b][t] for b in live]).to(dev)
         append_fn(k, v, pool.cache, slots.to(dev))
-    q = _rand((2, 4, d), torch.float32, gen)
+    q = _rand((len(lens), 4, d), torch.float32, gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     if "window_write_only" in faults:
         # The reader was not given the window: it reads the cache as linear, logical
@@ -394,7 +404,8 @@ def check_ring_window(append_fn, decode_fn, faults) -> CaseResult:
         ]
     )
     ok, max_abs, _, detail = _compare(out, expected, 1e-5)
-    return _scenario("ring_window", ok, detail, max_abs, 1e-5, window=14, sinks=3, page_size=4, seq_lens=lens)
+    detail = detail or "window 14, 3 sinks, pages of 4"
+    return _scenario("ring_window", ok, detail, max_abs, 1e-5, seq_lens=tuple(lens))
 
 
 def check_v_tail(append_fn, decode_fn, faults) -> CaseResult:
@@ -417,7 +428,7 @@ def check_v_tail(append_fn, decode_fn, faults) -> CaseResult:
     out = F.whole_page_decode(q, pool.cache.cpu(), tables, lens)
     expected = torch.stack([_attention_oracle(q[i], k[b == i], v[b == i], list(range(n))) for i, n in enumerate(lens)])
     ok, max_abs, _, detail = _compare(out, expected, 1e-5)
-    return _scenario("v_tail", ok, detail, max_abs, 1e-5, seq_lens=lens, page_size=ps, poison="nan")
+    return _scenario("v_tail", ok, detail or f"seq_lens {lens}, pages of {ps}, NaN pool", max_abs, 1e-5)
 
 
 def check_fork(append_fn, decode_fn, faults) -> CaseResult:
@@ -455,7 +466,7 @@ def check_fork(append_fn, decode_fn, faults) -> CaseResult:
     ok, max_abs, _, detail = _compare(out, _attention_oracle(q[0], k_ref, v_ref, list(range(9)))[None], 1e-5)
     detail = detail or ("" if all(same) else "a sequence's K/V changed under another's write")
     same = all(same)
-    return _scenario("fork_cow", same and ok, detail, max_abs, 1e-5, prompt=6, appended=3, page_size=ps)
+    return _scenario("fork_cow", same and ok, detail or "prompt 6, +3 each, pages of 4", max_abs, 1e-5)
 
 
 def check_reused_page(append_fn, decode_fn, faults) -> CaseResult:
@@ -485,9 +496,8 @@ def check_reused_page(append_fn, decode_fn, faults) -> CaseResult:
         torch.tensor([8], dtype=torch.int32, device=dev),
     )
     ok, max_abs, _, detail = _compare(out, _attention_oracle(q[0], *data["C"], list(range(8)))[None], 1e-5)
-    return _scenario(
-        "reused_page", ok, detail, max_abs, 1e-5, reused=sorted(set(stale) & set(manager.block_table("D")))
-    )
+    reused = sorted(set(stale) & set(manager.block_table("D")))
+    return _scenario("reused_page", ok, detail or f"A's pages {reused} now hold D", max_abs, 1e-5)
 
 
 def check_int64_offsets(append_fn, decode_fn, faults) -> CaseResult:
@@ -501,7 +511,7 @@ def check_int64_offsets(append_fn, decode_fn, faults) -> CaseResult:
     got = int(offset_fn(strides, *index))
     exact = sum(i * s for i, s in zip((index[0], index[1], index[3], index[2], index[4]), strides))
     ok = got == exact and exact > 2**31
-    return _scenario("int64_offsets", ok, f"offset {got} vs exact {exact}", pool_elements=math.prod(shape))
+    return _scenario("int64_offsets", ok, f"{math.prod(shape):.2e} elements: offset {got} vs exact {exact}")
 
 
 def check_large_pool(append_fn, decode_fn, faults) -> CaseResult:
@@ -520,7 +530,7 @@ def check_large_pool(append_fn, decode_fn, faults) -> CaseResult:
     expected = _attention_oracle(q[0].cpu(), cache[-1, 0].cpu(), cache[-1, 1].cpu(), list(range(ps)))[None]
     del cache
     ok, max_abs, _, detail = _compare(out, expected, *TOLERANCES[torch.float16])
-    return _scenario("large_pool", same and ok, detail, max_abs, 1e-2, pool_elements=pages * 2 * ps * hk * d)
+    return _scenario("large_pool", same and ok, detail or f"{pages * 2 * ps * hk * d:.2e} elements", max_abs, 1e-2)
 
 
 SCENARIOS = {
@@ -631,22 +641,32 @@ def run(
     for name, check in SCENARIOS.items():
         if name in wanted:
             report.results.append(check(writer, reader, faults))
+    for r in report.results:
+        r.faults = tuple(sorted(faults))
     return report
 
 
-def run_case(check: str, case: dict, append_fn=None, decode_fn=None) -> CaseResult:
-    """Re-run one grid or hypothesis case (as printed in a report) on the suite's kernels
-    unless callables are given."""
+def run_case(check: str, case: dict, append_fn=None, decode_fn=None, faults=()) -> CaseResult:
+    """Re-run one case of a report (grid, hypothesis or scenario, as its ``repro`` line
+    prints it) on the suite's kernels, or on the callables given."""
+    faults = F.check_faults(faults)
     if append_fn is None or decode_fn is None:
         import kernels
 
         append_fn = append_fn or kernels.append_paged_kv
         decode_fn = decode_fn or kernels.paged_decode_attention
-    if check.startswith("append"):
-        return _append_case(append_fn, case)
-    if check.startswith("decode"):
-        return _decode_case(decode_fn, case)
-    raise ValueError(f"check={check!r}: only grid cases (append, decode) replay from a case dict")
+    if "minus_one_as_index" in faults:
+        append_fn = F.minus_one_as_index(append_fn)
+    if check == "append":
+        result = _append_case(append_fn, case)
+    elif check == "decode":
+        result = _decode_case(decode_fn, case)
+    elif check in SCENARIOS:
+        result = SCENARIOS[check](append_fn, decode_fn, faults, **case)
+    else:
+        raise ValueError(f"check={check!r} unknown; choose from append, decode, {', '.join(SCENARIOS)}")
+    result.faults = tuple(sorted(faults))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,8 @@ def execute(nb: nbformat.NotebookNode, cwd: Path) -> float:
     from nbclient import NotebookClient
 
     start = time.perf_counter()
-    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    resources = {"metadata": {"path": str(cwd)}}
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources=resources).execute()
     return time.perf_counter() - start
 
 

@@ -86,9 +86,8 @@ def run(q, cache, table, lens, **kw):
 
 
 def oracle(q, cache, table, lens, **kw):
-    """float64 reference on a NaN-free copy (the vectorized reference multiplies masked
-    probabilities, which are 0, by whatever the masked slots hold)."""
-    return reference.paged_decode_attention(q, cache.nan_to_num(0.0), table, lens, precision="fp64", **kw)
+    """The float64 reference on the very same (possibly NaN-poisoned) pool."""
+    return reference.paged_decode_attention(q, cache, table, lens, precision="fp64", **kw)
 
 
 def assert_matches(out, ref, dtype):

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 import kernels.write as write
-from kernels.validate import check_no_self_overlap, csr_slot_mapping
+from kernels.validate import check_no_self_overlap
 from kernels.write import append_paged_kv, append_paged_kv_csr, zero_paged_v_tail
+from pagedkv_lib.formats import csr_slot_mapping
 
 DEV = runtime.device()
 TOL = {
@@ -119,7 +120,8 @@ def test_append_matches_reference(layout, dtype, head_dim, page_size, num_tokens
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_cache_view_and_nan_payload(layout):
     """A pool that is itself a strided view (one layer of a ``[layers, ...]`` buffer) is
-    written through its strides; NaN and -0.0 in K/V are copied bit for bit."""
+    written through its strides, the slot mapping may be a view; NaN and -0.0 in K/V
+    are copied bit for bit."""
     gen = torch.Generator().manual_seed(3)
     big = torch.randn(3, *pool_shape(6, 4, 3, 96, layout), generator=gen).to(torch.float16)
     k, v = strided_kv(10, 3, 96, torch.float16, gen, v_transposed=True)
@@ -128,7 +130,8 @@ def test_cache_view_and_nan_payload(layout):
     want = big.clone()
     reference.append_paged_kv(k, v, want[1], slots, layout)
     (got,) = on_dev(big)
-    append_paged_kv(to_dev_view(k), to_dev_view(v), got[1], slots.to(DEV), layout)
+    slots_view = torch.stack([slots, -slots - 2], 1).to(DEV)[:, 0]  # a strided slot mapping, too
+    append_paged_kv(to_dev_view(k), to_dev_view(v), got[1], slots_view, layout)
     assert_same_bits(got, want)
 
 
@@ -143,7 +146,7 @@ def test_small_tiles_many_programs(monkeypatch):
     q = torch.randn(batch.numel(), 6, 64, generator=gen)
     want = cache.clone()
     reference.append_paged_kv(reference.rope_reference(k, pos).float(), v, want, slots, "HND")
-    zero_tails_reference(want, indptr, indices, last, "HND")
+    reference.zero_paged_v_tail(want, indptr, indices, last, "HND")
     got, q_dev = on_dev(cache, q)
     append_paged_kv(
         *on_dev(k, v), got, slots.to(DEV), "HND", rope="neox", positions=pos.to(DEV), q=q_dev,
@@ -182,17 +185,6 @@ def csr_batch(lens, appended, page_size, heads, head_dim, layout, gen, dtype=tor
     slots[0] = -1
     cache = random_pool(num_pages, page_size, heads, head_dim, dtype, layout, gen)
     return cache, indptr, indices, last, batch, pos, slots
-
-
-def zero_tails_reference(cache, indptr, indices, last, layout):
-    page_size = cache.shape[2] if layout == "NHD" else cache.shape[3]
-    for b in range(last.numel()):
-        if indptr[b + 1] > indptr[b] and last[b] < page_size:
-            page, lo = int(indices[indptr[b + 1] - 1]), int(last[b])
-            if layout == "NHD":
-                cache[page, 1, lo:] = 0
-            else:
-                cache[page, 1, :, lo:] = 0
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -298,7 +290,7 @@ def test_v_tail_zeroed_rest_untouched(layout, page_size):
     k, v = strided_kv(batch.numel(), 2, 64, torch.float32, gen, v_transposed=True)
     want = cache.clone()
     reference.append_paged_kv(k, v, want, slots, layout)
-    zero_tails_reference(want, indptr, indices, last, layout)
+    reference.zero_paged_v_tail(want, indptr, indices, last, layout)
     assert want.isnan().any() and (want == 0).any()
     table = on_dev(indptr, indices, last)
     (got,) = on_dev(cache)
@@ -313,7 +305,7 @@ def test_v_tail_zeroed_rest_untouched(layout, page_size):
     append_paged_kv(*on_dev(k[:0], v[:0]), got, slots[:0].to(DEV), layout)  # zero tokens: nothing
     assert_same_bits(got, cache)
     zero_paged_v_tail(got, *table, layout)
-    zero_tails_reference(cache, indptr, indices, last, layout)
+    reference.zero_paged_v_tail(cache, indptr, indices, last, layout)
     assert_same_bits(got, cache)
 
 
@@ -439,6 +431,11 @@ def _bad_calls():
             "csr request id",
             lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"] + 1, e["pos"], *e["csr"]),
             r"batch_indices\[0\]=1 but kv_indptr describes 1",
+        ),
+        (
+            "csr token count",
+            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"][:3], e["pos"][:3], *e["csr"]),
+            r"batch_indices has 3 entries for 4 tokens",
         ),
         (
             "csr window page size",

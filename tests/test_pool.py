@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from pagedkv_lib import PagedKVPool
+from pagedkv_lib import PagedKVPool, element_offset
 from pagedkv_lib.pool import cache_dims, cache_strides, check_layout
 
 
@@ -66,8 +66,6 @@ def test_element_offset_follows_the_strides_of_a_non_contiguous_view(layout):
     view = base[..., :6]
     assert not view.is_contiguous()
     strides = cache_strides(view, layout)
-    from pagedkv_lib import element_offset
-
     for idx in itertools.product(range(3), range(2), range(4), range(2), range(6)):
         page, kv, a, b, feat = idx
         row, head = (a, b) if layout == "NHD" else (b, a)

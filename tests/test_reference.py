@@ -253,7 +253,9 @@ def test_prefill_attention_is_bottom_right_causal_like_the_tail_of_full_attentio
     q_full = [torch.randn(n, heads_q, dim, generator=g) for n in lens]  # a query for every position
     q = torch.cat([qf[n - ql :] for qf, n, ql in zip(q_full, lens, q_lens)])
     indptr = [0, 7, 12, 13, 13]
-    expected = torch.cat([sdpa(qf, k, v, causal=True)[n - ql :] for qf, (k, v), n, ql in zip(q_full, kvs, lens, q_lens)])
+    expected = torch.cat(
+        [sdpa(qf, k, v, causal=True)[n - ql :] for qf, (k, v), n, ql in zip(q_full, kvs, lens, q_lens)]
+    )
     out = paged_prefill_attention(q, pool.cache, indptr, tables, lens, layout=layout, precision="fp64")
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     loop = paged_prefill_attention_loop(q, pool.cache, indptr, tables, lens, layout=layout, precision="fp64")
@@ -318,7 +320,9 @@ def test_chunked_prefill_write_gives_the_same_pool_and_outputs_as_one_shot(layou
         past_len, cache_len = cache_len, cache_len + n
         batch, pos = get_batch_indices_positions([0, n], [cache_len])
         assert pos.tolist() == list(range(past_len, cache_len))
-        append_paged_kv(k[past_len:cache_len], v[past_len:cache_len], chunked.cache, slot_mapping(table, batch, pos, 4), layout)
+        append_paged_kv(
+            k[past_len:cache_len], v[past_len:cache_len], chunked.cache, slot_mapping(table, batch, pos, 4), layout
+        )
         out = paged_prefill_attention(
             q[past_len:cache_len], chunked.cache, [0, n], table, [cache_len], layout=layout, precision="fp64"
         )
@@ -367,3 +371,26 @@ def test_rope_errors():
         rope_reference(torch.zeros(1, 1, 4), [0], style="llama")
     with pytest.raises(ValueError, match="head_dim=5 must be even"):
         rope_reference(torch.zeros(1, 1, 5), [0])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_attention_ignores_nan_in_rows_it_must_not_read(layout):
+    # Poison every row of the pool with NaN, then write a short and a long sequence.
+    # Decode of the short one must not pick up NaN from rows past its end (the
+    # vectorized form reads the long sequence's positions for every request and masks
+    # them), nor prefill from the unused tail of a last page.
+    lens = [3, 11]
+    pool, tables, kvs = build_batch(layout, lens, ps=4, heads=2, dim=8)
+    pool.cache.fill_(float("nan"))
+    for b, (k, v) in enumerate(kvs):
+        for t in range(lens[b]):
+            put(pool, int(tables[b, t // 4]), t % 4, k[t], v[t])
+    q = torch.randn(2, 4, 8, generator=gen(8))
+    expected = torch.stack([sdpa(q[b : b + 1], k, v, causal=False)[0] for b, (k, v) in enumerate(kvs)])
+    for fn in (paged_decode_attention, paged_decode_attention_loop):
+        out = fn(q, pool.cache, tables, lens, layout=layout, precision="fp64")
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    qp = torch.randn(14, 4, 8, generator=gen(9))
+    for fn in (paged_prefill_attention, paged_prefill_attention_loop):
+        out = fn(qp, pool.cache, [0, 3, 14], tables, lens, layout=layout, precision="fp64")
+        assert not out.isnan().any()

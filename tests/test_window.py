@@ -224,7 +224,9 @@ def test_decoding_through_the_ring_equals_full_cache_with_window_mask(w, steps, 
         slots = m.append_tokens("s", 1)
         append_paged_kv(k[t : t + 1], v[t : t + 1], pool.cache, slots, layout)
         table = torch.tensor([m.block_table("s")])
-        out = paged_decode_attention(q[t : t + 1], pool.cache, table, [t + 1], layout=layout, window=w, precision="fp64")
+        out = paged_decode_attention(
+            q[t : t + 1], pool.cache, table, [t + 1], layout=layout, window=w, precision="fp64"
+        )
         torch.testing.assert_close(out[0], naive_window_attention(q[t], k, v, t, w), rtol=1e-12, atol=1e-12)
         if check_loop:
             loop = paged_decode_attention_loop(
@@ -269,6 +271,4 @@ def test_prefill_refuses_chunks_longer_than_the_ring_allows():
     with pytest.raises(ValueError, match="a chunk of 2 tokens overwrites ring slots"):
         paged_prefill_attention(torch.zeros(2, 1, 8), pool.cache, [0, 2], [[0, 1]], [5], window=w)
     with pytest.raises(ValueError, match="window.tokens_per_block=4 != page_size=8"):
-        paged_decode_attention(
-            torch.zeros(1, 1, 8), PagedKVPool(4, 8, 1, 8).cache, [[0]], [1], window=w
-        )
+        paged_decode_attention(torch.zeros(1, 1, 8), PagedKVPool(4, 8, 1, 8).cache, [[0]], [1], window=w)

@@ -1,0 +1,297 @@
+# %% [markdown]
+# # 08 · The silent-bug zoo, and a conformance harness for your kernel
+#
+# The defining hazard of a paged KV cache is that mistakes do not crash. Every wrong
+# index is still *some* valid row of the pool, so a wrong past length, a window mapping
+# used on one side only, an unzeroed V tail, a missing copy, a `-1` used as an index or
+# a stale block table all produce plausible numbers. This notebook switches each of
+# seven such bugs on, shows its symptom, and shows which check of
+# `pagedkv_lib.verify` catches it. The same harness then runs on the suite's own Triton
+# kernels, and can run on yours: it takes any callable with the signature of
+# `kernels.append_paged_kv` or `kernels.paged_decode_attention`.
+#
+# Faults are switched on by name, explicitly (`faults={"past_len_zero"}`): the harness
+# swaps the one component the fault is about. Nothing is patched globally, so no fault
+# outlives its cell.
+
+# %%
+import torch
+
+import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
+from pagedkv_lib import (
+    KVCacheManager,
+    PagedKVPool,
+    block_table_to_csr,
+    element_offset,
+    faults,
+    reference,
+    runtime,
+    slot_mapping,
+    verify,
+    viz,
+)
+
+print(runtime.backend_line())
+viz.use_style()
+torch.manual_seed(0)
+import matplotlib.pyplot as plt
+
+ref = (reference.append_paged_kv, reference.paged_decode_attention)
+triton_kernels = (kernels.append_paged_kv, kernels.paged_decode_attention)
+for name, what in faults.FAULTS.items():
+    print(f"{name:>20}: {what}")
+
+# %% [markdown]
+# ## 1. Chunked prefill from position 0
+#
+# A prompt written in chunks must place each chunk at
+# `past_len = cache_len - chunk_len` (notebook 03). Forget it and every chunk lands on
+# the first rows. The first chunk is still right, so a test on short prompts passes;
+# the error grows with the number of chunks. Check: `chunked_prefill` (pool equals a
+# single write, decode equals the contiguous oracle).
+
+# %%
+lengths = [8, 16, 24, 32, 48, 64]
+err_off = [verify.check_chunked_prefill(*triton_kernels, set(), prompt_len=n).max_abs for n in lengths]
+on = [verify.check_chunked_prefill(*triton_kernels, {"past_len_zero"}, prompt_len=n) for n in lengths]
+fig = viz.line_plot(
+    lengths,
+    {"correct past_len": [max(e, 1e-9) for e in err_off], "past_len = 0": [max(r.max_abs, 1e-9) for r in on]},
+    "chunked prefill (chunks of 8): decode error against the oracle",
+    "prompt length (tokens)",
+    "max |error|",
+    logy=True,
+)
+plt.show()
+assert all(e < 1e-5 for e in err_off)
+assert on[0].passed and not any(r.passed for r in on[1:])  # one chunk hides the bug
+
+# %% [markdown]
+# ## 2. The ring window on the write side only
+#
+# The writer stores tokens through the ring (`kv_token_idx`), but the reader is not
+# given the window and treats the cache as linear. Wrong from the first token after the
+# sinks (the bubble sits in between), then a different token's K/V once the ring wraps.
+# Check: `ring_window` (attention equals the sinks + last `W - sinks` tokens of a
+# contiguous copy).
+
+# %%
+lengths = list(range(1, 41, 3))
+err = {
+    label: [verify.check_ring_window(*triton_kernels, f, seq_lens=(n,)).max_abs for n in lengths]
+    for label, f in (("ring on both sides", set()), ("ring on write side only", {"window_write_only"}))
+}
+fig = viz.line_plot(
+    lengths,
+    {k: [max(e, 1e-9) for e in v] for k, v in err.items()},
+    "ring window W=14, 3 sinks, pages of 4: decode error",
+    "sequence length (tokens)",
+    "max |error|",
+    logy=True,
+)
+plt.show()
+assert max(err["ring on both sides"]) < 1e-5
+assert all(e > 1e-3 for n, e in zip(lengths, err["ring on write side only"]) if n > 3)
+
+# %% [markdown]
+# ## 3. The V tail not zeroed, in a NaN-poisoned pool
+#
+# Some read kernels load whole pages and give the rows past a sequence's end
+# probability 0. That is only correct if those rows are finite: `0 * NaN = NaN`. Freshly
+# allocated GPU memory can hold anything, NaN included, so the write kernel zeroes the
+# unused V rows of each last page (`zero_v_tail=`). Without it, every output row of a
+# sequence whose last page is partial is NaN. Check: `v_tail`.
+
+# %%
+nan_rows = {}
+for label, zero in (("zero_v_tail", True), ("tail not zeroed", False)):
+    pool = PagedKVPool(6, 4, 2, 16, torch.float32, device=runtime.device())
+    pool.cache.fill_(float("nan"))
+    tables = torch.tensor([[3, 0, -1], [1, 4, 2], [5, 0, -1]], dtype=torch.int32)
+    lens = [6, 9, 4]
+    csr = tuple(x.to(runtime.device()) for x in block_table_to_csr(tables, torch.tensor(lens), 4))
+    batch = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    k = torch.randn(len(pos), 2, 16, device=runtime.device())
+    slots = slot_mapping(tables, batch, pos, 4).to(runtime.device())
+    kernels.append_paged_kv(k, k.clone(), pool.cache, slots, zero_v_tail=csr if zero else None)
+    out = faults.whole_page_decode(torch.randn(3, 4, 16), pool.cache.cpu(), tables, lens)
+    nan_rows[label] = out.isnan().any(-1).sum(-1).tolist()  # NaN heads per sequence
+print(nan_rows)
+fig = viz.bar_plot(
+    [f"seq {b} ({n} tok)\n{label}" for label in nan_rows for b, n in enumerate(lens)],
+    [x for v in nan_rows.values() for x in v],
+    "whole-page reader over a NaN-poisoned pool",
+    "NaN output heads (of 4)",
+    "{:.0f}",
+)
+plt.show()
+assert nan_rows["zero_v_tail"] == [0, 0, 0]
+assert nan_rows["tail not zeroed"] == [4, 4, 0]  # seq 2 fills its last page: nothing to zero
+assert verify.check_v_tail(*triton_kernels, set()).passed
+assert not verify.check_v_tail(*triton_kernels, {"v_tail_not_zeroed"}).passed
+
+# %% [markdown]
+# ## 4. No copy-on-write on fork
+#
+# A fork shares every page. If the first write into the shared, partially filled last
+# page does not move the writer to a copy, the sibling's rows are overwritten: here the
+# child writes 3 tokens, then the parent writes 3, and the child's last rows now hold
+# the parent's tokens. Check: `fork_cow` (both read back exactly what was written for
+# them).
+
+
+# %%
+def child_rows_error(manager_cls):
+    """|error| per token of the child's K after fork + child append + parent append."""
+    gen = torch.Generator().manual_seed(0)
+    mgr, pool = manager_cls(8, 4), PagedKVPool(8, 4, 1, 8, torch.float32, device=runtime.device())
+    mgr.add_sequence("parent")
+    rows = {"parent": [torch.randn(6, 1, 8, generator=gen)]}
+    kernels.append_paged_kv(
+        rows["parent"][0], rows["parent"][0], pool.cache, torch.tensor(mgr.append_tokens("parent", 6))
+    )
+    mgr.fork("parent", "child")
+    rows["child"] = list(rows["parent"])
+    for seq in ("child", "parent"):
+        new = torch.randn(3, 1, 8, generator=gen)
+        slots = torch.tensor(mgr.append_tokens(seq, 3))
+        pool.copy_blocks(mgr.pop_copies())
+        kernels.append_paged_kv(new, new, pool.cache, slots)
+        rows[seq].append(new)
+    k, _ = reference.gather_paged_kv(pool.cache.cpu(), mgr.block_table("child"), 9)
+    return (k - torch.cat(rows["child"])).abs().amax(dim=(1, 2))
+
+
+errors = {"copy-on-write": child_rows_error(KVCacheManager), "no copy": child_rows_error(faults.NoCopyOnWriteManager)}
+fig = viz.plot_heatmap(
+    torch.stack(list(errors.values())),
+    "child's K after the parent's write: |error| per token",
+    "token position",
+    "0 = copy-on-write, 1 = no copy",
+    label="max |error|",
+)
+plt.show()
+assert errors["copy-on-write"].max() == 0
+assert (errors["no copy"][6:8] > 0).all() and (errors["no copy"][:6] == 0).all()
+assert not verify.check_fork(*triton_kernels, {"no_copy_on_write"}).passed
+
+# %% [markdown]
+# ## 5. A `-1` slot used as an index
+#
+# Padding tokens carry slot `-1`, which every kernel must skip. Used as a Python or
+# torch index instead, `-1` is the **last** row of the pool: the padding token's K/V
+# silently overwrite whatever sequence owns the last page. Check: the append grid's
+# padding cases (bytes outside the target slots must be unchanged).
+
+# %%
+pool = PagedKVPool(3, 4, 1, 8, torch.float32, device=runtime.device())
+before = pool.cache.clone()
+k = torch.ones(4, 1, 8, device=runtime.device())
+slots = torch.tensor([0, 1, -1, 2], device=runtime.device())  # token 2 is padding
+faults.minus_one_as_index(kernels.append_paged_kv)(k, k, pool.cache, slots)
+changed = (pool.cache != before).any(-1).any(-1)[:, 0].cpu()  # [pages, rows]: K changed?
+fig = viz.plot_heatmap(changed.int(), "rows written (K) with -1 used as an index", "row in page", "page")
+plt.show()
+assert changed[2, 3] and changed.sum() == 4  # slots 0, 1, 2 and the pool's last row
+report = verify.run(kernels.append_paged_kv, faults={"minus_one_as_index"}, checks=("append",))
+print(report.summary())
+assert not report.passed and all(r.case["padding"] > 0 for r in report.failures)
+
+# %% [markdown]
+# ## 6. A stale block table
+#
+# A batch slot's block table must be rebuilt when its sequence changes. Here sequence A
+# finishes and C takes its batch slot; D then receives A's freed pages and writes its
+# own tokens into them. A reader still holding A's table attends D's keys for C's query,
+# with no error anywhere. Check: `reused_page`.
+
+# %%
+results = {
+    f or "fresh table": verify.check_reused_page(*triton_kernels, {f} if f else set())
+    for f in ("", "stale_block_table")
+}
+fig = viz.bar_plot(
+    list(results),
+    [r.max_abs for r in results.values()],
+    "decode of C after A's pages were reused",
+    "max |error|",
+    "{:.2f}",
+)
+plt.show()
+print({k: (r.passed, r.detail) for k, r in results.items()})
+assert results["fresh table"].passed and not results["stale_block_table"].passed
+
+# %% [markdown]
+# ## 7. int32 offsets on a large pool
+#
+# A pool of 70,000 pages of 16 tokens x 8 heads x 128 (fp16, 4.6 GB) has 2.3e9
+# elements, more than `2**31 - 1`. An offset computed in int32 wraps to a negative or
+# small number and the kernel writes some other page, exactly as on a GPU. Computed here,
+# not allocated: the offset of the last V row of each page, in int64 and in int32.
+
+# %%
+strides = (2 * 16 * 8 * 128, 16 * 8 * 128, 8 * 128, 128, 1)
+pages = torch.arange(0, 70_000, 500)
+exact = element_offset(strides, pages, 1, 7, 15, 127)
+wrapped = faults.element_offset_int32(strides, pages, 1, 7, 15, 127)
+fig = viz.line_plot(
+    pages.tolist(),
+    {"int64 (exact)": exact.tolist(), "int32": wrapped.tolist()},
+    "element offset of the last V row of page p",
+    "page p",
+    "element offset",
+    marker="",
+)
+plt.show()
+first_bad = int(pages[exact != wrapped][0])
+print(
+    f"int32 first wrong at page {first_bad}: offset {int(wrapped[pages == first_bad][0])} "
+    f"instead of {int(exact[pages == first_bad][0])}"
+)
+assert (exact[exact < 2**31] == wrapped[exact < 2**31]).all() and (
+    exact[exact >= 2**31] != wrapped[exact >= 2**31]
+).all()
+assert not verify.check_int64_offsets(*triton_kernels, {"int32_offset"}).passed
+
+# %% [markdown]
+# ## The harness on the suite's kernels
+#
+# The full run: the case grid (layouts, dtypes, head dims 64/80/128, page sizes 1/5/16,
+# GQA 1/4/5/8, empty and length-1 sequences, padding slots, non-contiguous K/V,
+# `last_page_len == page_size`, NaN-poisoned unused slots, pages shared by two
+# sequences), hypothesis-generated cases, and every scenario above with no fault on.
+# To check your own kernel, pass it instead:
+# `verify.run(my_append, my_decode)`, or from a shell `python -m pagedkv_lib.verify`.
+
+# %%
+report = verify.run(*triton_kernels, hypothesis_examples=10)
+print(report)
+fig = report.plot()
+plt.show()
+assert report.passed
+
+# %% [markdown]
+# With a fault on, the report says which cases fail and prints a line that replays each
+# one:
+
+# %%
+print(verify.run(*triton_kernels, faults={"past_len_zero"}, checks=("chunked_prefill",)))
+broken = verify.run(faults.minus_one_as_index(kernels.append_paged_kv), checks=("append",))
+print(broken.failures[0].repro)
+assert verify.run_case("append", broken.failures[0].case).passed  # the suite's kernel passes the same case
+
+# %% [markdown]
+# ## What was verified
+#
+# | fault | symptom shown | caught by |
+# |---|---|---|
+# | `past_len_zero` | error grows with the number of chunks | `chunked_prefill` |
+# | `window_write_only` | wrong from the first token after the sinks | `ring_window` |
+# | `v_tail_not_zeroed` | NaN rows from a whole-page reader | `v_tail` |
+# | `no_copy_on_write` | the child's rows hold the parent's tokens | `fork_cow` |
+# | `minus_one_as_index` | the pool's last row overwritten | append grid, padding cases |
+# | `stale_block_table` | C's query attends D's keys | `reused_page` |
+# | `int32_offset` | offsets wrap past 2**31 elements | `int64_offsets` |
+#
+# and the suite's Triton kernels pass the whole harness.
