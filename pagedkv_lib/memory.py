@@ -119,11 +119,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelSpec {self.name!r}: {field}={value!r} must be a positive int")
         for field in ("kv_lora_rank", "qk_rope_head_dim"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"ModelSpec {self.name!r}: {field}={value!r} must be an int >= 0")
         if self.qk_rope_head_dim and not self.kv_lora_rank:
             raise ValueError(f"ModelSpec {self.name!r}: qk_rope_head_dim needs kv_lora_rank > 0 (MLA)")

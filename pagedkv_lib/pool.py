@@ -116,7 +116,7 @@ class PagedKVPool:
 
     def element_offset(self, page, kv, head, entry, feat):
         """Element offset of (page, K=0/V=1, head, row in page, feature) into the
-        flat storage: ``page*stride_page + kv*stride_kv + entry*stride_n + head*stride_h + feat``."""
+        flat storage: ``page*stride_page + kv*stride_kv + entry*stride_n + head*stride_h + feat*stride_d``."""
         return element_offset(self.strides, page, kv, head, entry, feat)
 
     def rows(self, page: int, kv: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ __all__ = [
     "check_append_args",
     "check_block_tables",
     "check_decode_args",
+    "check_prefill_args",
     "append_paged_kv",
     "append_paged_kv_loop",
     "check_v_tail_args",
@@ -143,6 +144,28 @@ def check_decode_args(q, cache, block_tables, seq_lens, layout: str = "NHD", win
     if q.shape[0] != lens.numel():
         raise ValueError(f"q has {q.shape[0]} rows but seq_lens has {lens.numel()} entries")
     return table, lens
+
+
+def check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout: str = "NHD", window=None):
+    """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
+    int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most ``seq_lens[b]``
+    queries each (at most ``window.max_chunk_len()`` with a ring window)."""
+    indptr = _int_tensor("qo_indptr", qo_indptr, 1)
+    lens = _int_tensor("seq_lens", seq_lens, 1)
+    if indptr.numel() != lens.numel() + 1 or int(indptr[-1]) != q.shape[0]:
+        raise ValueError(f"qo_indptr={indptr.tolist()} does not delimit q's {q.shape[0]} rows into {lens.numel()}")
+    q_lens = indptr[1:] - indptr[:-1]
+    if (q_lens > lens).any() or (q_lens < 0).any():
+        b = int(torch.nonzero((q_lens > lens) | (q_lens < 0))[0])
+        raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
+    if window is not None and (q_lens > window.max_chunk_len()).any():
+        raise ValueError(
+            f"a chunk of {int(q_lens.max())} tokens overwrites ring slots its own queries need; "
+            f"this window allows {window.max_chunk_len()} (use one_more_block for chunks)"
+        )
+    _check_q(q, cache, layout)
+    table, lens = check_block_tables(cache, block_tables, lens, layout, window)
+    return indptr, table, lens
 
 
 # --------------------------------------------------------------------------- append
@@ -308,21 +331,7 @@ def paged_prefill_attention(
     fp64 with ``precision="fp64"``, returned in float64; else in ``q.dtype``).
     """
     dtype = _compute_dtype(precision)
-    indptr = _int_tensor("qo_indptr", qo_indptr, 1)
-    lens = _int_tensor("seq_lens", seq_lens, 1)
-    if indptr.numel() != lens.numel() + 1 or int(indptr[-1]) != q.shape[0]:
-        raise ValueError(f"qo_indptr={indptr.tolist()} does not delimit q's {q.shape[0]} rows into {lens.numel()}")
-    q_lens = indptr[1:] - indptr[:-1]
-    if (q_lens > lens).any() or (q_lens < 0).any():
-        b = int(torch.nonzero((q_lens > lens) | (q_lens < 0))[0])
-        raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
-    if window is not None and (q_lens > window.max_chunk_len()).any():
-        raise ValueError(
-            f"a chunk of {int(q_lens.max())} tokens overwrites ring slots its own queries need; "
-            f"this window allows {window.max_chunk_len()} (use one_more_block for chunks)"
-        )
-    _check_q(q, cache, layout)
-    table, _ = check_block_tables(cache, block_tables, lens, layout, window)
+    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.zeros(q.shape, dtype=dtype)
     for b in range(lens.numel()):
@@ -434,9 +443,8 @@ def paged_prefill_attention_loop(
 ):
     """Loop form of :func:`paged_prefill_attention`: each query token is a decode
     against the sequence truncated at its own position."""
-    indptr = _int_tensor("qo_indptr", qo_indptr, 1).tolist()
-    lens = _int_tensor("seq_lens", seq_lens, 1).tolist()
-    table = _int_tensor("block_tables", block_tables, 2)
+    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window)
+    indptr, lens = indptr.tolist(), lens.tolist()
     rows = []
     for b, n in enumerate(lens):
         q_len = indptr[b + 1] - indptr[b]
