@@ -322,12 +322,13 @@ def _offset_probe(out_ptr, page_ptr, row_ptr, stride_page, stride_n, stride_h, N
 
 
 def test_cache_offset_is_int64():
-    """The kernels' offset helper with int32 page ids and strides whose products pass
+    """The write kernel's offset helper with int32 page ids and strides whose products pass
     2**31 (a pool of 2**33 elements): exact, where int32 arithmetic would wrap.
 
     Allocating such a pool (8 GiB at fp16 for the smallest honest case) is not cheap
-    on CPU CI, so the arithmetic is checked directly; both kernels compute every cache
-    address through this helper, and :func:`test_large_pool_gpu` writes a real one.
+    on CPU CI, so the arithmetic is checked directly (the write kernel computes every
+    cache address through this helper; the read kernel's ``_kv_row_offsets`` has its own
+    probe in test_kernel_read.py), and :func:`test_large_pool_gpu` writes a real one.
     """
     page = torch.tensor([0, 1, 70_000, 2**20 - 1], dtype=torch.int32, device=DEV)
     row = torch.tensor([0, 3, 15, 15], dtype=torch.int32, device=DEV)
