@@ -265,6 +265,9 @@ assert not verify.check_int64_offsets(*triton_kernels, {"int32_offset"}).passed
 # `verify.run(my_append, my_decode)`, or from a shell `python -m pagedkv_lib.verify`.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# (the error columns depend on the backend: compiled kernels round differently from the
+# interpreter; the assert below is the check)
 report = verify.run(*triton_kernels, hypothesis_examples=10)
 print(report)
 fig = report.plot()
