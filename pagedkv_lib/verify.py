@@ -256,13 +256,14 @@ def _append_case(append_fn, case: dict) -> CaseResult:
     return CaseResult("append", case, ok, max_abs, 0.0, 0.0, detail)
 
 
-def _cover(values: dict[str, list], extra: list[dict] = ()) -> list[dict]:
+def _cover(values: dict[str, list], extra: list[dict] = (), outer: int = 2) -> list[dict]:
     """Cases in which every value of every parameter occurs: the product of the first
-    two parameters, the others cycling through their values."""
-    (k1, v1), (k2, v2), *rest = values.items()
+    ``outer`` parameters, the others cycling through their values."""
+    items = list(values.items())
+    crossed, rest = items[:outer], items[outer:]
     cases = []
-    for i, (a, b) in enumerate(itertools.product(v1, v2)):
-        case = {k1: a, k2: b}
+    for i, combo in enumerate(itertools.product(*(vs for _, vs in crossed))):
+        case = {k: v for (k, _), v in zip(crossed, combo)}
         for j, (k, vs) in enumerate(rest):
             case[k] = vs[(i + j) % len(vs)]
         cases.append(case)
@@ -303,7 +304,7 @@ def decode_grid(full: bool = False) -> list[dict]:
             "poison": False,
         },
     ]
-    return _cover(values, extra)
+    return _cover(values, extra, outer=3 if full else 2)
 
 
 def append_grid(full: bool = False) -> list[dict]:
@@ -319,7 +320,7 @@ def append_grid(full: bool = False) -> list[dict]:
         "padding": [0, 3],
         "noncontiguous": [False, True],
     }
-    cases = _cover(values)
+    cases = _cover(values, outer=3 if full else 2)
     for c in cases:
         c["padding"] = min(c["padding"], c["num_tokens"])
     return cases
