@@ -66,6 +66,8 @@ def execute(nb: nbformat.NotebookNode, cwd: Path) -> float:
     start = time.perf_counter()
     resources = {"metadata": {"path": str(cwd)}}
     NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources=resources).execute()
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # per-run timestamps would churn every diff
     return time.perf_counter() - start
 
 
