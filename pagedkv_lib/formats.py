@@ -22,6 +22,7 @@ from .window import RingWindow
 __all__ = [
     "PAD",
     "pad_block_tables",
+    "scatter_pages",
     "csr_seq_lens",
     "block_table_to_csr",
     "csr_to_block_table",
@@ -59,6 +60,20 @@ def pad_block_tables(tables: Sequence[Sequence[int]], max_blocks: int | None = N
             raise ValueError(f"tables[{b}] has {len(row)} pages, more than max_blocks={width}")
         out[b, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
     return out
+
+
+def scatter_pages(pages_per_seq: Sequence[int], num_pages: int, generator: torch.Generator) -> list[list[int]]:
+    """Disjoint, randomly scattered physical pages for sequences needing
+    ``pages_per_seq[b]`` pages each, out of ``num_pages`` (as a long-running allocator
+    leaves them): test and harness data whose tables are not simply ``0, 1, 2, ...``."""
+    if sum(pages_per_seq) > num_pages:
+        raise ValueError(f"pages_per_seq asks for {sum(pages_per_seq)} pages of num_pages={num_pages}")
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    rows, used = [], 0
+    for n in pages_per_seq:
+        rows.append(order[used : used + n])
+        used += n
+    return rows
 
 
 def csr_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:

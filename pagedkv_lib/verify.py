@@ -35,7 +35,7 @@ import torch
 
 from . import faults as F
 from . import reference, runtime
-from .formats import block_table_to_csr, pad_block_tables, slot_mapping
+from .formats import block_table_to_csr, pad_block_tables, scatter_pages, slot_mapping
 from .indexing import element_offset
 from .manager import KVCacheManager
 from .pool import PagedKVPool
@@ -185,14 +185,9 @@ def _decode_inputs(case: dict):
         lens[1] = min(lens[1], lens[0])
     pages_each = [-(-n // ps) for n in lens]
     num_pages = sum(pages_each) - (pages_each[1] if shared else 0) + 2
-    perm = torch.randperm(num_pages, generator=gen).tolist()
-    rows, used = [], 0
-    for b, n in enumerate(pages_each):
-        if shared and b == 1:
-            rows.append(rows[0][:n])
-            continue
-        rows.append(perm[used : used + n])
-        used += n
+    rows = scatter_pages([0 if shared and b == 1 else n for b, n in enumerate(pages_each)], num_pages, gen)
+    if shared:
+        rows[1] = rows[0][: pages_each[1]]
     pool = PagedKVPool(num_pages, ps, hk, d, dtype, case["layout"])
     if case.get("poison", True):
         pool.cache.fill_(float("nan"))

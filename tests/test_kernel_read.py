@@ -57,11 +57,7 @@ def make_pool(lens, num_kv_heads, head_dim, page_size, dtype, layout="NHD", *, f
     num_pages = sum(need) + spare
     pool = PagedKVPool(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, layout=layout)
     pool.cache.fill_(fill)
-    perm = torch.randperm(num_pages, generator=gen).tolist()
-    rows, i = [], 0
-    for n in need:
-        rows.append(perm[i : i + n])
-        i += n
+    rows = formats.scatter_pages(need, num_pages, gen)
     table = formats.pad_block_tables(rows, max(need, default=0) + 1)  # one -1 column past every row
     batch = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
     pos = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
@@ -276,11 +272,7 @@ def ring_pool(window, lens, num_kv_heads, head_dim, dtype, layout, seed=0):
     num_pages = sum(need) + 2
     pool = PagedKVPool(num_pages, ps, num_kv_heads, head_dim, dtype=dtype, layout=layout)
     pool.cache.fill_(float("nan"))
-    perm = torch.randperm(num_pages, generator=gen).tolist()
-    rows, i = [], 0
-    for n in need:
-        rows.append(perm[i : i + n])
-        i += n
+    rows = formats.scatter_pages(need, num_pages, gen)
     table = formats.pad_block_tables(rows)
     for t in range(max(lens)):
         batch = torch.tensor([b for b, n in enumerate(lens) if n > t])

@@ -169,11 +169,7 @@ def csr_batch(lens, appended, page_size, heads, head_dim, layout, gen, dtype=tor
     rows = torch.tensor(lens) if window is None else window.cache_len(torch.tensor(lens))
     need = [-(-int(n) // page_size) for n in rows]
     num_pages = sum(need) + spare
-    perm = torch.randperm(num_pages, generator=gen).tolist()
-    tables, i = [], 0
-    for n in need:
-        tables.append(perm[i : i + n])
-        i += n
+    tables = formats.scatter_pages(need, num_pages, gen)
     table = formats.pad_block_tables(tables)
     indptr, indices, last = formats.block_table_to_csr(table, rows, page_size)
     app_indptr = torch.tensor([0, *torch.tensor(appended).cumsum(0).tolist()])

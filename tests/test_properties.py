@@ -26,6 +26,7 @@ from pagedkv_lib import (
     locate_pow2,
     pad_block_tables,
 )
+from pagedkv_lib.formats import scatter_pages
 from pagedkv_lib.reference import (
     append_paged_kv,
     append_paged_kv_loop,
@@ -312,11 +313,7 @@ def batches(draw, window=False):
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     cache = torch.randn(PagedKVPool(num_pages, ps, heads_kv, dim, layout=layout).cache.shape, generator=g)
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    table = torch.full((len(lens), max(need + [1])), -1, dtype=torch.int64)
-    for b, k in enumerate(need):
-        table[b, :k] = torch.tensor(perm[:k], dtype=torch.int64)
-        perm = perm[k:]
+    table = pad_block_tables(scatter_pages(need, num_pages, g), max(need + [1])).to(torch.int64)
     return dict(cache=cache, table=table, lens=lens, layout=layout, window=w, heads_q=heads_kv * group, g=g)
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedkv_lib import PagedKVPool, get_batch_indices_positions, slot_mapping
+from pagedkv_lib import PagedKVPool, get_batch_indices_positions, pad_block_tables, slot_mapping
+from pagedkv_lib.formats import scatter_pages
 from pagedkv_lib.reference import (
     append_paged_kv,
     append_paged_kv_loop,
@@ -47,13 +48,11 @@ def build_batch(layout, lens, ps, heads, dim, num_pages=None, seed=0, dtype=torc
     num_pages = num_pages or sum(need) + 2
     pool = PagedKVPool(num_pages, ps, heads, dim, dtype=dtype, layout=layout)
     pool.cache.copy_(torch.randn(pool.cache.shape, generator=g).to(dtype))  # garbage everywhere
-    order = torch.randperm(num_pages, generator=g).tolist()
-    width = max(need + [1])
-    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    rows = scatter_pages(need, num_pages, g)
+    tables = pad_block_tables(rows, max(need + [1]))
     kvs = []
     for b, n in enumerate(lens):
-        pages, order = order[: need[b]], order[need[b] :]
-        tables[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        pages = rows[b]
         k = torch.randn(n, heads, dim, generator=g).to(dtype)
         v = torch.randn(n, heads, dim, generator=g).to(dtype)
         for t in range(n):
