@@ -18,8 +18,9 @@ then interpreter timings (Python executing the kernel's operations), useful only
 see that everything runs; the bandwidth numbers mean nothing there and the JSON and
 the plot say so.
 
-The timed paged and gather calls skip the launchers' argument checks (which copy the
-tables to the host) so that kernel time is measured; the checks run once beforehand.
+The timed paged and gather calls launch plans (:func:`kernels.plan_decode`,
+:func:`kernels.plan_gather`) validated once beforehand, so that the launchers' argument
+checks (which copy the tables to the host) are not timed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pagedkv_lib import runtime  # noqa: E402  (chooses the backend before trito
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels.read as read  # noqa: E402
+import kernels  # noqa: E402
 from pagedkv_lib.memory import kv_dtype  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -129,10 +130,10 @@ def bench_one(batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, l
     q = torch.randn((batch, num_kv_heads * group, head_dim), generator=gen).to(dtype).to(device)
 
     # Checked once through the public entry points (and used as the correctness check).
-    out_paged = read.paged_decode_attention(q, cache, table, lens, layout=layout)
-    g = read.gather_paged_kv(cache, table, lens, layout=layout)
-    lens_host = lens.cpu().to(torch.int64)
-    plan = read._plan(q, cache, layout, seq_len, None)
+    out_paged = kernels.paged_decode_attention(q, cache, table, lens, layout=layout)
+    g = kernels.gather_paged_kv(cache, table, lens, layout=layout)
+    plan = kernels.plan_decode(q, cache, table, lens, layout=layout)
+    gather_plan = kernels.plan_gather(cache, table, lens, layout)
 
     # GQA without repeating K/V: the group's query heads are G query rows of one KV head.
     def sdpa(k, v):  # k, v [batch, Hk, L, D]
@@ -145,10 +146,8 @@ def bench_one(batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, l
     out_contig = sdpa(kc, vc).reshape(batch, -1, head_dim)
 
     routes = {
-        "paged": lambda: read._launch_decode(q, cache, table, lens, lens, layout, None, None, plan, False, False),
-        "gather+sdpa": lambda: sdpa(
-            *(as_bhld(t) for t in read._launch_gather(cache, table, lens, lens_host, layout)[:2])
-        ),
+        "paged": lambda: kernels.run_decode(plan, q, cache),
+        "gather+sdpa": lambda: sdpa(*(as_bhld(t) for t in kernels.run_gather(gather_plan, cache)[:2])),
         "contiguous sdpa": lambda: sdpa(kc, vc),
     }
     seconds = {name: time_fn(fn, repeats, warmup) for name, fn in routes.items()}

@@ -1,4 +1,13 @@
-"""Triton kernels for paged KV caches: a write (append) kernel and a read (decode) kernel.
+"""Triton kernels for paged KV caches, one module per concept:
+
+* :mod:`kernels.write`: append new tokens' K/V (slot mapping or CSR; fused RoPE; V-tail
+  zeroing; ring windows);
+* :mod:`kernels.decode`: paged decode attention (split-KV, GQA, ring windows);
+* :mod:`kernels.merge`: the split-KV merge;
+* :mod:`kernels.gather`: copy a batch's K/V out of the pool;
+* :mod:`kernels.addressing`: the device-side address formulas they all share;
+* :mod:`kernels.tiles`: tile sizes per backend; :mod:`kernels.validate`: launch checks;
+* :mod:`kernels.verify`: the conformance harness's command line, on these kernels.
 
 Importing this package first imports :mod:`pagedkv_lib.runtime`, which sets
 ``TRITON_INTERPRET`` before triton is imported: compiled kernels when CUDA is
@@ -7,22 +16,46 @@ available, Triton's interpreter on CPU otherwise (``PAGEDKV_BACKEND`` forces eit
 
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
 
-from .read import (  # noqa: E402
-    gather_paged_kv,
-    merge_partials,
+from .decode import (  # noqa: E402
+    DecodePlan,
     paged_decode_attention,
     paged_decode_attention_csr,
     paged_decode_attention_partials,
+    plan_decode,
+    plan_decode_csr,
+    run_decode,
 )
-from .write import append_paged_kv, append_paged_kv_csr, zero_paged_v_tail  # noqa: E402
+from .gather import GatheredKV, GatherPlan, gather_paged_kv, plan_gather, run_gather  # noqa: E402
+from .merge import merge_partials  # noqa: E402
+from .write import (  # noqa: E402
+    AppendPlan,
+    append_paged_kv,
+    append_paged_kv_csr,
+    plan_append,
+    plan_append_csr,
+    run_append,
+    zero_paged_v_tail,
+)
 
 __all__ = [
     "append_paged_kv",
     "append_paged_kv_csr",
     "zero_paged_v_tail",
+    "plan_append",
+    "plan_append_csr",
+    "run_append",
+    "AppendPlan",
     "paged_decode_attention",
     "paged_decode_attention_csr",
     "paged_decode_attention_partials",
+    "plan_decode",
+    "plan_decode_csr",
+    "run_decode",
+    "DecodePlan",
     "merge_partials",
     "gather_paged_kv",
+    "plan_gather",
+    "run_gather",
+    "GatheredKV",
+    "GatherPlan",
 ]

@@ -1,6 +1,8 @@
 """The Triton write kernel: append new tokens' K and V into the paged pool, in place.
 
-Two entry points address the same kernel:
+Two entry points address the same kernel (and each has a plan, which validates once
+and can be run again: :func:`plan_append` / :func:`plan_append_csr` then
+:func:`run_append`):
 
 * :func:`append_paged_kv` takes vLLM's ``slot_mapping`` (flat slot ``page * page_size +
   row`` per token, ``-1`` = padding);
@@ -28,10 +30,13 @@ payloads included). RoPE math is fp32 after loading; the angle ``position *
 inv_freq`` is formed and reduced to ``[-pi, pi]`` in fp64 first, because in fp32 its
 rounding error grows with the position (about 2e-3 rad at position 32768).
 
-Addresses: every element offset is int64 (page ids, token indices and heads are
-widened *before* multiplying by a stride), so pools past 2**31 elements are addressed
-correctly. Nothing is launched before every argument is validated: an address the
-kernel can form is then always inside the tensors it was given.
+Addresses: every element offset is int64, through :mod:`kernels.addressing` (page ids,
+token indices and heads are widened *before* multiplying by a stride), so pools past
+2**31 elements are addressed correctly. Tile sizes come from :mod:`kernels.tiles`.
+Nothing is launched before every argument is validated (the value rules of
+:mod:`pagedkv_lib.checks`, which the reference shares, then the launch checks of
+:mod:`kernels.validate`): an address the kernel can form is then always inside the
+tensors it was given.
 """
 
 from __future__ import annotations
@@ -39,54 +44,54 @@ from __future__ import annotations
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
 
 # isort: split
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from pagedkv_lib import reference
+from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_dims, cache_strides
-from pagedkv_lib.reference import check_append_args
 from pagedkv_lib.window import RingWindow
 
-from .ring import kv_token_idx, ring_params
+from .addressing import cache_offset, kv_token_idx, ring_params, row_offset
+from .tiles import write_tiles
 from .validate import (
-    check_append_launch,
-    check_csr_append_args,
-    check_rope_launch,
-    check_v_tail_args,
-    check_window,
+    check_device,
+    check_in_storage,
+    check_index_tensor,
+    check_kernel_dtype,
+    check_no_overlap,
+    check_no_self_overlap,
+    check_same_layout,
 )
 
-__all__ = ["ROPE_STYLES", "append_paged_kv", "append_paged_kv_csr", "zero_paged_v_tail", "write_tiles"]
+__all__ = [
+    "ROPE_CODES",
+    "AppendPlan",
+    "plan_append",
+    "plan_append_csr",
+    "run_append",
+    "append_paged_kv",
+    "append_paged_kv_csr",
+    "zero_paged_v_tail",
+]
 
-ROPE_STYLES = {None: 0, "neox": 1, "gptj": 2}
+ROPE_CODES = {None: 0, "neox": 1, "gptj": 2}  # the ROPE constexpr of the kernel
 
 
 # --------------------------------------------------------------------------- device code
 
 
 @triton.jit
-def _cache_offset(page, kv, row, head, feat, stride_page, stride_kv, stride_n, stride_h, stride_d):
-    """Element offset (int64) of ``cache[page, kv, row, head, feat]`` in the layout-free
-    order of :func:`pagedkv_lib.indexing.element_offset`; every index is widened to
-    int64 before its multiply, so no product can wrap at 2**31."""
-    return (
-        page.to(tl.int64) * stride_page
-        + kv * stride_kv
-        + row.to(tl.int64) * stride_n
-        + head.to(tl.int64) * stride_h
-        + feat.to(tl.int64) * stride_d
-    )
-
-
-@triton.jit
 def _token_rows(
     tokens,
     num_tokens,
-    idx_ptr,
+    slot_mapping_ptr,
+    batch_indices_ptr,
+    positions_ptr,
     kv_indptr_ptr,
     kv_indices_ptr,
-    pos_ptr,
     page_size,
     sink_tokens,
     bubble_len,
@@ -94,21 +99,21 @@ def _token_rows(
     CSR: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
-    """``(page, row, valid)`` per token ``[BLOCK_T]``: from the slot (``idx_ptr`` is the
-    slot mapping) or, with ``CSR``, from request ``idx_ptr[t]`` and position
-    ``pos_ptr[t]`` through the ring window and the CSR page table. Padding (slot,
-    request or position ``-1``) and lanes past ``num_tokens`` are invalid."""
+    """``(page, row, valid)`` per token ``[BLOCK_T]``: from the slot or, with ``CSR``, from
+    request ``batch_indices[t]`` and position ``positions[t]`` through the ring window
+    and the CSR page table. Padding (slot, request or position ``-1``) and lanes past
+    ``num_tokens`` are invalid."""
     in_range = tokens < num_tokens
     if CSR:
-        batch = tl.load(idx_ptr + tokens, mask=in_range, other=-1)
-        pos = tl.load(pos_ptr + tokens, mask=in_range, other=-1)
+        batch = tl.load(batch_indices_ptr + tokens, mask=in_range, other=-1)
+        pos = tl.load(positions_ptr + tokens, mask=in_range, other=-1)
         valid = in_range & (batch >= 0) & (pos >= 0)
         cache_row = kv_token_idx(tl.where(valid, pos, 0), sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
         first = tl.load(kv_indptr_ptr + batch, mask=valid, other=0)
         page = tl.load(kv_indices_ptr + first + cache_row // page_size, mask=valid, other=0)
         row = cache_row % page_size
     else:
-        slot = tl.load(idx_ptr + tokens, mask=in_range, other=-1)
+        slot = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1)
         valid = slot >= 0
         slot = tl.where(valid, slot, 0)
         page = slot // page_size
@@ -206,8 +211,9 @@ def _append_kernel(
     v_ptr,
     cache_ptr,
     q_ptr,
-    idx_ptr,
-    pos_ptr,
+    slot_mapping_ptr,
+    batch_indices_ptr,
+    positions_ptr,
     kv_indptr_ptr,
     kv_indices_ptr,
     inv_freq_ptr,
@@ -247,10 +253,11 @@ def _append_kernel(
     page, row, valid = _token_rows(
         tokens,
         num_tokens,
-        idx_ptr,
+        slot_mapping_ptr,
+        batch_indices_ptr,
+        positions_ptr,
         kv_indptr_ptr,
         kv_indices_ptr,
-        pos_ptr,
         page_size,
         sink_tokens,
         bubble_len,
@@ -263,31 +270,17 @@ def _append_kernel(
     hb = tl.program_id(1)
     if ROPE != 0:
         pair = tl.arange(0, BLOCK_D // 2)
-        pos = tl.load(pos_ptr + tokens, mask=valid, other=0)
+        pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
         cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
     if hb < kv_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_th = valid[:, None] & (heads < num_kv_heads)[None, :]
-        zero = tl.zeros_like(page)
-        dst_k = _cache_offset(page, 0, row, zero, zero, stride_page, stride_kv, stride_n, stride_h, stride_d)
+        dst_k = row_offset(page, row, stride_page, stride_n)  # K of head 0, feature 0 of each token's row
         if ROPE != 0:
             _rope_tile(
-                k_ptr,
-                tok * stride_kt,
-                stride_kh,
-                stride_kd,
-                cache_ptr,
-                dst_k,
-                stride_h,
-                stride_d,
-                heads,
-                mask_th,
-                cos,
-                sin,
-                head_dim // 2,
-                ROPE == 1,
-                BLOCK_D // 2,
-            )
+                k_ptr, tok * stride_kt, stride_kh, stride_kd, cache_ptr, dst_k, stride_h, stride_d, heads, mask_th,
+                cos, sin, head_dim // 2, ROPE == 1, BLOCK_D // 2,
+            )  # fmt: skip
         else:
             _copy_tile(
                 k_ptr, tok * stride_kt, stride_kh, stride_kd, cache_ptr, dst_k, stride_h, stride_d, heads, mask_th,
@@ -312,7 +305,7 @@ def _zero_v_tail_kernel(
     cache_ptr,
     kv_indptr_ptr,
     kv_indices_ptr,
-    last_ptr,
+    kv_last_page_len_ptr,
     num_kv_heads,
     head_dim,
     page_size,
@@ -325,8 +318,10 @@ def _zero_v_tail_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program ``(b, h)``: zero V rows ``last_page_len[b] .. page_size - 1`` of request
-    ``b``'s last page for head block ``h`` (nothing for a request without pages)."""
+    """Program ``(b, r, h)``: zero the V rows ``r*BLOCK_R ...`` that lie at or past
+    ``kv_last_page_len[b]`` in request ``b``'s last page, for head block ``h`` (nothing
+    for a request without pages). One program per row block rather than a loop over
+    rows: Triton 3.6's interpreter cannot ``range()`` over a runtime bound."""
     b = tl.program_id(0)
     start = tl.load(kv_indptr_ptr + b)
     end = tl.load(kv_indptr_ptr + b + 1)
@@ -335,92 +330,246 @@ def _zero_v_tail_kernel(
     # A request without pages zeroes nothing: its tail starts at page_size. (Folded into
     # the row bound rather than and-ed as a scalar mask, which the interpreter widens
     # to int32.)
-    first_zero = tl.where(has_pages, tl.load(last_ptr + b), page_size)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    first_zero = tl.where(has_pages, tl.load(kv_last_page_len_ptr + b), page_size)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     feat = tl.arange(0, BLOCK_D)
+    mask_r = (rows >= first_zero) & (rows < page_size)
+    mask = mask_r[:, None, None] & (heads < num_kv_heads)[None, :, None] & (feat < head_dim)[None, None, :]
+    offs = cache_offset(
+        page, 1, rows[:, None, None], heads[None, :, None], feat[None, None, :],
+        stride_page, stride_kv, stride_n, stride_h, stride_d,
+    )  # fmt: skip
     zeros = tl.zeros((BLOCK_R, BLOCK_H, BLOCK_D), dtype=cache_ptr.dtype.element_ty)
-    for r0 in range(0, page_size, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        mask_r = (rows >= first_zero) & (rows < page_size)
-        mask = mask_r[:, None, None] & (heads < num_kv_heads)[None, :, None] & (feat < head_dim)[None, None, :]
-        offs = _cache_offset(
-            page,
-            1,
-            rows[:, None, None],
-            heads[None, :, None],
-            feat[None, None, :],
-            stride_page,
-            stride_kv,
-            stride_n,
-            stride_h,
-            stride_d,
-        )
-        tl.store(cache_ptr + offs, zeros, mask=mask)
+    tl.store(cache_ptr + offs, zeros, mask=mask)
 
 
-# --------------------------------------------------------------------------- host code
+# --------------------------------------------------------------------------- plans
 
 
-def write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_H, BLOCK_D)`` for a launch. Compiled: tiles of about 2048
-    elements (a few per thread at 4 warps), so even a short prefill spreads over the
-    SMs. Interpreted: about 2**17 elements (the interpreter pays per operation, not per
-    element), all heads at once."""
-    block_d = triton.next_power_of_2(head_dim)
-    heads = triton.next_power_of_2(max(num_heads, 1))
-    if runtime.BACKEND.interpreted:
-        block_h, budget = heads, 2**17
-    else:
-        block_h, budget = min(heads, max(1, 512 // block_d)), 2048
-    block_t = max(1, min(triton.next_power_of_2(max(num_tokens, 1)), budget // (block_h * block_d)))
-    return block_t, block_h, block_d
+def _fingerprint(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    """:func:`pagedkv_lib.reference.rope_inv_freq` (float64) on ``device``."""
-    return reference.rope_inv_freq(head_dim, theta).to(device)
+@dataclass(frozen=True)
+class AppendPlan:
+    """A validated append: everything :func:`run_append` launches, checked once.
+
+    Index tensors are the caller's device tensors made contiguous (the kernel reads
+    them densely); ``cache`` and ``k``/``v``/``q`` given to :func:`run_append` must have
+    the shapes, dtypes and device the plan was made for (``cache`` also its strides:
+    page ids and slots were checked against it).
+    """
+
+    layout: str
+    cache: tuple  # (shape, strides, dtype, device) of the pool
+    num_tokens: int
+    num_kv_heads: int
+    num_q_heads: int  # 0 without q
+    head_dim: int
+    page_size: int
+    kv_dtype: torch.dtype
+    q_dtype: torch.dtype | None
+    slot_mapping: torch.Tensor | None  # slot form
+    batch_indices: torch.Tensor | None  # CSR form
+    kv_indptr: torch.Tensor | None
+    kv_indices: torch.Tensor | None
+    positions: torch.Tensor | None  # CSR addressing and/or RoPE
+    window: RingWindow | None
+    rope: str | None
+    inv_freq: torch.Tensor | None  # float64 [head_dim / 2] on the device, with rope
+    v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (kv_indptr, kv_indices, kv_last_page_len)
+    tiles: tuple[int, int, int]  # (BLOCK_T, BLOCK_H, BLOCK_D)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        block_t, block_h, _ = self.tiles
+        heads = triton.cdiv(self.num_kv_heads, block_h) + triton.cdiv(self.num_q_heads, block_h)
+        return triton.cdiv(self.num_tokens, block_t), heads
 
 
-def _launch_append(k, v, cache, layout, idx, positions, kv_indptr, kv_indices, window, rope, rope_theta, q) -> None:
+def _contiguous(t):
+    return None if t is None else t.contiguous()
+
+
+def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
+    """Launch checks of a write: devices, kernel dtypes, index tensors, and a pool that
+    can be written (no element reached twice, inside its storage, not overlapping the
+    inputs)."""
+    for name, t in (("k", k), ("v", v), ("cache", cache)):
+        check_device(name, t)
+    check_kernel_dtype("cache", cache)
+    for name, (t, fits) in index_tensors.items():
+        check_index_tensor(name, t, fits_int32=fits)
+    check_no_self_overlap("cache", cache)
+    check_in_storage("cache", cache)
+    for name, t in (("k", k), ("v", v)):
+        check_no_overlap(name, t, "cache", cache)
+    if q is not None:
+        check_device("q", q)
+        check_kernel_dtype("q", q)
+        check_no_self_overlap("q", q)
+        check_no_overlap("q", q, "cache", cache)
+
+
+def _v_tail_tensors(cache, layout, zero_v_tail, written):
+    """Checks of V-tail zeroing (values, then launch); returns the three device tensors."""
+    if not isinstance(zero_v_tail, tuple) or len(zero_v_tail) != 3:
+        raise ValueError("zero_v_tail must be a tuple (kv_indptr, kv_indices, kv_last_page_len)")
+    for name, t in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), zero_v_tail):
+        check_index_tensor(name, t)
+    checks.check_v_tail_args(cache, *zero_v_tail, layout=layout, written=written)
+    return tuple(t.contiguous() for t in zero_v_tail)
+
+
+def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, **index) -> AppendPlan:
     dims = cache_dims(cache, layout)
-    # The kernel indexes the 1-D index arrays densely; views of them (slots[::2]) are
-    # copied (a no-op for the usual contiguous ones).
-    idx, positions, kv_indptr, kv_indices = (
-        None if t is None else t.contiguous() for t in (idx, positions, kv_indptr, kv_indices)
-    )
-    num_tokens = k.shape[0]
     num_q_heads = 0 if q is None else q.shape[1]
-    block_t, block_h, block_d = write_tiles(num_tokens, max(dims.num_kv_heads, num_q_heads), dims.head_dim)
-    kv_blocks = triton.cdiv(dims.num_kv_heads, block_h)
-    q_blocks = triton.cdiv(num_q_heads, block_h)
-    inv_freq = rope_inv_freq(dims.head_dim, rope_theta, cache.device) if rope else k  # k: unused placeholder
-    q_arg = k if q is None else q  # never dereferenced without HAS_Q
-    q_strides = (0, 0, 0) if q is None else q.stride()
-    csr = kv_indptr is not None
-    grid = (triton.cdiv(num_tokens, block_t), kv_blocks + q_blocks)
-    _append_kernel[grid](
+    inv_freq = reference.rope_inv_freq(dims.head_dim, rope_theta).to(cache.device) if rope else None
+    return AppendPlan(
+        layout=layout,
+        cache=_fingerprint(cache),
+        num_tokens=k.shape[0],
+        num_kv_heads=dims.num_kv_heads,
+        num_q_heads=num_q_heads,
+        head_dim=dims.head_dim,
+        page_size=dims.page_size,
+        kv_dtype=k.dtype,
+        q_dtype=None if q is None else q.dtype,
+        window=window,
+        rope=rope,
+        inv_freq=inv_freq,
+        v_tail=v_tail,
+        tiles=write_tiles(k.shape[0], max(dims.num_kv_heads, num_q_heads), dims.head_dim),
+        **{
+            name: _contiguous(index.get(name))
+            for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
+        },
+    )
+
+
+def plan_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: str = "NHD",
+    *,
+    rope: str | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    q: torch.Tensor | None = None,
+    zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> AppendPlan:
+    """Validate an :func:`append_paged_kv` call once and return its :class:`AppendPlan`
+    (nothing is written). Arguments and errors as :func:`append_paged_kv`."""
+    slots = checks.check_append_args(k, v, cache, slot_mapping, layout)
+    checks.check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
+    index = {"slot_mapping": (slot_mapping, False)}
+    if rope is not None:
+        index["positions"] = (positions, False)
+    _check_write_launch(k, v, cache, q, index)
+    tail = None if zero_v_tail is None else _v_tail_tensors(cache, layout, zero_v_tail, slots)
+    return _plan(
+        k, v, cache, layout, q, rope, rope_theta, None, tail, slot_mapping=slot_mapping,
+        positions=positions if rope is not None else None,
+    )  # fmt: skip
+
+
+def plan_append_csr(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    layout: str = "NHD",
+    *,
+    window: RingWindow | None = None,
+    rope: str | None = None,
+    rope_theta: float = 10000.0,
+    q: torch.Tensor | None = None,
+    kv_last_page_len: torch.Tensor | None = None,
+) -> AppendPlan:
+    """Validate an :func:`append_paged_kv_csr` call once and return its :class:`AppendPlan`
+    (nothing is written). Arguments and errors as :func:`append_paged_kv_csr`."""
+    slots = checks.check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window)
+    checks.check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
+    index = {
+        "batch_indices": (batch_indices, False),
+        "positions": (positions, False),
+        "kv_indices": (kv_indices, True),
+        "kv_indptr": (kv_indptr, True),
+    }
+    _check_write_launch(k, v, cache, q, index)
+    tail = None
+    if kv_last_page_len is not None:
+        tail = _v_tail_tensors(cache, layout, (kv_indptr, kv_indices, kv_last_page_len), slots)
+    return _plan(
+        k, v, cache, layout, q, rope, rope_theta, window, tail, batch_indices=batch_indices, positions=positions,
+        kv_indptr=kv_indptr, kv_indices=kv_indices,
+    )  # fmt: skip
+
+
+def _check_run_inputs(plan: AppendPlan, k, v, cache, q) -> None:
+    """The tensors given to :func:`run_append` must be what the plan was made for."""
+    check_same_layout("cache", cache, plan.cache)
+    want = (plan.num_tokens, plan.num_kv_heads, plan.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != plan.kv_dtype:
+            raise ValueError(f"{name} must be {plan.kv_dtype} of shape {want} as planned, got {getattr(t, 'shape', t)}")
+        check_device(name, t)
+        check_no_overlap(name, t, "cache", cache)
+    if (q is None) != (plan.q_dtype is None):
+        raise ValueError("q must be given exactly when the plan was made with q")
+    if q is not None:
+        if tuple(q.shape) != (plan.num_tokens, plan.num_q_heads, plan.head_dim) or q.dtype != plan.q_dtype:
+            raise ValueError(f"q has shape {tuple(q.shape)} and {q.dtype}; the plan was made for another q")
+        check_device("q", q)
+        check_no_self_overlap("q", q)
+        check_no_overlap("q", q, "cache", cache)
+
+
+def run_append(plan: AppendPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, q=None) -> None:
+    """Launch a planned append (and its V-tail zeroing), in place. ``k``, ``v``, ``cache``
+    and ``q`` may be other tensors than those planned with, of the same shapes, dtypes
+    and device (``cache`` also of the same strides); anything else is a ValueError."""
+    _check_run_inputs(plan, k, v, cache, q)
+    if plan.num_tokens:
+        _launch_append(plan, k, v, cache, q)
+    if plan.v_tail is not None:
+        _launch_v_tail(cache, plan.layout, *plan.v_tail)
+
+
+def _launch_append(plan: AppendPlan, k, v, cache, q) -> None:
+    block_t, block_h, block_d = plan.tiles
+    dummy = plan.slot_mapping if plan.slot_mapping is not None else plan.batch_indices  # never dereferenced
+    csr = plan.kv_indptr is not None
+    _append_kernel[plan.grid](
         k,
         v,
         cache,
-        q_arg,
-        idx,
-        idx if positions is None else positions,
-        kv_indptr if csr else idx,
-        kv_indices if csr else idx,
-        inv_freq,
-        num_tokens,
-        dims.num_kv_heads,
-        num_q_heads,
-        dims.head_dim,
-        dims.page_size,
+        k if q is None else q,  # q_ptr is never dereferenced without HAS_Q
+        dummy,
+        dummy if plan.batch_indices is None else plan.batch_indices,
+        dummy if plan.positions is None else plan.positions,
+        plan.kv_indptr if csr else dummy,
+        plan.kv_indices if csr else dummy,
+        k if plan.inv_freq is None else plan.inv_freq,
+        plan.num_tokens,
+        plan.num_kv_heads,
+        plan.num_q_heads,
+        plan.head_dim,
+        plan.page_size,
         *k.stride(),
         *v.stride(),
-        *q_strides,
-        *cache_strides(cache, layout),
-        *ring_params(window),
+        *((0, 0, 0) if q is None else q.stride()),
+        *cache_strides(cache, plan.layout),
+        *ring_params(plan.window),
         CSR=csr,
-        HAS_WINDOW=window is not None,
-        ROPE=ROPE_STYLES[rope],
+        HAS_WINDOW=plan.window is not None,
+        ROPE=ROPE_CODES[plan.rope],
         HAS_Q=q is not None,
         BLOCK_T=block_t,
         BLOCK_H=block_h,
@@ -430,13 +579,12 @@ def _launch_append(k, v, cache, layout, idx, positions, kv_indptr, kv_indices, w
 
 def _launch_v_tail(cache, layout, kv_indptr, kv_indices, kv_last_page_len) -> None:
     dims = cache_dims(cache, layout)
-    kv_indptr, kv_indices, kv_last_page_len = (t.contiguous() for t in (kv_indptr, kv_indices, kv_last_page_len))
     batch = kv_last_page_len.numel()
     if batch == 0:
         return
     # Rows of a page play the part of tokens: the same tile budget applies.
     block_r, block_h, block_d = write_tiles(dims.page_size, dims.num_kv_heads, dims.head_dim)
-    grid = (batch, triton.cdiv(dims.num_kv_heads, block_h))
+    grid = (batch, triton.cdiv(dims.page_size, block_r), triton.cdiv(dims.num_kv_heads, block_h))
     _zero_v_tail_kernel[grid](
         cache,
         kv_indptr,
@@ -450,6 +598,9 @@ def _launch_v_tail(cache, layout, kv_indptr, kv_indices, kv_last_page_len) -> No
         BLOCK_H=block_h,
         BLOCK_D=block_d,
     )
+
+
+# --------------------------------------------------------------------------- entry points
 
 
 def append_paged_kv(
@@ -485,18 +636,15 @@ def append_paged_kv(
     ``P @ V`` product is not.
 
     All tensors must be on :func:`pagedkv_lib.runtime.device`. Raises ValueError naming
-    the argument (shape, dtype, device, slot range or duplicate, overlapping output
-    memory) before anything is written.
+    the argument (shape, dtype, device, slot range or duplicate, overlapping memory)
+    before anything is written. The Python twin is
+    :func:`pagedkv_lib.reference.append_paged_kv` (same arguments, same rules).
     """
-    slots = check_append_args(k, v, cache, slot_mapping, layout)
-    check_append_launch(k, v, cache, layout, slot_mapping=slot_mapping)
-    positions = check_rope_launch(k, cache, layout, rope, positions, rope_theta, q, valid=slots >= 0)
-    tail = None if zero_v_tail is None else check_v_tail_args(cache, layout, *zero_v_tail, written=slots)
-    if k.shape[0]:
-        # The device tensor itself: check_append_args returns its host copy.
-        _launch_append(k, v, cache, layout, slot_mapping, positions, None, None, None, rope, rope_theta, q)
-    if tail is not None:
-        _launch_v_tail(cache, layout, *tail)
+    plan = plan_append(
+        k, v, cache, slot_mapping, layout, rope=rope, positions=positions, rope_theta=rope_theta, q=q,
+        zero_v_tail=zero_v_tail,
+    )  # fmt: skip
+    run_append(plan, k, v, cache, q)
 
 
 def append_paged_kv_csr(
@@ -519,37 +667,31 @@ def append_paged_kv_csr(
     by request and position (FlashInfer's ``append_paged_kv_cache``); returns None.
 
     Token ``i`` of request ``b = batch_indices[i]`` at position ``p = positions[i]``
-    (both ``[num_tokens]``; ``-1`` in either marks padding) is stored in cache row ``r =
-    p`` (or ``window.kv_token_idx(p)`` with a :class:`RingWindow`) of the request's
-    pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``: page ``kv_indices[kv_indptr[b]
-    + r // page_size]``, row ``r % page_size``. The kernel computes this itself; the
-    launcher checks beforehand that every token lands on one of its request's pages.
+    (both ``[num_tokens]``; ``-1`` in either marks padding, other negative values are
+    refused) is stored in cache row ``r = p`` (or ``window.kv_token_idx(p)`` with a
+    :class:`RingWindow`) of the request's pages ``kv_indices[kv_indptr[b]:kv_indptr[b +
+    1]]``: page ``kv_indices[kv_indptr[b] + r // page_size]``, row ``r % page_size``.
+    The kernel computes this itself; the launcher checks beforehand that every token
+    lands on one of its request's pages, inside the pool.
 
     ``rope``, ``rope_theta`` and ``q`` as in :func:`append_paged_kv`; RoPE uses the
     absolute position ``p``, never the ring row. With ``kv_last_page_len [batch]`` the
     V tail of every request's last page is zeroed afterwards (see
     :func:`append_paged_kv`). Raises ValueError naming the argument before any write.
     """
-    check_window(window)
-    slots, batch_indices, positions = check_csr_append_args(
-        k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window
-    )
-    check_append_launch(k, v, cache, layout, kv_indices=kv_indices, kv_indptr=kv_indptr)
-    check_rope_launch(k, cache, layout, rope, positions, rope_theta, q, valid=slots >= 0)
-    tail = None
-    if kv_last_page_len is not None:
-        tail = check_v_tail_args(cache, layout, kv_indptr, kv_indices, kv_last_page_len, written=slots)
-    if k.shape[0]:
-        _launch_append(
-            k, v, cache, layout, batch_indices, positions, kv_indptr, kv_indices, window, rope, rope_theta, q
-        )
-    if tail is not None:
-        _launch_v_tail(cache, layout, *tail)
+    plan = plan_append_csr(
+        k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window=window, rope=rope,
+        rope_theta=rope_theta, q=q, kv_last_page_len=kv_last_page_len,
+    )  # fmt: skip
+    run_append(plan, k, v, cache, q)
 
 
 def zero_paged_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> None:
     """Zero V rows ``kv_last_page_len[b] .. page_size - 1`` of each request's last page
     ``kv_indices[kv_indptr[b + 1] - 1]``, in place (returns None). Requests without pages
     are skipped. Raises ValueError naming the argument (see :func:`append_paged_kv`)."""
-    tail = check_v_tail_args(cache, layout, kv_indptr, kv_indices, kv_last_page_len)
-    _launch_v_tail(cache, layout, *tail)
+    check_device("cache", cache)
+    check_kernel_dtype("cache", cache)
+    check_no_self_overlap("cache", cache)
+    check_in_storage("cache", cache)
+    _launch_v_tail(cache, layout, *_v_tail_tensors(cache, layout, (kv_indptr, kv_indices, kv_last_page_len), None))

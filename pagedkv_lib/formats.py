@@ -16,39 +16,66 @@ from collections.abc import Sequence
 
 import torch
 
-from .indexing import locate, slot_of
+from .indexing import check_page_size, locate, slot_of
 from .window import RingWindow
 
 __all__ = [
     "PAD",
+    "index_tensor",
+    "padding_mask",
     "pad_block_tables",
     "scatter_pages",
     "csr_seq_lens",
+    "check_csr_lengths",
+    "check_csr",
     "block_table_to_csr",
     "csr_to_block_table",
     "slot_mapping",
     "csr_slot_mapping",
     "get_batch_indices_positions",
-    "check_csr",
 ]
 
-PAD = -1  # the padding value of block tables and slot mappings
+PAD = -1  # the padding value of block tables, slot mappings, batch indices and positions
+
+_NOT_INTEGER = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
 
 
-def _int_tensor(name: str, x, dims: int) -> torch.Tensor:
-    t = torch.as_tensor(x)
+def index_tensor(name: str, x, dims: int) -> torch.Tensor:
+    """``x`` (a tensor, list or array of integers) as a ``dims``-D int64 tensor on the host.
+
+    Index bookkeeping stays on the host whatever the pool's device. Raises ValueError
+    naming ``name`` for None, non-numbers, floats, bools, complex numbers, tensors on
+    the ``meta`` device (they hold no values) and the wrong number of dimensions.
+    """
+    if x is None:
+        raise ValueError(f"{name} is None; expected a {dims}-D integer tensor")
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and holds no values")
+    try:
+        t = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{name} must be a {dims}-D integer tensor, got {type(x).__name__}: {err}") from None
     if t.numel() == 0 and not isinstance(x, torch.Tensor):
         t = t.to(torch.int64)  # an empty Python list is an empty index list, not float32
-    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
+    if t.dtype in _NOT_INTEGER or t.dtype.is_complex:
         raise ValueError(f"{name} must hold integers, got dtype {t.dtype}")
     if t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
-    return t.to("cpu", torch.int64)  # index bookkeeping stays on the host, whatever the pool's device
+    return t.to("cpu", torch.int64)
 
 
-def _check_page_size(page_size: int) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size={page_size!r} must be a positive int")
+def padding_mask(**indices: torch.Tensor) -> torch.Tensor:
+    """True where any of the given host index tensors (equal lengths) is ``-1``, the one
+    padding value. Any other negative value is a ValueError naming it: treating it as
+    padding would silently drop a token whose index was computed wrong."""
+    pad = None
+    for name, t in indices.items():
+        bad = t < PAD
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"{name}[{i}]={int(t[i])} is negative; only -1 marks a padding token")
+        pad = (t == PAD) if pad is None else pad | (t == PAD)
+    return pad
 
 
 def pad_block_tables(tables: Sequence[Sequence[int]], max_blocks: int | None = None) -> torch.Tensor:
@@ -76,25 +103,18 @@ def scatter_pages(pages_per_seq: Sequence[int], num_pages: int, generator: torch
     return rows
 
 
-def csr_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
-    """Sequence lengths ``[batch]`` of a CSR page table:
-    ``clamp(pages - 1, min=0) * page_size + last_page_len``."""
-    _check_page_size(page_size)
-    indptr = _int_tensor("kv_indptr", kv_indptr, 1)
-    last = _int_tensor("kv_last_page_len", kv_last_page_len, 1)
-    if indptr.numel() != last.numel() + 1:
-        raise ValueError(f"kv_indptr has {indptr.numel()} entries for {last.numel()} kv_last_page_len entries")
-    pages = indptr[1:] - indptr[:-1]
-    return (torch.clamp(pages - 1, min=0) * page_size + last).to(torch.int32)
+def check_csr_lengths(kv_indptr, kv_last_page_len, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one length rule of a CSR page table; returns ``(kv_indptr, kv_last_page_len)``
+    as host int64 tensors.
 
-
-def check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int, num_pages: int | None = None) -> None:
-    """Raise ValueError naming the first violated rule of a CSR page table (page ids are
-    also checked against ``num_pages`` when given)."""
-    _check_page_size(page_size)
-    indptr = _int_tensor("kv_indptr", kv_indptr, 1)
-    indices = _int_tensor("kv_indices", kv_indices, 1)
-    last = _int_tensor("kv_last_page_len", kv_last_page_len, 1)
+    ``kv_indptr [batch + 1]`` starts at 0 and never decreases; a request with pages
+    fills ``1 <= kv_last_page_len[b] <= page_size`` rows of its last one, a request
+    without pages has ``kv_last_page_len[b] == 0`` (length 0). Raises ValueError naming
+    the first violated rule.
+    """
+    check_page_size(page_size)
+    indptr = index_tensor("kv_indptr", kv_indptr, 1)
+    last = index_tensor("kv_last_page_len", kv_last_page_len, 1)
     if indptr.numel() != last.numel() + 1:
         raise ValueError(
             f"kv_indptr has {indptr.numel()} entries; kv_last_page_len has {last.numel()}, so "
@@ -106,14 +126,37 @@ def check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int, num_pages
     if (pages < 0).any():
         b = int(torch.nonzero(pages < 0)[0])
         raise ValueError(f"kv_indptr decreases at {b}: {int(indptr[b])} -> {int(indptr[b + 1])}")
+    empty_bad = (pages == 0) & (last != 0)
+    if empty_bad.any():
+        b = int(torch.nonzero(empty_bad)[0])
+        raise ValueError(f"kv_last_page_len[{b}]={int(last[b])} for a request with no pages (must be 0)")
+    full_bad = (pages > 0) & ((last < 1) | (last > page_size))
+    if full_bad.any():
+        b = int(torch.nonzero(full_bad)[0])
+        raise ValueError(f"kv_last_page_len[{b}]={int(last[b])} must be in [1, page_size={page_size}]")
+    return indptr, last
+
+
+def csr_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
+    """Sequence lengths ``[batch]`` (int32) of a CSR page table:
+    ``(pages - 1) * page_size + last_page_len``, and 0 for a request without pages.
+    The table must satisfy :func:`check_csr_lengths` (ValueError otherwise)."""
+    indptr, last = check_csr_lengths(kv_indptr, kv_last_page_len, page_size)
+    pages = indptr[1:] - indptr[:-1]
+    return torch.where(pages > 0, (pages - 1) * page_size + last, 0).to(torch.int32)
+
+
+def check_csr(
+    kv_indptr, kv_indices, kv_last_page_len, page_size: int, num_pages: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate a whole CSR page table; return ``(kv_indptr, kv_indices, kv_last_page_len)``
+    as host int64 tensors. The lengths follow :func:`check_csr_lengths`;
+    ``kv_indptr[-1]`` must equal ``len(kv_indices)``, and every page id must be >= 0
+    (and < ``num_pages`` when given). Raises ValueError naming the first violated rule."""
+    indptr, last = check_csr_lengths(kv_indptr, kv_last_page_len, page_size)
+    indices = index_tensor("kv_indices", kv_indices, 1)
     if indptr[-1] != indices.numel():
         raise ValueError(f"kv_indptr[-1]={int(indptr[-1])} but kv_indices has {indices.numel()} entries")
-    for b in range(last.numel()):
-        n, lp = int(pages[b]), int(last[b])
-        if n == 0 and lp != 0:
-            raise ValueError(f"kv_last_page_len[{b}]={lp} for a request with no pages (must be 0)")
-        if n > 0 and not 1 <= lp <= page_size:
-            raise ValueError(f"kv_last_page_len[{b}]={lp} must be in [1, page_size={page_size}]")
     bad = indices < 0
     if num_pages is not None:
         bad |= indices >= num_pages
@@ -121,6 +164,7 @@ def check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int, num_pages
         i = int(torch.nonzero(bad)[0])
         pool = f" of the pool ({num_pages} pages)" if num_pages is not None else ""
         raise ValueError(f"kv_indices[{i}]={int(indices[i])} is not a page id{pool}")
+    return indptr, indices, last
 
 
 def block_table_to_csr(block_tables, seq_lens, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,9 +173,9 @@ def block_table_to_csr(block_tables, seq_lens, page_size: int) -> tuple[torch.Te
     Request ``b`` keeps its first ``ceil(seq_lens[b] / page_size)`` table entries;
     each of them must be a page id (not ``-1``).
     """
-    _check_page_size(page_size)
-    table = _int_tensor("block_tables", block_tables, 2)
-    lens = _int_tensor("seq_lens", seq_lens, 1)
+    check_page_size(page_size)
+    table = index_tensor("block_tables", block_tables, 2)
+    lens = index_tensor("seq_lens", seq_lens, 1)
     if lens.numel() != table.shape[0]:
         raise ValueError(f"seq_lens has {lens.numel()} entries for {table.shape[0]} block_tables rows")
     if (lens < 0).any():
@@ -159,12 +203,21 @@ def csr_to_block_table(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CSR page table -> ``(block_tables [batch, max_blocks], seq_lens [batch])``, int32,
     padded with ``-1``. ``max_blocks`` defaults to the longest request's page count."""
-    check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
-    indptr = _int_tensor("kv_indptr", kv_indptr, 1)
-    indices = _int_tensor("kv_indices", kv_indices, 1)
+    indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
     rows = [indices[indptr[b] : indptr[b + 1]].tolist() for b in range(indptr.numel() - 1)]
     table = pad_block_tables(rows, max_blocks)
-    return table, csr_seq_lens(indptr, kv_last_page_len, page_size)
+    return table, csr_seq_lens(indptr, last, page_size)
+
+
+def _window_rows(pos: torch.Tensor, page_size: int, window: RingWindow | None) -> torch.Tensor:
+    """Cache rows of positions (the ring's ``kv_token_idx`` with a window)."""
+    if window is None:
+        return pos
+    if not isinstance(window, RingWindow):
+        raise ValueError(f"window must be a RingWindow or None, got {type(window).__name__}")
+    if window.tokens_per_block != page_size:
+        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
+    return window.kv_token_idx(pos)
 
 
 def slot_mapping(
@@ -175,25 +228,21 @@ def slot_mapping(
     ``slot = block_tables[b, block] * page_size + offset`` with
     ``(block, offset) = locate(row, page_size)`` and ``row = position`` (or
     ``window.kv_token_idx(position)`` with a ring window). A token whose batch index or
-    position is ``-1`` is padding and maps to ``-1``. A real token whose table entry
-    is ``-1`` or beyond the table raises ValueError: indexing with ``-1`` would
-    silently hit the last page.
+    position is ``-1`` is padding and maps to ``-1``; any other negative value is a
+    ValueError. A real token whose table entry is ``-1`` or beyond the table raises
+    ValueError: indexing with ``-1`` would silently hit the last page.
     """
-    _check_page_size(page_size)
-    table = _int_tensor("block_tables", block_tables, 2)
-    batch = _int_tensor("batch_indices", batch_indices, 1)
-    pos = _int_tensor("positions", positions, 1)
+    check_page_size(page_size)
+    table = index_tensor("block_tables", block_tables, 2)
+    batch = index_tensor("batch_indices", batch_indices, 1)
+    pos = index_tensor("positions", positions, 1)
     if batch.numel() != pos.numel():
         raise ValueError(f"batch_indices has {batch.numel()} entries but positions has {pos.numel()}")
-    if window is not None and window.tokens_per_block != page_size:
-        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
-    pad = (batch < 0) | (pos < 0)
+    pad = padding_mask(batch_indices=batch, positions=pos)
     if (batch >= table.shape[0]).any():
         i = int(torch.nonzero(batch >= table.shape[0])[0])
         raise ValueError(f"batch_indices[{i}]={int(batch[i])} but block_tables has {table.shape[0]} rows")
-    rows = torch.where(pad, 0, pos)
-    if window is not None:
-        rows = window.kv_token_idx(rows)
+    rows = _window_rows(torch.where(pad, 0, pos), page_size, window)
     block, offset = locate(rows, page_size)
     b = torch.where(pad, 0, batch)
     outside = ~pad & (block >= table.shape[1])
@@ -214,34 +263,37 @@ def slot_mapping(
     return torch.where(pad, PAD, slot_of(page, offset, page_size))
 
 
-def csr_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size: int, window=None) -> torch.Tensor:
+def csr_slot_mapping(
+    batch_indices, positions, kv_indices, kv_indptr, page_size: int, window=None, num_pages: int | None = None
+) -> torch.Tensor:
     """Flat slots ``[num_tokens]`` (int64, CPU) of tokens given by request and position
     over a CSR page table, ``-1`` for padding (request or position ``-1``): the host
-    twin of the write kernel's CSR addressing, used by the write kernel to validate before a launch.
+    twin of the write kernel's CSR addressing, which both the reference and the
+    kernel's launcher use to validate a CSR append.
 
-    Raises ValueError when ``kv_indptr`` is not a non-decreasing ``[batch + 1]`` array
-    inside ``kv_indices``, a request id is not in ``[0, batch)``, a token's page lies
-    past its request's pages, or its page id is negative.
+    Raises ValueError naming the argument when a batch index or position is negative
+    but not ``-1``, ``kv_indptr`` is not a non-decreasing ``[batch + 1]`` array inside
+    ``kv_indices``, a request id is not in ``[0, batch)``, a token's page lies past its
+    request's pages, or the page id it lands on is negative (or ``>= num_pages`` when
+    given): the message names the ``kv_indices`` entry, not a slot the caller never
+    passed.
     """
-    batch, pos = _int_tensor("batch_indices", batch_indices, 1), _int_tensor("positions", positions, 1)
+    check_page_size(page_size)
+    batch, pos = index_tensor("batch_indices", batch_indices, 1), index_tensor("positions", positions, 1)
     if pos.numel() != batch.numel():
         raise ValueError(f"positions has {pos.numel()} entries for {batch.numel()} tokens")
-    indptr, indices = _int_tensor("kv_indptr", kv_indptr, 1), _int_tensor("kv_indices", kv_indices, 1)
+    indptr, indices = index_tensor("kv_indptr", kv_indptr, 1), index_tensor("kv_indices", kv_indices, 1)
     if indptr.numel() == 0 or int(indptr[0]) != 0:
         raise ValueError(f"kv_indptr must start with 0, got {indptr[:1].tolist()}")
     if (indptr[1:] < indptr[:-1]).any() or int(indptr[-1]) > indices.numel():
         raise ValueError(f"kv_indptr={indptr.tolist()} must be non-decreasing and end <= {indices.numel()}")
-    if window is not None and window.tokens_per_block != page_size:
-        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
-    pad = (batch < 0) | (pos < 0)
+    pad = padding_mask(batch_indices=batch, positions=pos)
     bad = ~pad & (batch >= indptr.numel() - 1)
     if bad.any():
         i = int(torch.nonzero(bad)[0])
         raise ValueError(f"batch_indices[{i}]={int(batch[i])} but kv_indptr describes {indptr.numel() - 1} requests")
-    b, rows = torch.where(pad, 0, batch), torch.where(pad, 0, pos)
-    if window is not None:
-        rows = window.kv_token_idx(rows)
-    block, offset = locate(rows, page_size)
+    b = torch.where(pad, 0, batch)
+    block, offset = locate(_window_rows(torch.where(pad, 0, pos), page_size, window), page_size)
     owned = indptr[b + 1] - indptr[b]
     outside = ~pad & (block >= owned)
     if outside.any():
@@ -250,11 +302,17 @@ def csr_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size:
             f"positions[{i}]={int(pos[i])} falls in block {int(block[i])} but request {int(batch[i])} "
             f"owns {int(owned[i])} pages in kv_indices"
         )
-    page = indices[torch.where(pad, 0, indptr[b] + block).clamp(max=max(indices.numel() - 1, 0))]
-    if (~pad & (page < 0)).any():
-        i = int(torch.nonzero(~pad & (page < 0))[0])
-        raise ValueError(f"positions[{i}] of request {int(batch[i])} lands on kv_indices entry {int(page[i])}")
-    return torch.where(pad, -1, slot_of(page, offset, page_size))
+    entry = torch.where(pad, 0, indptr[b] + block).clamp(max=max(indices.numel() - 1, 0))
+    page = indices[entry] if indices.numel() else torch.zeros_like(entry)
+    bad = ~pad & ((page < 0) | (page >= (num_pages if num_pages is not None else 2**62)))
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        pool = f" of the pool ({num_pages} pages)" if num_pages is not None else ""
+        raise ValueError(
+            f"kv_indices[{int(entry[i])}]={int(page[i])} is not a page id{pool}; token {i} "
+            f"(request {int(batch[i])}, position {int(pos[i])}) would be written there"
+        )
+    return torch.where(pad, PAD, slot_of(page, offset, page_size))
 
 
 def get_batch_indices_positions(append_indptr, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,8 +322,8 @@ def get_batch_indices_positions(append_indptr, seq_lens) -> tuple[torch.Tensor, 
     batch; ``seq_lens [batch]`` are the lengths after the append, so the new tokens of
     request ``b`` take its last ``append_indptr[b+1] - append_indptr[b]`` positions.
     """
-    indptr = _int_tensor("append_indptr", append_indptr, 1)
-    lens = _int_tensor("seq_lens", seq_lens, 1)
+    indptr = index_tensor("append_indptr", append_indptr, 1)
+    lens = index_tensor("seq_lens", seq_lens, 1)
     if indptr.numel() != lens.numel() + 1:
         raise ValueError(f"append_indptr needs {lens.numel() + 1} entries for {lens.numel()} seq_lens")
     counts = indptr[1:] - indptr[:-1]

@@ -12,6 +12,7 @@ from typing import TypeVar
 import torch
 
 __all__ = [
+    "check_page_size",
     "is_power_of_two",
     "locate",
     "locate_pow2",
@@ -28,7 +29,8 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check_page_size(page_size: int) -> None:
+def check_page_size(page_size: int) -> None:
+    """Raise ValueError unless ``page_size`` is a positive int (tokens per page)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         raise ValueError(f"page_size={page_size!r} must be a positive int")
 
@@ -38,7 +40,7 @@ def locate(position: Index, page_size: int) -> tuple[Index, Index]:
 
     Works for any positive ``page_size`` (5 as well as 16). ``position`` must be >= 0.
     """
-    _check_page_size(page_size)
+    check_page_size(page_size)
     if isinstance(position, torch.Tensor):
         return torch.div(position, page_size, rounding_mode="floor"), position % page_size
     return divmod(position, page_size)
@@ -49,7 +51,7 @@ def locate_pow2(position: Index, page_size: int) -> tuple[Index, Index]:
 
     Equal to :func:`locate` for ``position >= 0``; raises ValueError for other page sizes.
     """
-    _check_page_size(page_size)
+    check_page_size(page_size)
     if not is_power_of_two(page_size):
         raise ValueError(f"page_size={page_size} is not a power of two; use locate()")
     shift = page_size.bit_length() - 1

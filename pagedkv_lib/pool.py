@@ -40,7 +40,8 @@ def check_layout(layout: str) -> str:
 
 
 def cache_dims(cache: torch.Tensor, layout: str = "NHD") -> CacheDims:
-    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a raw 5-D pool tensor."""
+    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a raw 5-D pool tensor; every
+    one must be > 0 (ValueError naming the empty dimension otherwise)."""
     check_layout(layout)
     if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[1] != 2:
         shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
@@ -49,7 +50,13 @@ def cache_dims(cache: torch.Tensor, layout: str = "NHD") -> CacheDims:
             want = "[num_pages, 2, num_kv_heads, page_size, head_dim]"
         raise ValueError(f"cache has shape {shape}; a {layout} pool is {want}")
     pages, _, a, b, dim = cache.shape
-    return CacheDims(pages, a, b, dim) if layout == "NHD" else CacheDims(pages, b, a, dim)
+    dims = CacheDims(pages, a, b, dim) if layout == "NHD" else CacheDims(pages, b, a, dim)
+    empty = [name for name, size in dims._asdict().items() if size == 0]
+    if empty:
+        # A pool with an empty dimension holds no row: every index into it is out of
+        # bounds (and page_size 0 would divide by zero in the slot arithmetic).
+        raise ValueError(f"cache has shape {tuple(cache.shape)}: {', '.join(empty)} is 0 ({layout} layout)")
+    return dims
 
 
 def cache_strides(cache: torch.Tensor, layout: str = "NHD") -> tuple[int, int, int, int, int]:

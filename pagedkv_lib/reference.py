@@ -3,8 +3,9 @@
 ``cache`` is always the raw 5-D pool tensor (see :mod:`pagedkv_lib.pool` for the NHD
 and HND layouts), so any tensor of that shape works. Each operation comes twice: a
 short loop (``*_loop``, for reading) and a vectorized torch form (for speed); the
-tests hold them equal. The ``check_*_args`` functions are the one home of argument
-checking; the Triton launchers call them too.
+tests hold them equal. Every entry point takes the same arguments as its Triton twin
+in ``kernels`` and checks them with the same functions of :mod:`pagedkv_lib.checks`,
+so the two accept exactly the same inputs.
 
 Devices: the pool may live on any device (appends write it in place there); index
 tensors are read on the host, and the attention references compute on the CPU and
@@ -17,155 +18,37 @@ import math
 
 import torch
 
-from .formats import PAD, _int_tensor, check_csr
+from .checks import (
+    check_append_args,
+    check_csr_append_args,
+    check_csr_decode_args,
+    check_decode_args,
+    check_merge_args,
+    check_prefill_args,
+    check_rope_args,
+    check_v_tail_args,
+)
+from .formats import PAD, index_tensor
 from .indexing import locate, split_slot
 from .pool import cache_dims
 from .window import RingWindow, window_mask
 
 __all__ = [
-    "check_append_args",
-    "check_block_tables",
-    "check_decode_args",
-    "check_prefill_args",
     "append_paged_kv",
+    "append_paged_kv_csr",
     "append_paged_kv_loop",
-    "check_v_tail_args",
     "zero_paged_v_tail",
     "gather_paged_kv",
     "gather_paged_kv_loop",
     "paged_decode_attention",
+    "paged_decode_attention_csr",
     "paged_decode_attention_loop",
     "paged_prefill_attention",
     "paged_prefill_attention_loop",
+    "merge_partials",
     "rope_inv_freq",
     "rope_reference",
 ]
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def check_append_args(k, v, cache, slot_mapping, layout: str = "NHD") -> torch.Tensor:
-    """Validate an append and return ``slot_mapping`` as int64.
-
-    ``k, v [num_tokens, num_kv_heads, head_dim]`` in the cache's dtype;
-    ``slot_mapping [num_tokens]`` integer, each ``-1`` or in ``[0, num_pages * page_size)``
-    and no slot twice (two writers of one row would race). Raises ValueError naming
-    the argument.
-    """
-    dims = cache_dims(cache, layout)
-    for name, x in (("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim], got {shape}")
-        if tuple(x.shape[1:]) != (dims.num_kv_heads, dims.head_dim):
-            raise ValueError(
-                f"{name} has shape {tuple(x.shape)} but the cache holds {dims.num_kv_heads} KV heads of "
-                f"head_dim {dims.head_dim}"
-            )
-        if x.dtype != cache.dtype:
-            raise ValueError(f"{name}.dtype={x.dtype} differs from cache.dtype={cache.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
-    slots = _int_tensor("slot_mapping", slot_mapping, 1)
-    if slots.numel() != k.shape[0]:
-        raise ValueError(f"slot_mapping has {slots.numel()} entries for {k.shape[0]} tokens")
-    num_slots = dims.num_pages * dims.page_size
-    bad = (slots < PAD) | (slots >= num_slots)
-    if bad.any():
-        i = int(torch.nonzero(bad)[0])
-        raise ValueError(
-            f"slot_mapping[{i}] = {int(slots[i])} is outside the pool "
-            f"({dims.num_pages} pages x {dims.page_size} slots; -1 marks padding)"
-        )
-    real = slots[slots >= 0]
-    if real.numel() != torch.unique(real).numel():
-        vals, counts = torch.unique(real, return_counts=True)
-        raise ValueError(f"slot_mapping writes slot {int(vals[counts > 1][0])} more than once")
-    return slots
-
-
-def _check_q(q, cache, layout: str) -> None:
-    dims = cache_dims(cache, layout)
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got {getattr(q, 'shape', type(q))}")
-    if q.dtype not in _FLOATS:
-        raise ValueError(f"q.dtype={q.dtype} is not a float dtype")
-    if q.shape[2] != dims.head_dim:
-        raise ValueError(f"q has head_dim {q.shape[2]} but the cache has {dims.head_dim}")
-    if q.shape[1] == 0 or q.shape[1] % dims.num_kv_heads:
-        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {dims.num_kv_heads} KV heads")
-
-
-def check_block_tables(cache, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None):
-    """Validate a padded page table against the pool; return ``(block_tables, seq_lens)`` as int64.
-
-    ``block_tables [batch, max_blocks]``: the first ``ceil(rows / page_size)`` entries of
-    row ``b`` must be page ids, where ``rows`` is ``seq_lens[b]`` (or the ring's cache
-    length with a window); ``seq_lens [batch]`` >= 0.
-    """
-    dims = cache_dims(cache, layout)
-    table = _int_tensor("block_tables", block_tables, 2)
-    lens = _int_tensor("seq_lens", seq_lens, 1)
-    if table.shape[0] != lens.numel():
-        raise ValueError(f"block_tables has {table.shape[0]} rows but seq_lens has {lens.numel()} entries")
-    if (lens < 0).any():
-        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
-    if window is not None and window.tokens_per_block != dims.page_size:
-        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={dims.page_size}")
-    rows = lens if window is None else window.cache_len(lens)
-    needed = torch.div(rows + dims.page_size - 1, dims.page_size, rounding_mode="floor")
-    if (needed > table.shape[1]).any():
-        b = int(torch.nonzero(needed > table.shape[1])[0])
-        raise ValueError(
-            f"seq_lens[{b}]={int(lens[b])} needs {int(needed[b])} pages; block_tables has {table.shape[1]} columns"
-        )
-    used = torch.arange(table.shape[1]) < needed[:, None]
-    bad = used & ((table < 0) | (table >= dims.num_pages))
-    if bad.any():
-        b, j = (int(x) for x in torch.nonzero(bad)[0])
-        raise ValueError(
-            f"block_tables[{b}, {j}]={int(table[b, j])} is not a page of the pool ({dims.num_pages} pages) "
-            f"but seq_lens[{b}]={int(lens[b])} reads it"
-        )
-    return table, lens
-
-
-def check_decode_args(q, cache, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None):
-    """Validate a decode-attention call; return ``(block_tables, seq_lens)`` as int64.
-
-    ``q [batch, num_q_heads, head_dim]`` with ``num_q_heads`` a multiple of the cache's
-    KV heads, and a page table as :func:`check_block_tables` wants it.
-    """
-    _check_q(q, cache, layout)
-    table, lens = check_block_tables(cache, block_tables, seq_lens, layout, window)
-    if q.shape[0] != lens.numel():
-        raise ValueError(f"q has {q.shape[0]} rows but seq_lens has {lens.numel()} entries")
-    return table, lens
-
-
-def check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout: str = "NHD", window=None):
-    """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
-    int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most ``seq_lens[b]``
-    queries each (at most ``window.max_chunk_len()`` with a ring window)."""
-    indptr = _int_tensor("qo_indptr", qo_indptr, 1)
-    lens = _int_tensor("seq_lens", seq_lens, 1)
-    if indptr.numel() != lens.numel() + 1 or int(indptr[-1]) != q.shape[0]:
-        raise ValueError(f"qo_indptr={indptr.tolist()} does not delimit q's {q.shape[0]} rows into {lens.numel()}")
-    q_lens = indptr[1:] - indptr[:-1]
-    if (q_lens > lens).any() or (q_lens < 0).any():
-        b = int(torch.nonzero((q_lens > lens) | (q_lens < 0))[0])
-        raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
-    if window is not None and (q_lens > window.max_chunk_len()).any():
-        raise ValueError(
-            f"a chunk of {int(q_lens.max())} tokens overwrites ring slots its own queries need; "
-            f"this window allows {window.max_chunk_len()} (use one_more_block for chunks)"
-        )
-    _check_q(q, cache, layout)
-    table, lens = check_block_tables(cache, block_tables, lens, layout, window)
-    return indptr, table, lens
 
 
 # --------------------------------------------------------------------------- append
@@ -176,49 +59,106 @@ def _row_index(layout: str, page, kv: int, offset):
     return (page, kv, offset) if layout == "NHD" else (page, kv, slice(None), offset)
 
 
-def append_paged_kv(k, v, cache, slot_mapping, layout: str = "NHD", *, zero_v_tail=None) -> None:
+def _store(k, v, cache, slots: torch.Tensor, layout: str, rope, positions, rope_theta, q) -> None:
+    """Write the tokens whose slot is not ``-1`` (K rotated first with ``rope``), and
+    rotate the written tokens' rows of ``q`` in place."""
+    keep = slots >= 0
+    page, offset = split_slot(slots[keep], cache_dims(cache, layout).page_size)
+    keep_dev = keep.to(k.device)
+    k_new = k[keep_dev]
+    if rope is not None:  # computed on the host in float64, rounded once to the storage dtype
+        pos = positions[keep]
+        k_new = rope_reference(k_new.cpu(), pos, rope_theta, rope).to(cache.dtype)
+        if q is not None:
+            q_keep = keep.to(q.device)
+            q[q_keep] = rope_reference(q[q_keep].cpu(), pos, rope_theta, rope).to(q.dtype).to(q.device)
+    cache[_row_index(layout, page.to(cache.device), 0, offset.to(cache.device))] = k_new.to(cache.device)
+    cache[_row_index(layout, page.to(cache.device), 1, offset.to(cache.device))] = v[keep_dev].to(cache.device)
+
+
+def append_paged_kv(
+    k,
+    v,
+    cache,
+    slot_mapping,
+    layout: str = "NHD",
+    *,
+    rope: str | None = None,
+    positions=None,
+    rope_theta: float = 10000.0,
+    q=None,
+    zero_v_tail=None,
+) -> None:
     """Write ``k, v [num_tokens, num_kv_heads, head_dim]`` into ``cache`` in place.
 
     Token ``i`` goes to flat slot ``slot_mapping[i]`` (``-1``: skipped). With
-    ``zero_v_tail=(kv_indptr, kv_indices, kv_last_page_len)`` the unused V rows of every
-    request's last page are zeroed afterwards (:func:`zero_paged_v_tail`). Everything is
-    validated before the first write.
+    ``rope="neox"|"gptj"`` K is stored rotated by RoPE at ``positions [num_tokens]``
+    (computed in float64, then rounded to the cache dtype) and ``q [num_tokens,
+    num_q_heads, head_dim]``, if given, is rotated in place (rows of padding tokens
+    are left as they are). With ``zero_v_tail=(kv_indptr, kv_indices,
+    kv_last_page_len)`` the unused V rows of every request's last page are zeroed
+    afterwards (:func:`zero_paged_v_tail`). Arguments as ``kernels.append_paged_kv``;
+    everything is validated (:mod:`pagedkv_lib.checks`) before the first write.
     """
     slots = check_append_args(k, v, cache, slot_mapping, layout)
-    if zero_v_tail is not None:
-        check_v_tail_args(cache, *zero_v_tail, layout)
-    keep = slots >= 0
-    page, offset = split_slot(slots[keep], cache_dims(cache, layout).page_size)
-    cache[_row_index(layout, page, 0, offset)] = k[keep]
-    cache[_row_index(layout, page, 1, offset)] = v[keep]
-    if zero_v_tail is not None:
-        zero_paged_v_tail(cache, *zero_v_tail, layout=layout)
+    positions = check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
+    tails = None if zero_v_tail is None else check_v_tail_args(cache, *zero_v_tail, layout=layout, written=slots)
+    _store(k, v, cache, slots, layout, rope, positions, rope_theta, q)
+    if tails is not None:
+        _zero_tails(cache, tails, layout)
 
 
-def check_v_tail_args(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> list[tuple[int, int]]:
-    """Validate a V-tail zeroing request; return ``(last_page, rows_in_use)`` per non-empty
-    request. A tail page named twice in ``kv_indices`` is refused: zeroing it would
-    erase rows another request reads."""
-    dims = cache_dims(cache, layout)
-    check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
-    indptr, indices = _int_tensor("kv_indptr", kv_indptr, 1), _int_tensor("kv_indices", kv_indices, 1)
-    last = _int_tensor("kv_last_page_len", kv_last_page_len, 1).tolist()
-    tails = [(int(indices[indptr[b + 1] - 1]), last[b]) for b in range(len(last)) if indptr[b + 1] > indptr[b]]
-    for page, _ in tails:
-        if int((indices == page).sum()) > 1:
-            raise ValueError(f"kv_indices names tail page {page} more than once: zeroing it would erase rows in use")
-    return tails
+def append_paged_kv_csr(
+    k,
+    v,
+    cache,
+    batch_indices,
+    positions,
+    kv_indices,
+    kv_indptr,
+    layout: str = "NHD",
+    *,
+    window: RingWindow | None = None,
+    rope: str | None = None,
+    rope_theta: float = 10000.0,
+    q=None,
+    kv_last_page_len=None,
+) -> None:
+    """Write ``k, v`` addressed by request and position over a CSR page table
+    (FlashInfer's ``append_paged_kv_cache``), in place.
+
+    Token ``i`` of request ``batch_indices[i]`` at position ``positions[i]`` (``-1`` in
+    either: padding) goes to cache row ``positions[i]`` (or ``window.kv_token_idx`` of it)
+    of the request's pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``. ``rope``,
+    ``rope_theta`` and ``q`` as :func:`append_paged_kv` (RoPE at the absolute
+    position); ``kv_last_page_len [batch]`` zeroes the V tails afterwards. Arguments
+    as ``kernels.append_paged_kv_csr``.
+    """
+    slots = check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window)
+    pos = check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
+    tails = None
+    if kv_last_page_len is not None:
+        tails = check_v_tail_args(cache, kv_indptr, kv_indices, kv_last_page_len, layout, written=slots)
+    _store(k, v, cache, slots, layout, rope, pos, rope_theta, q)
+    if tails is not None:
+        _zero_tails(cache, tails, layout)
+
+
+def _zero_tails(cache, tails: list[tuple[int, int]], layout: str) -> None:
+    for page, rows in tails:
+        cache[_row_index(layout, page, 1, slice(rows, None))] = 0
 
 
 def zero_paged_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> None:
     """Zero V rows ``kv_last_page_len[b] .. page_size - 1`` of every request's last page
-    (a CSR page table), so a reader that loads whole pages never meets NaN or stale V."""
-    for page, rows in check_v_tail_args(cache, kv_indptr, kv_indices, kv_last_page_len, layout):
-        cache[_row_index(layout, page, 1, slice(rows, None))] = 0
+    (a CSR page table), so a reader that loads whole pages never meets NaN or stale V.
+    A tail page shared with another request is refused
+    (:func:`pagedkv_lib.checks.check_v_tail_args`)."""
+    _zero_tails(cache, check_v_tail_args(cache, kv_indptr, kv_indices, kv_last_page_len, layout), layout)
 
 
 def append_paged_kv_loop(k, v, cache, slot_mapping, layout: str = "NHD") -> None:
-    """Loop form of :func:`append_paged_kv`: one token, one head at a time."""
+    """Loop form of :func:`append_paged_kv` (no options): one token, one head at a time."""
     slots = check_append_args(k, v, cache, slot_mapping, layout)
     dims = cache_dims(cache, layout)
     for i, slot in enumerate(slots.tolist()):
@@ -238,7 +178,7 @@ def append_paged_kv_loop(k, v, cache, slot_mapping, layout: str = "NHD") -> None
 
 
 def _check_row(block_table_row, num_tokens: int, page_size: int, num_pages: int) -> torch.Tensor:
-    row = _int_tensor("block_table_row", block_table_row, 1)
+    row = index_tensor("block_table_row", block_table_row, 1)
     if not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
     needed = -(-num_tokens // page_size)
@@ -331,7 +271,7 @@ def paged_prefill_attention(
     fp64 with ``precision="fp64"``, returned in float64; else in ``q.dtype``).
     """
     dtype = _compute_dtype(precision)
-    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window)
+    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.zeros(q.shape, dtype=dtype)
     for b in range(lens.numel()):
@@ -362,7 +302,7 @@ def paged_decode_attention(
     ``q.dtype`` (float64 with ``precision="fp64"``, the oracle setting).
     """
     dtype = _compute_dtype(precision)
-    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window)
+    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     batch, max_len = lens.numel(), int(lens.max()) if lens.numel() else 0
     dims = cache_dims(cache, layout)
@@ -403,7 +343,7 @@ def paged_decode_attention_loop(
     """Loop form of :func:`paged_decode_attention`: per sequence, per query head, one
     key at a time through the block table, then a plain softmax."""
     dtype = _compute_dtype(precision)
-    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window)
+    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     dims = cache_dims(cache, layout)
     group = q.shape[1] // dims.num_kv_heads
@@ -443,7 +383,7 @@ def paged_prefill_attention_loop(
 ):
     """Loop form of :func:`paged_prefill_attention`: each query token is a decode
     against the sequence truncated at its own position."""
-    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window)
+    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale)
     indptr, lens = indptr.tolist(), lens.tolist()
     rows = []
     for b, n in enumerate(lens):
@@ -459,6 +399,46 @@ def paged_prefill_attention_loop(
             )
     dtype = torch.float64 if precision == "fp64" else q.dtype
     return torch.stack(rows).to(dtype) if rows else torch.zeros(q.shape, dtype=dtype)
+
+
+def paged_decode_attention_csr(
+    q,
+    cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    scale: float | None = None,
+    layout: str = "NHD",
+    precision: str = "fp32",
+):
+    """Decode attention over a CSR page table (FlashInfer's format): request ``b`` owns
+    pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills ``kv_last_page_len[b]``
+    rows of the last one (length 0 without pages). Same result as
+    :func:`paged_decode_attention` over the equivalent padded table."""
+    indptr, indices, _, lens = check_csr_decode_args(q, cache, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
+    rows = [indices[indptr[b] : indptr[b + 1]].tolist() for b in range(lens.numel())]
+    width = max((len(r) for r in rows), default=0)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
+    return paged_decode_attention(q, cache, table, lens, scale, layout, None, precision)
+
+
+def merge_partials(partials, lse):
+    """Merge split-KV partial outputs, in float64: ``sum_s w_s o_s / sum_s w_s`` with
+    ``w_s = 2 ** (lse_s - max_s lse_s)``.
+
+    ``partials [batch, heads, splits, head_dim]`` are each split's softmax-normalised
+    output and ``lse [batch, heads, splits]`` its base-2 log-sum-exp of the scaled
+    scores (``-inf`` for a split that saw no key). A split of weight 0 contributes
+    nothing, even if its partial holds NaN; a row whose splits are all ``-inf``
+    becomes zeros. Returns ``[batch, heads, head_dim]`` float64.
+    """
+    check_merge_args(partials, lse)
+    lse, part = lse.detach().cpu().double(), partials.detach().cpu().double()
+    m = lse.max(dim=-1, keepdim=True).values
+    w = torch.exp2(lse - torch.where(m == float("-inf"), 0.0, m))  # exactly 0 for -inf splits
+    part = torch.where(w[..., None] > 0, part, 0.0)  # 0 * NaN would be NaN
+    den = w.sum(-1, keepdim=True)
+    return (w[..., None] * part).sum(-2) / torch.where(den > 0, den, 1.0)
 
 
 # --------------------------------------------------------------------------- rope

@@ -121,7 +121,7 @@ def test_invalid_csr_is_rejected_naming_the_argument(indptr, indices, last, mess
 
 
 def test_csr_seq_lens_rejects_mismatched_lengths_instead_of_broadcasting():
-    with pytest.raises(ValueError, match="kv_indptr has 3 entries for 1 kv_last_page_len"):
+    with pytest.raises(ValueError, match="kv_indptr has 3 entries; kv_last_page_len has 1"):
         csr_seq_lens([0, 1, 2], [3], 4)
     with pytest.raises(ValueError, match="page_size=0"):
         csr_seq_lens([0, 1], [3], 0)

@@ -24,16 +24,19 @@ from pagedkv_lib import PagedKVPool, RingWindow, formats, reference, runtime
 import triton
 import triton.language as tl
 
-import kernels.read as read
-from kernels.read import (
+import kernels.decode as decode
+import kernels.gather as gather
+import kernels.merge as merge
+from kernels.addressing import table_row_offset
+from kernels.decode import (
     choose_num_splits,
-    gather_paged_kv,
-    merge_partials,
     paged_decode_attention,
     paged_decode_attention_csr,
     paged_decode_attention_partials,
     visible_lengths,
 )
+from kernels.gather import gather_paged_kv
+from kernels.merge import merge_partials
 from kernels.validate import MAX_SPLITS
 
 DEV = runtime.device()
@@ -376,7 +379,7 @@ def test_gather_then_attend_equals_paged():
 def _offsets_probe(table_ptr, out_ptr, n, stride_page, stride_n, page_size, BLOCK: tl.constexpr):
     t = tl.arange(0, BLOCK)
     valid = t < n
-    off = read._kv_row_offsets(table_ptr, t // page_size, t % page_size, valid, stride_page, stride_n)
+    off = table_row_offset(table_ptr, t, page_size, valid, stride_page, stride_n)
     tl.store(out_ptr + t, off, mask=valid)
 
 
@@ -423,8 +426,8 @@ class _NoLaunch:
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    for name in ("_decode_split_kernel", "_merge_kernel", "_gather_kernel"):
-        monkeypatch.setattr(read, name, _NoLaunch())
+    for module, name in ((decode, "_decode_split_kernel"), (merge, "_merge_kernel"), (gather, "_gather_kernel")):
+        monkeypatch.setattr(module, name, _NoLaunch())
 
 
 def _args():

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 import kernels.write as write
+from kernels.addressing import cache_offset
 from kernels.validate import check_no_self_overlap
 from kernels.write import append_paged_kv, append_paged_kv_csr, zero_paged_v_tail
 from pagedkv_lib.formats import csr_slot_mapping
@@ -313,7 +314,7 @@ def _offset_probe(out_ptr, page_ptr, row_ptr, stride_page, stride_n, stride_h, N
     i = tl.arange(0, N)
     page = tl.load(page_ptr + i)
     row = tl.load(row_ptr + i)
-    off = write._cache_offset(page, 1, row, i, i, stride_page, 7, stride_n, stride_h, 1)
+    off = cache_offset(page, 1, row, i, i, stride_page, 7, stride_n, stride_h, 1)
     tl.store(out_ptr + i, off)
 
 

@@ -280,7 +280,7 @@ def test_prefill_query_i_sees_keys_up_to_kv_len_minus_q_len_plus_i_by_hand():
 def test_prefill_argument_errors():
     pool, tables, _ = build_batch("NHD", [5], ps=4, heads=2, dim=8)
     q = torch.zeros(3, 2, 8)
-    with pytest.raises(ValueError, match=r"qo_indptr=\[0, 2\] does not delimit q's 3 rows"):
+    with pytest.raises(ValueError, match=r"qo_indptr\[-1\]=2 but q has 3 rows"):
         paged_prefill_attention(q, pool.cache, [0, 2], tables, [5])
     with pytest.raises(ValueError, match=r"request 0 has 3 queries but seq_lens\[0\]=2"):
         paged_prefill_attention(q, pool.cache, [0, 3], tables, [2])

@@ -63,7 +63,7 @@ def test_failing_case_repro_line_replays_the_failure():
 
 def test_hypothesis_shrinks_a_failure_to_one_reported_case():
     broken = faults.minus_one_as_index(reference.append_paged_kv)
-    results = verify._hypothesis_cases("append", broken, 30)
+    results = verify.generated_cases("append", broken, 30)
     assert len(results) == 1 and results[0].passed is False
     assert results[0].case["padding"] >= 1  # the shrunk case still has a padding slot
     assert "shrunk" in results[0].detail

@@ -26,7 +26,8 @@ viz.use_style()
 torch.manual_seed(0)
 import matplotlib.pyplot as plt
 
-from kernels.write import append_paged_kv, append_paged_kv_csr, write_tiles
+from kernels import append_paged_kv, append_paged_kv_csr
+from kernels.tiles import write_tiles
 from pagedkv_lib.formats import csr_slot_mapping
 
 DEV = runtime.device()

@@ -29,7 +29,7 @@ viz.use_style()
 torch.manual_seed(0)
 import matplotlib.pyplot as plt
 
-from kernels.read import gather_paged_kv, merge_partials, paged_decode_attention, paged_decode_attention_partials
+from kernels import gather_paged_kv, merge_partials, paged_decode_attention, paged_decode_attention_partials
 
 DEV = runtime.device()
 

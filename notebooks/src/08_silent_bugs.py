@@ -260,9 +260,14 @@ assert not verify.check_int64_offsets(*triton_kernels, {"int32_offset"}).passed
 # The full run: the case grid (layouts, dtypes, head dims 64/80/128, page sizes 1/5/16,
 # GQA 1/4/5/8, empty and length-1 sequences, padding slots, non-contiguous K/V,
 # `last_page_len == page_size`, NaN-poisoned unused slots, pages shared by two
-# sequences), hypothesis-generated cases, and every scenario above with no fault on.
-# To check your own kernel, pass it instead:
-# `verify.run(my_append, my_decode)`, or from a shell `python -m pagedkv_lib.verify`.
+# sequences), long decodes of up to 3000 tokens that span many tiles and several KV
+# splits (a kernel right on one tile but wrong across tiles fails them), wrapped ring
+# windows, hypothesis-generated cases, and every scenario above with no fault on. Every
+# decode must also leave the pool bit-for-bit as it found it.
+#
+# To check your own kernel, pass it instead: `verify.run(my_append, my_decode)`, or from
+# a shell `python -m pagedkv_lib.verify --append-fn mypkg.mod:append --decode-fn
+# mypkg.mod:decode`; `python -m kernels.verify` runs it on the suite's kernels.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -282,7 +287,8 @@ assert report.passed
 print(verify.run(*triton_kernels, faults={"past_len_zero"}, checks=("chunked_prefill",)))
 broken = verify.run(faults.minus_one_as_index(kernels.append_paged_kv), checks=("append",))
 print(broken.failures[0].repro)
-assert verify.run_case("append", broken.failures[0].case).passed  # the suite's kernel passes the same case
+# The suite's kernel passes the same case:
+assert verify.run_case("append", broken.failures[0].case, append_fn=kernels.append_paged_kv).passed
 
 # %% [markdown]
 # ## What was verified

@@ -1,0 +1,75 @@
+"""Device-side addressing shared by every kernel: where a token's K or V row lives.
+
+One home for the three formulas every paged kernel needs, so the write, decode and
+gather kernels (and the kernels added later) can never disagree:
+
+* :func:`row_offset`: element offset of token row ``row`` of physical ``page``,
+  ``page * stride_page + row * stride_n``, in int64;
+* :func:`cache_offset`: the full ``cache[page, kv, row, head, feat]`` offset, the
+  device twin of :func:`pagedkv_lib.indexing.element_offset`;
+* :func:`table_row_offset`: a logical cache row of one sequence through its page
+  table (``page = table[row // page_size]``, ``row % page_size``);
+* :func:`kv_token_idx`: the ring window's row of a token position, the device twin of
+  :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`.
+
+Every index is widened to int64 *before* it is multiplied by a stride, so pools past
+2**31 elements are addressed exactly; int32 arithmetic would wrap silently.
+"""
+
+from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
+
+# isort: split
+import triton
+import triton.language as tl
+
+from pagedkv_lib.window import RingWindow
+
+__all__ = ["ring_params", "row_offset", "cache_offset", "table_row_offset", "kv_token_idx"]
+
+
+def ring_params(window: RingWindow | None) -> tuple[int, int, int]:
+    """``(sink_tokens, bubble_len, cyclic_cache_len)`` for a launch; ``(0, 0, 0)`` means no
+    window (the kernels take ``HAS_WINDOW`` as a constexpr and skip the mapping)."""
+    if window is None:
+        return 0, 0, 0
+    return window.sink_tokens, window.bubble_len, window.cyclic_cache_len
+
+
+@triton.jit
+def row_offset(page, row, stride_page, stride_n):
+    """Element offset (int64) of token row ``row`` of physical page ``page`` (K of head 0,
+    feature 0): add ``kv * stride_kv + head * stride_h + feat * stride_d`` for the rest."""
+    return page.to(tl.int64) * stride_page + row.to(tl.int64) * stride_n
+
+
+@triton.jit
+def cache_offset(page, kv, row, head, feat, stride_page, stride_kv, stride_n, stride_h, stride_d):
+    """Element offset (int64) of ``cache[page, kv, row, head, feat]`` in the layout-free order
+    of :func:`pagedkv_lib.indexing.element_offset` (NHD and HND differ only in strides)."""
+    return (
+        row_offset(page, row, stride_page, stride_n)
+        + kv * stride_kv
+        + head.to(tl.int64) * stride_h
+        + feat.to(tl.int64) * stride_d
+    )
+
+
+@triton.jit
+def table_row_offset(table_row_ptr, row, page_size, valid, stride_page, stride_n):
+    """Element offsets ``[N]`` (int64) of logical cache rows ``row [N]`` of one sequence
+    whose page ids start at ``table_row_ptr``: page ``table_row_ptr[row // page_size]``,
+    row ``row % page_size`` in it. Lanes that are not ``valid`` read no table entry (it
+    may lie past the table's end) and get offset 0."""
+    page = tl.load(table_row_ptr + row // page_size, mask=valid, other=0)
+    return row_offset(page, row % page_size, stride_page, stride_n)
+
+
+@triton.jit
+def kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW: tl.constexpr):
+    """Cache row of token position(s) ``pos``: ``pos`` for sinks (or without a window),
+    else ``sinks + bubble + (pos - sinks) % cyclic_cache_len``."""
+    if HAS_WINDOW:
+        ring = sink_tokens + bubble_len + (pos - sink_tokens) % cyclic_cache_len
+        return tl.where(pos < sink_tokens, pos, ring)
+    else:
+        return pos

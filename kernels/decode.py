@@ -1,0 +1,565 @@
+"""The Triton decode kernel: paged decode attention with split-KV, GQA and ring windows.
+
+Decode attention walks each sequence's page table in tiles of ``BLOCK_N`` consecutive
+*logical* tokens: every token's physical page is looked up in the table
+(``page = table[row // page_size]``, ``offset = row % page_size``, through
+:func:`kernels.addressing.table_row_offset`), so a tile may span several pages (page
+size 1 costs no more loop iterations than page size 64) while the rows inside one page
+stay contiguous in memory. All query heads that share a KV head (the GQA group,
+padded to a power of two ``BLOCK_G``) are processed by one program, so each K/V tile is
+loaded once per KV head.
+
+Split-KV (flash-decoding) runs in two stages:
+
+1. grid ``(batch, num_kv_heads, num_splits)``: split ``s`` handles a contiguous run of
+   tiles and writes its normalised partial output ``o_s`` and log-sum-exp ``lse_s``
+   (base 2); a split that starts past the sequence's end writes ``o_s = 0`` and
+   ``lse_s = -inf``;
+2. the merge (:mod:`kernels.merge`): ``out = sum_s 2**(lse_s - m) o_s / sum_s 2**(lse_s - m)``
+   with ``m = max_s lse_s``; a row whose splits are all empty (length 0) becomes zeros.
+
+With one split, stage 1 writes the final output directly and the merge is skipped.
+
+Plan and run: :func:`plan_decode` (or :func:`plan_decode_csr`) validates a call once
+and fixes the tiles and the split count in a :class:`DecodePlan`; :func:`run_decode`
+launches it, for the same or other ``q`` and ``cache`` of the planned shapes.
+
+Numerics: K, V and Q are converted to fp32 right after loading and all arithmetic is
+fp32 (broadcast-multiply and ``tl.sum``; no ``tl.dot``, which would default to tf32 for
+fp32 on a GPU, needs dims >= 16, and is not trustworthy for fp16/bf16 in the
+interpreter). Masked lanes load 0 *and* their scores are set to ``-inf``, so a NaN in
+an unused slot of a page can never reach the output.
+
+The tile loop is a ``while`` loop: Triton 3.6's interpreter cannot ``range()`` over a
+runtime bound (it converts the bound with ``int()`` of a 1-element array, which NumPy
+2.4 refuses). Compiled, a ``while`` loop is not software-pipelined the way a ``for``
+loop with ``num_stages`` is; what that costs has not been measured on a GPU yet.
+"""
+
+from __future__ import annotations
+
+from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
+
+# isort: split
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv_lib import checks
+from pagedkv_lib.pool import cache_dims, cache_strides
+from pagedkv_lib.window import RingWindow
+
+from .addressing import kv_token_idx, ring_params, table_row_offset
+from .merge import launch_merge
+from .tiles import decode_tiles
+from .validate import (
+    MAX_SPLITS,
+    check_device,
+    check_head_dim,
+    check_index_tensor,
+    check_kernel_dtype,
+    check_num_splits,
+    check_same_layout,
+)
+
+__all__ = [
+    "MIN_TOKENS_PER_SPLIT",
+    "DecodePlan",
+    "choose_num_splits",
+    "visible_lengths",
+    "plan_decode",
+    "plan_decode_csr",
+    "run_decode",
+    "paged_decode_attention",
+    "paged_decode_attention_csr",
+    "paged_decode_attention_partials",
+]
+
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_last_page_len_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_page,
+    stride_kv,
+    stride_n,
+    stride_h,
+    stride_d,
+    stride_table,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    qk_scale,
+    group,
+    head_dim,
+    page_size,
+    num_splits,
+    sink_tokens,
+    bubble_len,
+    cyclic_cache_len,
+    window_recent,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IS_CSR: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The sequence's page list and length: a padded table row, or a CSR slice whose
+    # length follows from the page count and the last page's fill (FlashInfer's rule;
+    # the launcher checked that a request without pages has kv_last_page_len 0).
+    if IS_CSR:
+        start = tl.load(kv_indptr_ptr + b)
+        num_pages = tl.load(kv_indptr_ptr + b + 1) - start
+        seq_len = tl.maximum(num_pages - 1, 0) * page_size + tl.load(kv_last_page_len_ptr + b)
+        table_row = kv_indices_ptr + start.to(tl.int64)
+    else:
+        seq_len = tl.load(seq_lens_ptr + b)
+        table_row = block_tables_ptr + b.to(tl.int64) * stride_table
+
+    # Visible positions, enumerated 0..n_vis-1: without a window every position
+    # 0..seq_len-1; with one the sinks [0, n_sink) then [recent_start, seq_len).
+    if HAS_WINDOW:
+        n_sink = tl.minimum(seq_len, sink_tokens)
+        recent_start = tl.maximum(sink_tokens, seq_len - window_recent)
+        n_vis = n_sink + tl.maximum(seq_len - recent_start, 0)
+    else:
+        n_sink = seq_len
+        recent_start = seq_len
+        n_vis = seq_len
+
+    num_tiles = tl.cdiv(n_vis, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)  # <= tile_lo: an empty split
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < group  # group 5 runs in BLOCK_G = 8 lanes
+    d_mask = offs_d < head_dim  # head_dim 80 runs in BLOCK_D = 128 lanes
+    heads = kv_head * group + offs_g
+
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = q * qk_scale  # scale * log2(e): scores come out in base 2 for exp2
+
+    head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    tile = tile_lo
+    while tile < tile_hi:
+        j = tile * BLOCK_N + offs_n
+        valid = j < n_vis
+        pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
+        row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
+        tok_off = table_row_offset(table_row, row, page_size, valid, stride_page, stride_n)
+        kv_ptrs = cache_ptr + tok_off[:, None] + head_off[None, :]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        # other=0.0 on both loads: masked lanes never carry a poisoned slot's NaN.
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0).to(tl.float32)
+
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # An all-masked row keeps m = -inf; subtracting 0 instead avoids -inf - -inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+        tile += 1
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # an empty split (or length 0) stores zeros
+    o_ptrs = (
+        out_ptr
+        + b.to(tl.int64) * stride_ob
+        + heads[:, None] * stride_oh
+        + split * stride_os
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if WRITE_LSE:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    # Queried at call time (never at import), once per device.
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _parallel_units(device: torch.device) -> int:
+    """Programs the device runs at once: the SM count compiled; 1 in the interpreter,
+    which runs programs one after another (so splitting there only adds work)."""
+    if runtime.BACKEND.interpreted or device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def visible_lengths(seq_lens: torch.Tensor, window: RingWindow | None = None) -> torch.Tensor:
+    """Keys each decode query attends to: ``seq_lens`` without a window, else
+    ``min(len, sinks) + (len - max(sinks, len - (window - sinks)))`` clamped at 0."""
+    lens = torch.as_tensor(seq_lens).to(torch.int64)
+    if window is None:
+        return lens
+    sinks, recent = window.sink_tokens, window.max_attention_window - window.sink_tokens
+    start = torch.clamp(lens - recent, min=sinks)
+    return torch.clamp(lens, max=sinks) + torch.clamp(lens - start, min=0)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_visible: int, block_n: int, parallel_units: int) -> int:
+    """The ``num_splits=None`` heuristic.
+
+    Stage 1 has ``batch * num_kv_heads`` programs per split. If that already fills the
+    device (``>= parallel_units``, the SM count) or the longest sequence is a single
+    tile, split nothing. Otherwise aim for about two waves
+    (``ceil(2 * parallel_units / (batch * num_kv_heads))`` splits), but give every split
+    at least ``MIN_TOKENS_PER_SPLIT`` tokens (and a whole tile), and never more than
+    ``MAX_SPLITS``.
+    """
+    programs = max(batch * num_kv_heads, 1)
+    tiles = -(-max_visible // block_n)
+    if programs >= parallel_units or tiles <= 1:
+        return 1
+    want = -(-2 * parallel_units // programs)
+    tiles_per_split = max(1, -(-MIN_TOKENS_PER_SPLIT // block_n))
+    return max(1, min(want, -(-tiles // tiles_per_split), MAX_SPLITS))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A validated decode launch: the tiles, the split count and the page-table tensors
+    (int32, contiguous, on the device), fixed once by :func:`plan_decode` or
+    :func:`plan_decode_csr` and launched by :func:`run_decode`.
+
+    ``q`` and ``cache`` given to :func:`run_decode` must have the planned shapes, dtypes
+    and device (``cache`` also its strides: page ids were checked against it).
+    """
+
+    layout: str
+    cache: tuple  # (shape, strides, dtype, device) of the pool
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    q_dtype: torch.dtype
+    scale: float
+    window: RingWindow | None
+    max_visible: int  # keys the longest query attends to
+    group: int  # query heads per KV head
+    block_g: int
+    block_n: int
+    block_d: int
+    num_splits: int
+    num_warps: int
+    block_tables: torch.Tensor | None  # padded form: [batch, max_blocks]
+    seq_lens: torch.Tensor | None  # padded form: [batch]
+    kv_indptr: torch.Tensor | None  # CSR form: [batch + 1]
+    kv_indices: torch.Tensor | None  # CSR form: [nnz_pages] (at least 1 entry)
+    kv_last_page_len: torch.Tensor | None  # CSR form: [batch]
+
+    @property
+    def is_csr(self) -> bool:
+        return self.kv_indptr is not None
+
+
+def _int32(x: torch.Tensor, device: torch.device, min_cols: int = 0) -> torch.Tensor:
+    """The int32 contiguous device copy the kernels index with (values were checked to fit).
+    A table with no columns (or an empty index list) still gets a valid pointer."""
+    t = x.to(device=device, dtype=torch.int32).contiguous()
+    if t.dim() == 2 and t.shape[1] == 0:
+        t = torch.zeros((t.shape[0], 1), dtype=torch.int32, device=device)
+    elif t.dim() == 1 and t.numel() < min_cols:
+        t = torch.zeros(min_cols, dtype=torch.int32, device=device)
+    return t
+
+
+def _check_attention_launch(q, cache, num_splits, index_tensors: dict) -> None:
+    for name, t in (("q", q), ("cache", cache)):
+        check_device(name, t)
+        check_kernel_dtype(name, t)
+    check_head_dim(q.shape[2])
+    check_num_splits(num_splits)
+    for name, t in index_tensors.items():
+        check_index_tensor(name, t)
+
+
+def _make_plan(q, cache, layout, scale, window, max_visible: int, num_splits: int | None, **tables) -> DecodePlan:
+    dims = cache_dims(cache, layout)
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // dims.num_kv_heads
+    block_g, block_n, block_d, num_warps = decode_tiles(group, head_dim, max_visible)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, dims.num_kv_heads, max_visible, block_n, _parallel_units(q.device))
+    return DecodePlan(
+        layout=layout,
+        cache=(tuple(cache.shape), cache.stride(), cache.dtype, cache.device),
+        batch=batch,
+        num_q_heads=num_q_heads,
+        num_kv_heads=dims.num_kv_heads,
+        head_dim=head_dim,
+        page_size=dims.page_size,
+        q_dtype=q.dtype,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        window=window,
+        max_visible=max_visible,
+        group=group,
+        block_g=block_g,
+        block_n=block_n,
+        block_d=block_d,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        **{k: tables.get(k) for k in ("block_tables", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len")},
+    )
+
+
+def plan_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    layout: str = "NHD",
+    num_splits: int | None = None,
+    window: RingWindow | None = None,
+) -> DecodePlan:
+    """Validate a :func:`paged_decode_attention` call and fix its tiles and split count;
+    nothing is launched. Arguments and errors as :func:`paged_decode_attention`."""
+    table, lens = checks.check_decode_args(q, cache, _host(block_tables), _host(seq_lens), layout, window, scale)
+    _check_attention_launch(q, cache, num_splits, {"block_tables": block_tables, "seq_lens": seq_lens})
+    max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
+    return _make_plan(
+        q, cache, layout, scale, window, max_visible, num_splits,
+        block_tables=_int32(block_tables, q.device), seq_lens=_int32(seq_lens, q.device),
+    )  # fmt: skip
+
+
+def plan_decode_csr(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    scale: float | None = None,
+    layout: str = "NHD",
+    num_splits: int | None = None,
+) -> DecodePlan:
+    """Validate a :func:`paged_decode_attention_csr` call and fix its tiles and split
+    count; nothing is launched. Arguments and errors as :func:`paged_decode_attention_csr`."""
+    host = (_host(kv_indptr), _host(kv_indices), _host(kv_last_page_len))
+    *_, lens = checks.check_csr_decode_args(q, cache, *host, layout, scale)
+    index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
+    _check_attention_launch(q, cache, num_splits, index)
+    max_visible = int(lens.max()) if lens.numel() else 0
+    return _make_plan(
+        q, cache, layout, scale, None, max_visible, num_splits, kv_indptr=_int32(kv_indptr, q.device),
+        kv_indices=_int32(kv_indices, q.device, min_cols=1), kv_last_page_len=_int32(kv_last_page_len, q.device),
+    )  # fmt: skip
+
+
+def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials: bool = False):
+    """Launch a planned decode. Returns ``[batch, num_q_heads, head_dim]`` in ``q.dtype``;
+    with ``partials=True`` stage 1 alone, ``(partials [batch, num_q_heads, num_splits,
+    head_dim] fp32, lse [batch, num_q_heads, num_splits] fp32)`` (see
+    :func:`paged_decode_attention_partials`). ``q`` and ``cache`` must match the plan."""
+    check_same_layout("cache", cache, plan.cache)
+    if not isinstance(q, torch.Tensor) or tuple(q.shape) != (plan.batch, plan.num_q_heads, plan.head_dim):
+        raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan was made for another q")
+    if q.dtype != plan.q_dtype:
+        raise ValueError(f"q.dtype={q.dtype}; the plan was made for {plan.q_dtype}")
+    check_device("q", q)
+    return _launch(plan, q, cache, partials)
+
+
+def _launch(plan: DecodePlan, q, cache, partials: bool):
+    batch, num_q_heads, head_dim, splits = plan.batch, plan.num_q_heads, plan.head_dim, plan.num_splits
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if splits == 1 and not partials:
+        part, lse = out, out  # stage 1 writes the final rows; lse_ptr is unused
+        part_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        lse_strides = (0, 0, 0)
+    else:
+        part = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part.stride(), lse.stride()
+    if batch == 0:
+        return (part, lse) if partials else out
+    sinks, bubble, cyclic = ring_params(plan.window)
+    recent = 0 if plan.window is None else plan.window.max_attention_window - plan.window.sink_tokens
+    csr = plan.is_csr
+    dummy = plan.kv_indptr if csr else plan.seq_lens  # never dereferenced
+    _decode_split_kernel[(batch, plan.num_kv_heads, splits)](
+        q,
+        cache,
+        dummy if csr else plan.block_tables,
+        dummy if csr else plan.seq_lens,
+        plan.kv_indptr if csr else dummy,
+        plan.kv_indices if csr else dummy,
+        plan.kv_last_page_len if csr else dummy,
+        part,
+        lse,
+        *q.stride(),
+        *cache_strides(cache, plan.layout),
+        0 if csr else plan.block_tables.stride(0),
+        *part_strides,
+        *lse_strides,
+        plan.scale * math.log2(math.e),
+        plan.group,
+        head_dim,
+        plan.page_size,
+        splits,
+        sinks,
+        bubble,
+        cyclic,
+        recent,
+        BLOCK_G=plan.block_g,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+        HAS_WINDOW=plan.window is not None,
+        IS_CSR=csr,
+        WRITE_LSE=part is not out,
+        num_warps=plan.num_warps,
+    )
+    if partials:
+        return part, lse
+    if part is not out:
+        launch_merge(part, lse, out)
+    return out
+
+
+def _host(x):
+    """Host copy for the library's value checks (they build CPU index tensors)."""
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    layout: str = "NHD",
+    num_splits: int | None = None,
+    window: RingWindow | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged KV pool, one query token per sequence.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``, fp32/fp16/bf16, the query of each
+            sequence's last token (position ``seq_lens[b] - 1``, already written).
+        cache: the raw 5-D pool, NHD ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+            or HND ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (index 0 of
+            dim 1 is K, 1 is V), fp32/fp16/bf16, any strides.
+        block_tables: ``[batch, max_blocks]`` int32 or int64, padded with ``-1``; the
+            first ``ceil(rows / page_size)`` entries of row ``b`` are page ids, ``rows``
+            being ``seq_lens[b]`` or the ring's cache length.
+        seq_lens: ``[batch]`` int32 or int64, >= 0.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        layout: ``"NHD"`` or ``"HND"``.
+        num_splits: KV splits per sequence (split-KV / flash-decoding), 1 to
+            ``MAX_SPLITS``; ``None`` picks one with :func:`choose_num_splits`.
+        window: a :class:`~pagedkv_lib.window.RingWindow` (sliding window with sinks,
+            stored in a ring of ``window.tokens_per_block == page_size`` rows), or None.
+
+    GQA maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``. A
+    sequence of length 0 returns zeros. The pool is only read.
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]`` in ``q.dtype`` (softmax and accumulation in fp32).
+
+    Raises:
+        ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
+        ``num_splits``, ``scale``, ``window``) before anything is launched.
+    """
+    plan = plan_decode(q, cache, block_tables, seq_lens, scale, layout, num_splits, window)
+    return _launch(plan, q, cache, partials=False)
+
+
+def paged_decode_attention_partials(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: int,
+    scale: float | None = None,
+    layout: str = "NHD",
+    window: RingWindow | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 alone, for showing the split-KV merge: returns ``(partials, lse)``.
+
+    ``partials [batch, num_q_heads, num_splits, head_dim]`` fp32 are the per-split
+    softmax-normalised outputs; ``lse [batch, num_q_heads, num_splits]`` fp32 their
+    log-sum-exp of ``scale * q.k`` **in base 2** (``-inf`` for a split with no keys).
+    :func:`kernels.merge.merge_partials` turns them into the result of
+    :func:`paged_decode_attention`. Arguments and errors as there.
+    """
+    plan = plan_decode(q, cache, block_tables, seq_lens, scale, layout, num_splits, window)
+    return _launch(plan, q, cache, partials=True)
+
+
+def paged_decode_attention_csr(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    scale: float | None = None,
+    layout: str = "NHD",
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention with a CSR page table (FlashInfer's format), walked in-kernel.
+
+    Request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
+    ``kv_last_page_len[b]`` rows (1..page_size) of the last one; its length is
+    ``(pages - 1) * page_size + last``; an empty request (no pages, last 0) returns
+    zeros. ``kv_indptr [batch + 1]``, ``kv_indices [nnz_pages]``,
+    ``kv_last_page_len [batch]`` are integer tensors on the kernels' device. The
+    kernel reads ``kv_indices + kv_indptr[b]`` as the sequence's table row, so no
+    padded table is built (same kernel as :func:`paged_decode_attention`, a constexpr
+    switch at its start). No window: with a ring the pages cover the ring's rows, not
+    the sequence, so ``last_page_len`` cannot give the length; use the padded entry.
+    Other arguments, result and errors as :func:`paged_decode_attention`.
+    """
+    plan = plan_decode_csr(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale, layout, num_splits)
+    return _launch(plan, q, cache, partials=False)

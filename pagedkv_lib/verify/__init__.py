@@ -1,0 +1,73 @@
+"""Conformance harness: run the suite's checks against any paged-KV kernel.
+
+Give :func:`run` an ``append_fn`` with the signature of ``kernels.append_paged_kv``
+(``fn(k, v, cache, slot_mapping, layout=...)``, optionally ``zero_v_tail=``) and/or a
+``decode_fn`` with that of ``kernels.paged_decode_attention`` (``fn(q, cache,
+block_tables, seq_lens, layout=...)``, optionally ``num_splits=`` and ``window=``): the
+suite's own kernels, a Python reference, your kernel, or a production library's
+wrapped function (or their import paths, ``"package.module:function"``). Inputs are
+built on :func:`pagedkv_lib.runtime.device`; expectations come from the float64
+references on the CPU (copies are exact, so appends must match bit for bit).
+
+Two kinds of checks:
+
+* a **case grid** (:mod:`.append_checks`, :mod:`.decode_checks`: layouts, dtypes, head
+  dims, page sizes, GQA ratios, empty and length-1 sequences, padding slots,
+  NaN-poisoned unused slots, a page shared by two sequences, sequences of thousands of
+  tokens over several tiles and splits, wrapped ring windows), plus hypothesis-generated
+  cases (:mod:`.generated`), each a plain dict that :func:`run_case` replays; a decode
+  must also leave the pool and its inputs bit-for-bit unchanged;
+* **scenarios** (:mod:`.scenarios`) that drive the library's bookkeeping through the
+  callables (chunked prefill, ring window, V-tail zeroing, copy-on-write fork, a freed
+  and reused page, offsets past 2**31). Each fault of :mod:`pagedkv_lib.faults` breaks
+  one of them.
+
+A callable that raises fails the case it raised on; the run goes on. From a shell:
+``python -m pagedkv_lib.verify --append-fn pkg.mod:fn --decode-fn pkg.mod:fn`` (or
+``--reference``), and ``python -m kernels.verify`` for the suite's Triton kernels; both
+exit 1 when a check fails. This package never imports ``kernels`` or ``triton``.
+"""
+
+from .append_checks import append_case, append_grid
+from .cli import main
+from .compare import TOLERANCES
+from .decode_checks import decode_case, decode_grid, long_decode_cases
+from .generated import generated_cases
+from .report import CaseResult, Report
+from .runner import CHECKS, callable_path, resolve_callable, run, run_case
+from .scenarios import (
+    SCENARIOS,
+    check_chunked_prefill,
+    check_fork,
+    check_int64_offsets,
+    check_large_pool,
+    check_reused_page,
+    check_ring_window,
+    check_v_tail,
+)
+
+__all__ = [
+    "TOLERANCES",
+    "CHECKS",
+    "SCENARIOS",
+    "CaseResult",
+    "Report",
+    "run",
+    "run_case",
+    "main",
+    "callable_path",
+    "resolve_callable",
+    "append_grid",
+    "append_case",
+    "decode_grid",
+    "long_decode_cases",
+    "decode_case",
+    "generated_cases",
+    "check_chunked_prefill",
+    "check_ring_window",
+    "check_v_tail",
+    "check_fork",
+    "check_reused_page",
+    "check_int64_offsets",
+    "check_large_pool",
+]

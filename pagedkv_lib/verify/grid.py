@@ -1,0 +1,31 @@
+"""Building case grids: every value of every parameter occurs, without the full product."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+__all__ = ["cover", "accepts"]
+
+
+def cover(values: dict[str, list], extra: list[dict] = (), outer: int = 2) -> list[dict]:
+    """Cases in which every value of every parameter occurs: the product of the first
+    ``outer`` parameters, the others cycling through their values; then ``extra``."""
+    items = list(values.items())
+    crossed, rest = items[:outer], items[outer:]
+    cases = []
+    for i, combo in enumerate(itertools.product(*(vs for _, vs in crossed))):
+        case = {k: v for (k, _), v in zip(crossed, combo)}
+        for j, (k, vs) in enumerate(rest):
+            case[k] = vs[(i + j) % len(vs)]
+        cases.append(case)
+    return cases + [dict(c) for c in extra]
+
+
+def accepts(fn, name: str) -> bool:
+    """Whether callable ``fn`` takes a keyword argument ``name`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature: assume not
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
