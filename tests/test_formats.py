@@ -23,7 +23,7 @@ from pagedkv_lib import (
     pad_block_tables,
     slot_mapping,
 )
-from pagedkv_lib.formats import check_csr
+from pagedkv_lib.formats import check_csr, check_csr_lengths, csr_slot_mapping, index_tensor
 
 TABLES = [[3, 1], [], [5], [2, 4, 6]]
 SEQ_LENS = [6, 0, 4, 9]
@@ -223,3 +223,58 @@ def test_append_positions_feed_slot_mapping():
 def test_batch_indices_positions_rejects_bad_arguments(indptr, lens, message):
     with pytest.raises(ValueError, match=message):
         get_batch_indices_positions(indptr, lens)
+
+
+# ----------------------------------------------------------------------------- regressions (hardening)
+
+
+@pytest.mark.parametrize("bad", ["batch_indices", "positions"])
+def test_only_minus_one_marks_padding_in_slot_mappings(bad):
+    """-2 (or any negative but -1) is an index computed wrong, not padding: both slot
+    mappings refuse it by name instead of silently dropping the token."""
+    table = torch.tensor([[3, 1]], dtype=torch.int32)
+    args = {"batch_indices": torch.tensor([0, 0]), "positions": torch.tensor([0, 1])}
+    args[bad][1] = -2
+    with pytest.raises(ValueError, match=rf"{bad}\[1\]=-2 is negative; only -1 marks a padding token"):
+        slot_mapping(table, args["batch_indices"], args["positions"], 4)
+    with pytest.raises(ValueError, match=rf"{bad}\[1\]=-2 is negative"):
+        csr_slot_mapping(args["batch_indices"], args["positions"], torch.tensor([3, 1]), torch.tensor([0, 2]), 4)
+    args[bad][1] = -1  # the one padding value
+    assert slot_mapping(table, args["batch_indices"], args["positions"], 4).tolist() == [12, -1]
+
+
+def test_csr_seq_lens_refuses_a_length_for_a_request_without_pages():
+    """One CSR length rule for every reader: a request without pages has length 0 and
+    kv_last_page_len 0; anything else is refused (it used to come out as length 1)."""
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[1\]=1 for a request with no pages"):
+        csr_seq_lens([0, 2, 2, 5], [5, 1, 16], 16)
+    assert csr_seq_lens([0, 2, 2, 5], [5, 0, 16], 16).tolist() == [21, 0, 48]
+    for reader in (
+        lambda: check_csr([0, 2, 2, 5], [1, 2, 3, 4, 5], [5, 1, 16], 16),
+        lambda: csr_to_block_table([0, 2, 2, 5], [1, 2, 3, 4, 5], [5, 1, 16], 16),
+        lambda: check_csr_lengths([0, 2, 2, 5], [5, 1, 16], 16),
+    ):
+        with pytest.raises(ValueError, match=r"kv_last_page_len\[1\]=1 for a request with no pages"):
+            reader()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (None, "slot_mapping is None"),
+        (torch.empty(3, dtype=torch.long, device="meta"), "slot_mapping is on the meta device"),
+        ("0, 1, 2", "slot_mapping must be a 1-D integer tensor, got str"),
+        ([0.5, 1.0], "slot_mapping must hold integers, got dtype torch.float32"),
+        (torch.tensor([1 + 2j]), "slot_mapping must hold integers"),
+    ],
+)
+def test_index_arguments_that_are_not_integer_tensors_are_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=message):
+        index_tensor("slot_mapping", value, 1)
+
+
+def test_csr_slot_mapping_names_the_kv_indices_entry_of_a_page_outside_the_pool():
+    with pytest.raises(ValueError, match=r"kv_indices\[1\]=25 is not a page id of the pool \(6 pages\); token 0"):
+        csr_slot_mapping(
+            torch.tensor([0]), torch.tensor([5]), torch.tensor([2, 25]), torch.tensor([0, 2]), 4, num_pages=6
+        )

@@ -506,3 +506,20 @@ def test_merge_validation(no_launch):
         merge_partials(torch.zeros(1, 2, 3, 4, device=DEV), torch.zeros(1, 2, 4, device=DEV))
     with pytest.raises(ValueError, match="partials"):
         merge_partials(torch.zeros(1, 2, 3, 4, device=DEV).half(), torch.zeros(1, 2, 3, device=DEV))
+
+
+def test_merge_ignores_the_nan_partial_of_a_split_with_no_keys():
+    """A split whose LSE is -inf weighs exactly 0; its partial (NaN here, as an
+    unwritten buffer may hold) must not turn the row into NaN through 0 * NaN. A row
+    whose splits are all empty becomes zeros. Kernel and float64 reference agree."""
+    part = torch.randn(2, 3, 4, 16, generator=torch.Generator().manual_seed(3))
+    lse = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(4))
+    part[0, :, 2], lse[0, :, 2] = float("nan"), float("-inf")  # one empty split with garbage
+    part[1], lse[1] = float("nan"), float("-inf")  # a row with no keys at all
+    want = reference.merge_partials(part, lse)
+    got = merge_partials(*dev(part, lse)).cpu()
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[1], torch.zeros(3, 16))
+    keep = [0, 1, 3]  # the same row without the empty split
+    torch.testing.assert_close(want[0], reference.merge_partials(part[:1, :, keep], lse[:1, :, keep])[0])
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)

@@ -10,6 +10,8 @@ Every test compares the *whole* pool with a snapshot the reference wrote, so byt
 outside the target slots are checked to be unchanged, too.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -436,6 +438,38 @@ def _bad_calls():
             r"batch_indices has 3 entries for 4 tokens",
         ),
         (
+            "csr batch index -2",
+            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"] - 2, e["pos"], *e["csr"]),
+            r"batch_indices\[0\]=-2 is negative; only -1 marks a padding token",
+        ),
+        (
+            "csr position -3",
+            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"], e["pos"] - 3, *e["csr"]),
+            r"positions\[0\]=-3 is negative; only -1 marks a padding token",
+        ),
+        (
+            "csr page outside the pool",
+            lambda k, v, c, s, e: append_paged_kv_csr(
+                k, v, c, e["batch"], e["pos"], torch.tensor([1, 25], dtype=torch.int32, device=DEV), e["csr"][1]
+            ),
+            r"kv_indices\[1\]=25 is not a page id of the pool \(3 pages\); token 1 \(request 0, position 5\)",
+        ),
+        (
+            "slot_mapping None",
+            lambda k, v, c, s, e: append_paged_kv(k, v, c, None),
+            r"slot_mapping is None",
+        ),
+        (
+            "q overlaps the pool through another storage",
+            lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox", positions=e["pos"], q=_alias(c, (4, 4, 8))),
+            r"q overlaps the memory of cache",
+        ),
+        (
+            "k is a view of the pool",
+            lambda k, v, c, s, e: append_paged_kv(c[0, 0], v, c, s),
+            r"k overlaps the memory of cache",
+        ),
+        (
             "csr window page size",
             lambda k, v, c, s, e: append_paged_kv_csr(
                 k, v, c, e["batch"], e["pos"], *e["csr"], window=RingWindow(8, 0, 2)
@@ -462,6 +496,32 @@ def test_validation_names_argument_and_writes_nothing(name, call, message):
     with pytest.raises(ValueError, match=message):
         call(k, v, cache, slots, extra)
     assert torch.equal(cache, before)
+
+
+def _alias(cache: torch.Tensor, shape) -> torch.Tensor:
+    """A tensor over the pool's bytes that shares no storage object with it (a second
+    storage on the same memory, as ``torch.from_numpy`` or an arena allocator makes):
+    comparing storage pointers cannot see the overlap, comparing byte ranges does."""
+    alias = torch.utils.dlpack.from_dlpack(cache.view(-1)[8 : 8 + math.prod(shape)]).view(shape)
+    assert alias.untyped_storage().data_ptr() != cache.untyped_storage().data_ptr()
+    return alias
+
+
+def test_empty_pool_dimension_is_refused_before_any_launch(monkeypatch):
+    """A pool with page_size 0 used to be launched for an all-padding append (and divide
+    by zero in the interpreter); now its empty dimension is refused first."""
+    monkeypatch.setattr(write, "_append_kernel", _NoLaunch())
+    cache = torch.zeros(3, 2, 0, 2, 8, device=DEV)
+    k = torch.ones(2, 2, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"cache has shape \(3, 2, 0, 2, 8\): page_size is 0"):
+        append_paged_kv(k, k, cache, torch.full((2,), -1, device=DEV))
+
+
+class _NoLaunch:
+    """Stands in for a kernel: any launch fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel was launched before validation finished")
 
 
 def test_valid_call_of_the_validation_setup():

@@ -60,7 +60,9 @@ def append_case(append_fn, case: dict) -> CaseResult:
     expected = pool.cache.clone()
     reference.append_paged_kv(k, v, expected, slots, layout)
     dev = runtime.device()
-    cache, k_dev, v_dev = pool.cache.to(dev), k.to(dev), v.to(dev)
+    # Copies (``.to`` alone returns the same tensor on the CPU), so k and v can be
+    # compared with what they were after the call.
+    cache, k_dev, v_dev = (t.to(dev, copy=True) for t in (pool.cache, k, v))
     try:
         append_fn(k_dev, v_dev, cache, slots.to(dev), layout=layout)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it

@@ -123,7 +123,10 @@ def decode_case(decode_fn, case: dict) -> CaseResult:
     expected = reference.paged_decode_attention(q, cache, tables, lens, layout=layout, window=window, precision="fp64")
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
     dev = runtime.device()
-    inputs = {"q": q.to(dev), "cache": cache.to(dev), "block_tables": tables.to(dev), "seq_lens": lens.to(dev)}
+    # Copies (``.to`` alone returns the same tensor on the CPU): the originals stay as
+    # they were, to compare with after the call.
+    originals = {"q": q, "cache": cache, "block_tables": tables, "seq_lens": lens}
+    inputs = {name: t.to(dev, copy=True) for name, t in originals.items()}
     kwargs, notes = {"layout": layout}, []
     if window is not None:
         kwargs["window"] = window
@@ -141,7 +144,7 @@ def decode_case(decode_fn, case: dict) -> CaseResult:
     if not ok and result.worst is not None and not detail:
         b, h = result.worst[:2]
         detail = f"first beyond tolerance: sequence {b} (length {int(lens[b])}), query head {h}"
-    for name, before in (("cache", cache), ("q", q), ("block_tables", tables), ("seq_lens", lens)):
+    for name, before in originals.items():
         count, where = first_difference(inputs[name].cpu(), before, layout if name == "cache" else None)
         if count:
             ok = False

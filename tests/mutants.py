@@ -1,0 +1,127 @@
+"""Deliberately broken copies of the suite's kernels, made by mutation: the real source of
+``kernels/`` with one small text edit, loaded as a separate package.
+
+A mutant is built from the *current* source, so it tracks the kernels as they change;
+every edit must match exactly once, or building the mutant fails (a patch that no
+longer applies would otherwise test the unbroken kernel and pass for the wrong reason).
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import kernels
+
+KERNELS_DIR = Path(kernels.__file__).parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """``edits`` maps a module of ``kernels`` (``"decode"``) to ``(old, new)`` text edits;
+    ``entry`` names the entry point to return (``"paged_decode_attention"``)."""
+
+    name: str
+    bug: str  # what a learner would call the bug
+    edits: dict[str, tuple[tuple[str, str], ...]]
+    entry: str
+
+
+_WEIGHTS = 'w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))'
+_EQUAL = 'w = tl.where(lse == float("-inf"), 0.0, 1.0)'
+_ZERO_V = "tl.store(kv_ptrs + stride_kv, tl.zeros_like(v).to(cache_ptr.dtype.element_ty), mask=kv_mask)"
+_SCORES = "        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)"
+_RECENT = "recent_start = tl.maximum(sink_tokens, seq_len - window_recent)"
+_HEADS = "heads = kv_head * group + offs_g\n"
+_HEADS_SHIFTED = "heads = (kv_head * group + offs_g + 1) % (group * tl.num_programs(1))\n"
+
+DECODE_MUTANTS = [
+    Mutant(
+        "no_rescale",
+        "online softmax without rescaling the running sum and output when the maximum grows",
+        {"decode": (("l_i = l_i * alpha + ", "l_i = l_i + "), ("acc = acc * alpha[:, None] + ", "acc = acc + "))},
+        "paged_decode_attention",
+    ),
+    Mutant(
+        "equal_split_weights",
+        "the split-KV merge averages the non-empty splits instead of weighting them by 2**lse",
+        {"merge": ((_WEIGHTS, _EQUAL),)},
+        "paged_decode_attention",
+    ),
+    Mutant(
+        "reads_prefix",
+        "reads only the first 96 keys of every sequence",
+        {"decode": (("valid = j < n_vis\n", "valid = j < tl.minimum(n_vis, 96)\n"),)},
+        "paged_decode_attention",
+    ),
+    Mutant(
+        "writes_pool",
+        "zeroes the V rows it has read: the output is right, the pool is not",
+        {"decode": ((_SCORES, f"        {_ZERO_V}\n{_SCORES}"),)},
+        "paged_decode_attention",
+    ),
+    Mutant(
+        "drops_last_token",
+        "attends to positions 0 .. seq_len - 2: the token just written is left out",
+        {"decode": (("        n_vis = seq_len\n", "        n_vis = tl.maximum(seq_len - 1, 0)\n"),)},
+        "paged_decode_attention",
+    ),
+    Mutant(
+        "ignores_window",
+        "attends to every position after the sinks, through the ring (keys the window excludes, and rows overwritten)",
+        {"decode": ((_RECENT, "recent_start = sink_tokens"),)},
+        "paged_decode_attention",
+    ),
+    Mutant(
+        "gqa_off_by_one",
+        "query head h is served by the KV head of query head h - 1",
+        {"decode": ((_HEADS, _HEADS_SHIFTED),)},
+        "paged_decode_attention",
+    ),
+]  # fmt: skip
+
+APPEND_MUTANTS = [
+    Mutant(
+        "append_drops_last_token",
+        "the last token of every append is not written",
+        {"write": (("in_range = tokens < num_tokens\n", "in_range = tokens < num_tokens - 1\n"),)},
+        "append_paged_kv",
+    ),
+    Mutant(
+        "append_v_over_k",
+        "V is stored at K's offset (the K/V stride forgotten)",
+        {"write": (("cache_ptr, dst_k + stride_kv, stride_h", "cache_ptr, dst_k, stride_h"),)},
+        "append_paged_kv",
+    ),
+]
+
+_BUILT: dict[str, object] = {}
+_TMP = Path(tempfile.mkdtemp(prefix="pagedkv-mutants-"))
+
+
+def build(mutant: Mutant):
+    """Copy ``kernels/`` into a package named after the mutant, apply its edits (each
+    must match exactly once), import it and return its entry point."""
+    if mutant.name in _BUILT:
+        return _BUILT[mutant.name]
+    package = f"kernels_mutant_{mutant.name}"
+    target = _TMP / package
+    shutil.copytree(KERNELS_DIR, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for module, edits in mutant.edits.items():
+        path = target / f"{module}.py"
+        text = path.read_text()
+        for old, new in edits:
+            count = text.count(old)
+            if count != 1:
+                raise AssertionError(f"mutant {mutant.name}: {old!r} occurs {count} times in kernels/{module}.py")
+            text = text.replace(old, new)
+        path.write_text(text)
+    if str(_TMP) not in sys.path:
+        sys.path.insert(0, str(_TMP))
+    fn = getattr(importlib.import_module(package), mutant.entry)
+    _BUILT[mutant.name] = fn
+    return fn
