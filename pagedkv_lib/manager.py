@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .indexing import locate, slot_of
-from .sharing import PrefixCache, block_hash
+from .sharing import PrefixCache, as_token_ids, block_hash
 from .window import RingWindow
 
 __all__ = ["KVCacheManager", "Admission"]
@@ -132,14 +132,20 @@ class KVCacheManager:
         Allocates pages on demand. A write into a page that is shared (refcount > 1)
         first moves the sequence to a private copy (copy-on-write; see
         :meth:`pop_copies`). ``token_ids`` (``n`` ids) keep prefix hashing going; without
-        them the sequence's later blocks are never cached. All or nothing: on
-        OutOfBlocksError the manager is unchanged.
+        them the sequence's later blocks are never cached.
+
+        Raises KeyError for an unknown ``seq_id``; ValueError, before anything changes,
+        if ``n`` is not an int >= 0, a token id is not an int (``token_ids[i]`` named), the
+        count of ids is not ``n``, or ``n`` exceeds a ring window's chunk; and
+        OutOfBlocksError with the manager unchanged.
         """
         seq = self._get(seq_id)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n={n!r} must be an int >= 0")
-        if token_ids is not None and len(token_ids) != n:
-            raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} tokens")
+        if token_ids is not None:
+            token_ids = as_token_ids(token_ids, "token_ids")
+            if len(token_ids) != n:
+                raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} tokens")
         if self.window is not None and n > self.window.max_chunk_len():
             raise ValueError(
                 f"n={n} tokens at once would overwrite ring slots still needed; this window allows "
@@ -185,10 +191,16 @@ class KVCacheManager:
         At most ``len(prompt) - 1`` tokens come from the cache: the last prompt token
         must still be computed to produce logits, so a prompt whose every block hits
         recomputes its last block into a fresh page (never writing a shared one).
+
+        Raises ValueError, before anything changes, without a prefix cache, for a live
+        ``seq_id``, an empty prompt or a token id that is not an int
+        (``prompt_token_ids[i]`` named); OutOfBlocksError if the new blocks do not fit.
         """
         if self.prefix_cache is None:
             raise ValueError("admit() needs KVCacheManager(..., prefix_cache=True)")
-        prompt = list(prompt_token_ids)
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
+        prompt = as_token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids is empty")
         self.add_sequence(seq_id)

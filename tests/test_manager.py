@@ -5,6 +5,9 @@ The allocator hands out the lowest free ids first (free list 0, 1, 2, ... and fr
 ids go to the back), so the ids below follow from the order of the calls.
 """
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -315,6 +318,41 @@ def test_append_rejects_token_ids_of_the_wrong_length():
     with pytest.raises(ValueError, match="token_ids has 2 ids for n=3"):
         m.append_tokens("a", 3, [1, 2])
     assert m.seq_len("a") == 0 and m.num_free == 2
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+@pytest.mark.parametrize("bad", [None, 2.0, "3", True, torch.tensor(True), torch.tensor(2.0)])
+def test_append_tokens_with_a_non_int_id_raises_before_growing_and_on_every_retry(prefix_cache, bad):
+    # Four ids fill one page of 4. The old code accepted any id without a prefix cache,
+    # and with one it grew the sequence, then failed (None) or hashed the id through
+    # int() (2.0, "3", True); every retry grew the sequence again.
+    m = KVCacheManager(4, 4, prefix_cache=prefix_cache)
+    m.add_sequence("a")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape(f"token_ids[2]={bad!r} is not an int")):
+            m.append_tokens("a", 4, [1, 2, bad, 4])
+        assert m.seq_len("a") == 0 and m.block_table("a") == [] and m.num_free == 4
+        assert m.pop_copies() == []
+    m.check_integrity()
+    assert m.append_tokens("a", 4, [1, 2, 3, 4]) == [0, 1, 2, 3]  # good ids still go through
+
+
+@pytest.mark.parametrize("token_ids, message", [(5, "token_ids=5 is not a sequence"), ("abcd", "is a string")])
+def test_append_tokens_refuses_ids_that_are_not_a_sequence(token_ids, message):
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.add_sequence("a")
+    with pytest.raises(ValueError, match=message):
+        m.append_tokens("a", 4, token_ids)
+    assert m.seq_len("a") == 0 and m.num_free == 4
+
+
+def test_append_tokens_takes_numpy_and_torch_integer_ids():
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.add_sequence("a")
+    assert m.append_tokens("a", 3, np.array([7, 8, 9])) == [0, 1, 2]
+    assert m.append_tokens("a", 2, [torch.tensor(10), np.int32(11)]) == [3, 4]
+    assert m.seq_len("a") == 5
+    m.check_integrity()
 
 
 def test_constructor_rejects_bad_configs():

@@ -5,16 +5,18 @@ blocks are full, cached, shared or evicted can be followed by hand.
 """
 
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from pagedkv_lib import KVCacheManager, OutOfBlocksError, PagedKVPool
 from pagedkv_lib.manager import Admission
 from pagedkv_lib.reference import append_paged_kv, paged_decode_attention, paged_prefill_attention
-from pagedkv_lib.sharing import PrefixCache, block_hash
+from pagedkv_lib.sharing import PrefixCache, as_token_ids, block_hash
 
 
 def refcounts(m):
@@ -41,6 +43,34 @@ def test_block_hash_depends_on_parent_and_tokens():
     assert block_hash(None, [1, 23]) != block_hash(None, [12, 3])
 
 
+def test_block_hash_refuses_float_ids_instead_of_aliasing_them_to_ints():
+    # int(1.0) == 1 made [1.0, 2.0] hash (and hit) like [1, 2].
+    with pytest.raises(ValueError, match=r"token_ids\[0\]=1.0 is not an int"):
+        block_hash(None, [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"token_ids\[1\]=True is not an int"):
+        block_hash(None, [1, True])
+    # Integer-like ids are the same token as the int.
+    assert block_hash(None, [np.int64(1), torch.tensor(2)]) == block_hash(None, [1, 2])
+
+
+def test_as_token_ids_accepts_integer_like_and_refuses_everything_else():
+    ids = as_token_ids([1, np.int64(2), np.int32(3), torch.tensor(4)])
+    assert ids == [1, 2, 3, 4] and all(type(t) is int for t in ids)
+    assert as_token_ids(torch.tensor([5, 6])) == [5, 6] and as_token_ids(np.array([7])) == [7]
+    assert as_token_ids((8, 9)) == [8, 9] and as_token_ids(range(2)) == [0, 1] and as_token_ids([]) == []
+    not_ids = [2.0, np.float64(2.0), None, "7", True, np.True_]
+    not_ids += [torch.tensor(True), torch.tensor(2.0), torch.tensor([3])]  # bool, float, not 0-d
+    for bad in not_ids:
+        with pytest.raises(ValueError, match=re.escape(f"ids[1]={bad!r} is not an int")):
+            as_token_ids([0, bad], "ids")
+    with pytest.raises(ValueError, match=r"ids\[0\]=1.0 is not an int"):
+        as_token_ids(torch.tensor([1.0, 2.0]), "ids")  # a float tensor as a whole
+    with pytest.raises(ValueError, match="ids=3 is not a sequence of token ids"):
+        as_token_ids(3, "ids")
+    with pytest.raises(ValueError, match="ids='12' is a string"):
+        as_token_ids("12", "ids")
+
+
 def test_block_hash_is_stable_across_processes():
     # Python's hash() of a str changes with PYTHONHASHSEED; stored expectations need a
     # digest that does not.
@@ -59,6 +89,11 @@ def test_prefix_cache_lookup_checks_tokens_and_insert_refuses_duplicates():
     assert not c.insert(h, [1, 2], 6)  # hash already cached
     assert not c.insert(block_hash(None, [3]), [3], 5)  # block already cached
     assert len(c) == 1 and 5 in c and 6 not in c and c.hash_of(5) == h
+    with pytest.raises(ValueError, match=r"token_ids\[0\]=1.0 is not an int"):
+        c.lookup(h, [1.0, 2.0])  # equal as a tuple to (1, 2), but not a token id
+    with pytest.raises(ValueError, match=r"token_ids\[1\]=None"):
+        c.insert(block_hash(None, [4]), [4, None], 7)
+    assert len(c) == 1 and (c.queries, c.hits) == (2, 1)
 
 
 # ----------------------------------------------------------------------------- admit
@@ -169,6 +204,30 @@ def test_admit_errors():
     with pytest.raises(ValueError, match="'a'"):
         m.admit("a", [1, 2])
     assert m.sequences == ["a"] and m.num_free == 3
+
+
+@pytest.mark.parametrize("bad", [None, 2.0, "3"])
+def test_admit_with_a_bad_prompt_registers_nothing_and_a_retry_succeeds(bad):
+    # The old admit registered the sequence before hashing the prompt: None failed with
+    # a TypeError and left "a" live, so a corrected retry was refused as a duplicate;
+    # 2.0 and "3" were hashed through int() and accepted.
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    with pytest.raises(ValueError, match=re.escape(f"prompt_token_ids[2]={bad!r} is not an int")):
+        m.admit("a", [1, 2, bad, 4, 5])
+    assert m.sequences == [] and m.num_free == 8 and len(m.prefix_cache) == 0
+    assert (m.prefix_cache.queries, m.prefix_cache.hits) == (0, 0)
+    m.check_integrity()
+    assert m.admit("a", [1, 2, 3, 4, 5]).slots == [0, 1, 2, 3, 4]
+
+
+def test_admit_of_a_live_id_changes_nothing():
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5])
+    queries = m.prefix_cache.queries
+    with pytest.raises(ValueError, match="seq_id='a' is already a live sequence"):
+        m.admit("a", [1, 2, 3, 4, 5, 6])
+    assert m.seq_len("a") == 5 and m.num_free == 6 and m.prefix_cache.queries == queries
+    m.check_integrity()
 
 
 # ----------------------------------------------------------------------------- freeing and eviction
