@@ -2,9 +2,10 @@
 
 Block ``j`` of a prompt is identified by ``block_hash(hash of block j-1, tokens of block
 j)``, so equal hashes mean equal whole prefixes, not just equal blocks. Only full
-blocks are cached. The cache holds one reference on every block it maps; a block that
-no sequence uses any more (refcount 1, the cache's own) is *evictable*, least
-recently used first.
+blocks whose K/V has been written are cached (the manager registers them on
+``commit``). The cache holds one reference on every block it maps; a block that no
+sequence uses any more (refcount 1, the cache's own) is *evictable*, least recently
+used first.
 
 Token ids are ints. :func:`as_token_ids` is the one place that decides what counts as
 one; every entry point that takes token ids calls it before changing anything.

@@ -13,6 +13,7 @@ import torch
 
 from pagedkv_lib import KVCacheManager, OutOfBlocksError, PagedKVPool, RingWindow
 from pagedkv_lib.reference import append_paged_kv, gather_paged_kv
+from pagedkv_lib.sharing import block_hash
 
 
 def refcounts(m: KVCacheManager):
@@ -269,6 +270,8 @@ def test_unknown_sequence_ids_raise_key_error_naming_the_id():
     m = KVCacheManager(2, 4)
     for call in (
         lambda: m.seq_len("ghost"),
+        lambda: m.committed_len("ghost"),
+        lambda: m.commit("ghost"),
         lambda: m.block_table("ghost"),
         lambda: m.append_tokens("ghost", 1),
         lambda: m.free_sequence("ghost"),
@@ -364,6 +367,25 @@ def test_constructor_rejects_bad_configs():
         KVCacheManager(4, 4, window=RingWindow(16, 0, 8))
     with pytest.raises(ValueError, match="prefix_cache cannot be combined"):
         KVCacheManager(4, 4, window=RingWindow(16, 0, 4), prefix_cache=True)
+
+
+def test_check_integrity_catches_a_cached_page_that_is_still_being_filled():
+    # Page 1 holds 2 of a's 4 rows. Were it cached, a's next append would write into a
+    # page the cache hands to other requests.
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6])
+    m.prefix_cache.insert(block_hash(block_hash(None, [1, 2, 3, 4]), [5, 6, 7, 8]), [5, 6, 7, 8], 1)
+    m.allocator.incref(1)  # the cache's reference, so only the new invariant can object
+    with pytest.raises(AssertionError, match="cached page 1 is the partial block 1 of 'a'"):
+        m.check_integrity()
+
+
+def test_check_integrity_catches_a_commit_past_the_end():
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6])
+    m._seqs["a"].num_committed = 7  # corrupt on purpose: 7 committed of 6 tokens
+    with pytest.raises(AssertionError, match="'a': 7 committed"):
+        m.check_integrity()
 
 
 def test_check_integrity_catches_a_leaked_reference():
