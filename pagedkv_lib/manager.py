@@ -251,7 +251,8 @@ class KVCacheManager:
         hit blocks were committed, so :meth:`committed_len` starts at the cached tokens;
         :meth:`commit` after writing the rest.
 
-        Raises ValueError, before anything changes, without a prefix cache, for a live
+        All or nothing. Raises, with the manager exactly as before (no sequence, no LRU
+        reorder, no lookup counted): ValueError without a prefix cache, for a live
         ``seq_id``, an empty prompt or a token id that is not an int
         (``prompt_token_ids[i]`` named); OutOfBlocksError if the new blocks do not fit.
         """
@@ -262,33 +263,40 @@ class KVCacheManager:
         prompt = as_token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids is empty")
-        self.add_sequence(seq_id)
-        seq, ps = self._seqs[seq_id], self.page_size
+        cache, ps = self.prefix_cache, self.page_size
+        # Plan with peeks only: nothing may change until the admission is certain.
         hits: list[tuple[int, int]] = []
-        parent = None
+        parent, queries = None, 0
         for j in range(len(prompt) // ps):
             tokens = prompt[j * ps : (j + 1) * ps]
             h = block_hash(parent, tokens)
-            block = self.prefix_cache.lookup(h, tokens)
+            queries += 1
+            block = cache.peek(h, tokens)
             if block is None:
                 break
             hits.append((h, block))
             parent = h
+        found = len(hits)  # counted as hits even if the last one is recomputed below
         if len(hits) * ps >= len(prompt):
             hits.pop()
+        need = -(-len(prompt) // ps) - len(hits)
+        # A hit block nobody uses is evictable now, but this admission is about to use it:
+        # it is no room for the admission's own new blocks.
+        reused = sum(1 for _, block in hits if self.allocator.refcount(block) == 1)
+        room = self.allocator.num_free + cache.num_evictable - reused
+        if need > room:
+            raise OutOfBlocksError(need, room)
+        cache.record_lookups(queries, found)
+        seq = self._seqs[seq_id] = _Sequence()
         for h, block in hits:
             if self.allocator.incref(block) == 2:  # was held by the cache alone
-                self.prefix_cache.unmark_evictable(block)
+                cache.unmark_evictable(block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
         cached = len(hits) * ps
         seq.num_tokens = seq.num_committed = cached
         seq.token_ids = prompt[:cached]
-        try:
-            slots = self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])
-        except OutOfBlocksError:
-            self.free_sequence(seq_id)
-            raise
+        slots = self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])  # fits: checked above
         return Admission(cached, slots)
 
     def fork(self, parent_id, child_id) -> None:

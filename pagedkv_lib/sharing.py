@@ -90,20 +90,33 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
-    def lookup(self, h: int, token_ids: Sequence[int]) -> int | None:
+    def peek(self, h: int, token_ids: Sequence[int]) -> int | None:
         """Block cached under hash ``h`` holding exactly ``token_ids``, or None.
-        Raises ValueError for a token id that is not an int."""
+
+        Changes nothing (no counter, no LRU order): an admission peeks at every block
+        before it knows it will succeed. Raises ValueError for a token id that is not an int.
+        """
         tokens = tuple(as_token_ids(token_ids))
-        self.queries += 1
         block = self._block_of.get(h)
         if block is None or self._entry_of[block][1] != tokens:
             return None
-        self.hits += 1
         return block
 
+    def lookup(self, h: int, token_ids: Sequence[int]) -> int | None:
+        """:meth:`peek`, counted in :attr:`queries` and :attr:`hits`."""
+        block = self.peek(h, token_ids)
+        self.record_lookups(1, int(block is not None))
+        return block
+
+    def record_lookups(self, queries: int, hits: int) -> None:
+        """Count ``queries`` block lookups of which ``hits`` found a block (for :meth:`hit_rate`)."""
+        self.queries += queries
+        self.hits += hits
+
     def insert(self, h: int, token_ids: Sequence[int], block: int) -> bool:
-        """Map ``h`` to ``block``; False (and nothing changed) if ``h`` is already cached.
-        Raises ValueError for a token id that is not an int."""
+        """Map ``h`` to ``block``; False (and nothing changed) if ``h`` or ``block`` is
+        already cached. The caller vouches that ``block`` holds the written K/V of
+        ``token_ids``. Raises ValueError for a token id that is not an int."""
         tokens = tuple(as_token_ids(token_ids))
         if h in self._block_of or block in self._entry_of:
             return False

@@ -86,14 +86,15 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tokens[seq].extend(tokens)
 
     def observable(self):
-        m = self.m
-        cached = [b for b in range(self.num_blocks) if m.prefix_cache is not None and b in m.prefix_cache]
+        """Everything a failed call must leave as it was (LRU order and lookup counters too)."""
+        m, cache = self.m, self.m.prefix_cache
+        cached = [b for b in range(self.num_blocks) if cache is not None and b in cache]
         return (
             {s: (m.seq_len(s), m.committed_len(s), m.block_table(s)) for s in m.sequences},
             [m.refcount(b) for b in range(self.num_blocks)],
             m.num_free,
             cached,
-            sorted(m.prefix_cache.evictable_blocks()) if m.prefix_cache else [],
+            (cache.evictable_blocks(), cache.queries, cache.hits) if cache else None,
         )
 
     def tables_naming(self, page):

@@ -461,6 +461,13 @@ def test_eviction_never_frees_a_referenced_page():
     m.check_integrity()
 
 
+def state(m):
+    """Everything a failed admission must leave as it was, LRU order and counters included."""
+    cache = m.prefix_cache
+    tables = {s: (m.seq_len(s), m.committed_len(s), m.block_table(s)) for s in m.sequences}
+    return tables, refcounts(m), m.num_free, cached_blocks(m), cache.evictable_blocks(), cache.queries, cache.hits
+
+
 def test_failed_admission_releases_its_cache_hits_again():
     # "b" hits a's cached block 0, then runs out of pages for the rest: afterwards b
     # does not exist and block 0 is back to being evictable-only.
@@ -470,11 +477,56 @@ def test_failed_admission_releases_its_cache_hits_again():
     m.free_sequence("a")  # pages 0, 1 evictable, page 2 free
     m.add_sequence("x")
     m.append_tokens("x", 2)  # takes page 2
-    before = (refcounts(m), m.num_free, cached_blocks(m), sorted(m.prefix_cache.evictable_blocks()))
-    with pytest.raises(OutOfBlocksError):
+    before = state(m)
+    with pytest.raises(OutOfBlocksError, match="asked for 3 blocks but only 1 are free"):
         m.admit("b", [1, 2, 7, 7, 7, 7, 7])  # needs 3 pages beyond the hit, has 1 evictable
-    assert (refcounts(m), m.num_free, cached_blocks(m), sorted(m.prefix_cache.evictable_blocks())) == before
+    assert state(m) == before
     assert m.sequences == ["x"]
+    m.check_integrity()
+
+
+def test_admit_out_of_blocks_leaves_lru_order_and_counters_unchanged():
+    # Evictable pages, least recently used first: [1, 0, 3, 2]; pages 4, 5 are x's.
+    # "c" hits block 0 (page 0, in the middle of the LRU order), misses block 1 and
+    # needs 4 new pages where only 3 can be evicted. The old admit took the hit, failed,
+    # and gave page 0 back as the most recently used, [1, 3, 2, 0], with the lookups
+    # counted; now it fails before touching anything.
+    m = KVCacheManager(6, 2, prefix_cache=True)
+    for seq, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
+        m.admit(seq, prompt)
+        m.commit(seq)
+        m.free_sequence(seq)
+    m.add_sequence("x")
+    m.append_tokens("x", 4)
+    assert m.prefix_cache.evictable_blocks() == [1, 0, 3, 2] and m.num_free == 0
+    before = state(m)
+    with pytest.raises(OutOfBlocksError, match="asked for 4 blocks but only 3 are free"):
+        m.admit("c", [1, 2, 9, 9, 9, 9, 9, 9, 9])
+    assert state(m) == before
+    assert m.prefix_cache.evictable_blocks() == [1, 0, 3, 2]
+    assert (m.prefix_cache.queries, m.prefix_cache.hits) == (2, 0)  # a's and b's first lookups only
+    assert m.sequences == ["x"]
+    m.check_integrity()
+
+
+def test_admit_does_not_count_its_own_hit_blocks_as_room():
+    # Pages 0, 1 hold a's two cached blocks, evictable; pages 2, 3 are free. "b" hits
+    # both and needs 3 new pages: 2 free + 2 evictable looks like room for 4, but the 2
+    # evictable ones are the hits b is about to use, so only 2 are room.
+    m = KVCacheManager(4, 2, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4])
+    m.commit("a")
+    m.free_sequence("a")
+    before = state(m)
+    with pytest.raises(OutOfBlocksError, match="asked for 3 blocks but only 2 are free"):
+        m.admit("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert state(m) == before and m.sequences == []
+    m.check_integrity()
+    # One block fewer fits exactly, with the hits and both free pages.
+    adm = m.admit("b", [1, 2, 3, 4, 5, 6, 7])
+    assert adm.num_cached_tokens == 4 and m.block_table("b") == [0, 1, 2, 3] and m.num_free == 0
+    assert m.prefix_cache.evictable_blocks() == []
+    assert (m.prefix_cache.queries, m.prefix_cache.hits) == (1 + 3, 2)  # a's miss, then b's 3 lookups
     m.check_integrity()
 
 
