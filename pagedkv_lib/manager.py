@@ -5,6 +5,18 @@ The manager only does bookkeeping. Where a write needs a page copied first (the
 first write into a page another sequence still shares), it records a
 ``(src, dst, num_rows)`` copy; the caller applies :meth:`KVCacheManager.pop_copies`
 to the pool (``PagedKVPool.copy_blocks``) *before* writing the new tokens' K/V.
+
+A page may be shared through the prefix cache only once its K/V is written, so
+registering a block is a step of its own, as in real engines: :meth:`~KVCacheManager.admit`
+and :meth:`~KVCacheManager.append_tokens` hand out slots, the caller copies and writes,
+then :meth:`~KVCacheManager.commit` puts the sequence's written full blocks in the cache::
+
+    adm = mgr.admit(seq, prompt)         # slots for prompt[adm.num_cached_tokens:]
+    pool.copy_blocks(mgr.pop_copies())   # (empty after admit; needed after appends)
+    ...write the K/V of those tokens to adm.slots...
+    mgr.commit(seq)                      # now other requests can hit its full blocks
+
+A request freed before its write leaves nothing in the cache for others to hit.
 """
 
 from __future__ import annotations
@@ -14,7 +26,7 @@ from typing import NamedTuple
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .indexing import locate, slot_of
-from .sharing import PrefixCache, block_hash
+from .sharing import PrefixCache, as_token_ids, block_hash
 from .window import RingWindow
 
 __all__ = ["KVCacheManager", "Admission"]
@@ -22,7 +34,8 @@ __all__ = ["KVCacheManager", "Admission"]
 
 class Admission(NamedTuple):
     """Result of :meth:`KVCacheManager.admit`: how many prompt tokens came from the
-    prefix cache, and the flat slots the remaining prompt tokens must be written to."""
+    prefix cache, and the flat slots the remaining prompt tokens must be written to
+    (then :meth:`KVCacheManager.commit`)."""
 
     num_cached_tokens: int
     slots: list[int]
@@ -32,8 +45,13 @@ class Admission(NamedTuple):
 class _Sequence:
     block_table: list[int] = field(default_factory=list)
     num_tokens: int = 0
-    token_ids: list[int] | None = field(default_factory=list)  # None once untracked
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
+    # Ids of the tracked prefix. An append without ids stops tracking for good: later ids
+    # could not be placed after the gap, so blocks past the prefix are never cached.
+    token_ids: list[int] = field(default_factory=list)
+    tracked: bool = True
+    num_committed: int = 0  # leading tokens whose K/V the caller has declared written
+    # Hash chain of the committed full blocks that have ids, in order (prefix cache only).
+    block_hashes: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -41,7 +59,8 @@ class KVCacheManager:
 
     ``window`` makes every sequence a ring (:class:`RingWindow`): its table stops
     growing at ``window.num_blocks`` and new tokens overwrite the oldest ring slots.
-    ``prefix_cache=True`` enables prefix sharing through :meth:`admit`.
+    ``prefix_cache=True`` enables prefix sharing: :meth:`commit` registers written full
+    blocks, :meth:`admit` reuses them.
     """
 
     def __init__(
@@ -82,7 +101,12 @@ class KVCacheManager:
             raise KeyError(f"seq_id={seq_id!r} is not a live sequence") from None
 
     def seq_len(self, seq_id) -> int:
+        """Tokens in the sequence (appended so far), written or not."""
         return self._get(seq_id).num_tokens
+
+    def committed_len(self, seq_id) -> int:
+        """Leading tokens of the sequence whose K/V is declared written (see :meth:`commit`)."""
+        return self._get(seq_id).num_committed
 
     def block_table(self, seq_id) -> list[int]:
         """Physical page of every logical block of the sequence (a copy)."""
@@ -131,15 +155,22 @@ class KVCacheManager:
 
         Allocates pages on demand. A write into a page that is shared (refcount > 1)
         first moves the sequence to a private copy (copy-on-write; see
-        :meth:`pop_copies`). ``token_ids`` (``n`` ids) keep prefix hashing going; without
-        them the sequence's later blocks are never cached. All or nothing: on
-        OutOfBlocksError the manager is unchanged.
+        :meth:`pop_copies`). ``token_ids`` (``n`` ints) keep prefix hashing going;
+        without them (and ``n > 0``) the sequence's later blocks are never cached. Nothing
+        enters the prefix cache here: :meth:`commit` once the K/V is written.
+
+        Raises KeyError for an unknown ``seq_id``; ValueError, before anything changes,
+        if ``n`` is not an int >= 0, a token id is not an int (``token_ids[i]`` named), the
+        count of ids is not ``n``, or ``n`` exceeds a ring window's chunk; and
+        OutOfBlocksError with the manager unchanged.
         """
         seq = self._get(seq_id)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n={n!r} must be an int >= 0")
-        if token_ids is not None and len(token_ids) != n:
-            raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} tokens")
+        if token_ids is not None:
+            token_ids = as_token_ids(token_ids, "token_ids")
+            if len(token_ids) != n:
+                raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} tokens")
         if self.window is not None and n > self.window.max_chunk_len():
             raise ValueError(
                 f"n={n} tokens at once would overwrite ring slots still needed; this window allows "
@@ -161,17 +192,48 @@ class KVCacheManager:
             seq.block_table[j] = dst
         seq.block_table.extend(fresh)
         seq.num_tokens += n
-        if seq.token_ids is not None:
-            seq.token_ids = None if token_ids is None else seq.token_ids + list(token_ids)
-        self._cache_full_blocks(seq)
+        if token_ids is not None and seq.tracked:
+            seq.token_ids.extend(token_ids)
+        elif n:
+            seq.tracked = False
         return [slot_of(seq.block_table[j], off, ps) for j, off in targets]
 
-    def _cache_full_blocks(self, seq: _Sequence) -> None:
-        """Register the sequence's newly completed blocks in the prefix cache."""
-        if self.prefix_cache is None or seq.token_ids is None:
+    def commit(self, seq_id, num_tokens: int | None = None) -> None:
+        """Declare the K/V of the sequence's first ``num_tokens`` tokens (default: every
+        token appended so far) written in the pool; its full blocks among them that have
+        token ids enter the prefix cache, where later :meth:`admit` calls can hit them.
+
+        Call it after applying :meth:`pop_copies` and writing the K/V to the slots that
+        :meth:`admit` or :meth:`append_tokens` returned, never before: a block shared
+        before it is written would hand other requests whatever the page held. A partly
+        filled last block is not cached (it will still be written). Commits accumulate:
+        ``num_tokens`` at or below :meth:`committed_len` is a no-op, since K/V once
+        written stays written (committing twice, or chunk by chunk, is safe). Without a
+        prefix cache only the count is kept.
+
+        Raises KeyError for an unknown ``seq_id``; ValueError, before anything changes, if
+        ``num_tokens`` is not an int in ``[0, seq_len(seq_id)]``.
+        """
+        seq = self._get(seq_id)
+        if num_tokens is None:
+            num_tokens = seq.num_tokens
+        elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens={num_tokens!r} is not an int")
+        elif not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"num_tokens={num_tokens} must be in [0, {seq.num_tokens}] (the tokens of {seq_id!r})")
+        if num_tokens <= seq.num_committed:
+            return
+        seq.num_committed = num_tokens
+        self._cache_committed_blocks(seq)
+
+    def _cache_committed_blocks(self, seq: _Sequence) -> None:
+        """Register the sequence's committed full blocks that have ids and are not
+        registered yet. A hash already cached (another page holds that prefix) is kept
+        in the chain but this page stays uncached."""
+        if self.prefix_cache is None:
             return
         ps = self.page_size
-        while len(seq.block_hashes) < seq.num_tokens // ps:
+        while len(seq.block_hashes) < min(seq.num_committed, len(seq.token_ids)) // ps:
             j = len(seq.block_hashes)
             tokens = seq.token_ids[j * ps : (j + 1) * ps]
             h = block_hash(seq.block_hashes[-1] if j else None, tokens)
@@ -180,57 +242,78 @@ class KVCacheManager:
                 self.allocator.incref(seq.block_table[j])
 
     def admit(self, seq_id, prompt_token_ids: list[int]) -> Admission:
-        """Add a sequence for a prompt, reusing the longest run of cached full blocks.
+        """Add a sequence for a prompt, reusing the longest run of cached full blocks;
+        return how many prompt tokens came from the cache and the slots of the rest.
 
         At most ``len(prompt) - 1`` tokens come from the cache: the last prompt token
         must still be computed to produce logits, so a prompt whose every block hits
-        recomputes its last block into a fresh page (never writing a shared one).
+        recomputes its last block into a fresh page (never writing a shared one). The
+        hit blocks were committed, so :meth:`committed_len` starts at the cached tokens;
+        :meth:`commit` after writing the rest.
+
+        All or nothing. Raises, with the manager exactly as before (no sequence, no LRU
+        reorder, no lookup counted): ValueError without a prefix cache, for a live
+        ``seq_id``, an empty prompt or a token id that is not an int
+        (``prompt_token_ids[i]`` named); OutOfBlocksError if the new blocks do not fit.
         """
         if self.prefix_cache is None:
             raise ValueError("admit() needs KVCacheManager(..., prefix_cache=True)")
-        prompt = list(prompt_token_ids)
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
+        prompt = as_token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids is empty")
-        self.add_sequence(seq_id)
-        seq, ps = self._seqs[seq_id], self.page_size
+        cache, ps = self.prefix_cache, self.page_size
+        # Plan with peeks only: nothing may change until the admission is certain.
         hits: list[tuple[int, int]] = []
-        parent = None
+        parent, queries = None, 0
         for j in range(len(prompt) // ps):
             tokens = prompt[j * ps : (j + 1) * ps]
             h = block_hash(parent, tokens)
-            block = self.prefix_cache.lookup(h, tokens)
+            queries += 1
+            block = cache.peek(h, tokens)
             if block is None:
                 break
             hits.append((h, block))
             parent = h
+        found = len(hits)  # counted as hits even if the last one is recomputed below
         if len(hits) * ps >= len(prompt):
             hits.pop()
+        need = -(-len(prompt) // ps) - len(hits)
+        # A hit block nobody uses is evictable now, but this admission is about to use it:
+        # it is no room for the admission's own new blocks.
+        reused = sum(1 for _, block in hits if self.allocator.refcount(block) == 1)
+        room = self.allocator.num_free + cache.num_evictable - reused
+        if need > room:
+            raise OutOfBlocksError(need, room)
+        cache.record_lookups(queries, found)
+        seq = self._seqs[seq_id] = _Sequence()
         for h, block in hits:
             if self.allocator.incref(block) == 2:  # was held by the cache alone
-                self.prefix_cache.unmark_evictable(block)
+                cache.unmark_evictable(block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
         cached = len(hits) * ps
-        seq.num_tokens, seq.token_ids = cached, prompt[:cached]
-        try:
-            slots = self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])
-        except OutOfBlocksError:
-            self.free_sequence(seq_id)
-            raise
+        seq.num_tokens = seq.num_committed = cached
+        seq.token_ids = prompt[:cached]
+        slots = self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])  # fits: checked above
         return Admission(cached, slots)
 
     def fork(self, parent_id, child_id) -> None:
         """Make ``child_id`` share every page of ``parent_id`` (refcounts up, nothing
-        allocated); the first write into a shared page copies it."""
+        allocated); the first write into a shared page copies it. The child inherits the
+        parent's token ids and committed count."""
         parent = self._get(parent_id)
         self.add_sequence(child_id)
         for block in parent.block_table:
             self.allocator.incref(block)
         self._seqs[child_id] = _Sequence(
-            list(parent.block_table),
-            parent.num_tokens,
-            None if parent.token_ids is None else list(parent.token_ids),
-            list(parent.block_hashes),
+            block_table=list(parent.block_table),
+            num_tokens=parent.num_tokens,
+            token_ids=list(parent.token_ids),
+            tracked=parent.tracked,
+            num_committed=parent.num_committed,  # the shared pages hold what the parent wrote
+            block_hashes=list(parent.block_hashes),
         )
 
     def free_sequence(self, seq_id) -> None:
@@ -251,16 +334,39 @@ class KVCacheManager:
         * every page's refcount equals the number of block-table entries naming it,
           plus one while the prefix cache maps it;
         * free + referenced by a table + cached only == all pages;
-        * every table spans exactly the pages its length needs.
+        * every table spans exactly the pages its length needs;
+        * committed <= tokens; the ids cover the tracked prefix (all tokens while tracked);
+          the hash chain covers exactly the committed full blocks that have ids;
+        * a cached page is a full block in every table naming it (so no append writes
+          into it), holds that table's ids for the block, and sits under its chain hash.
         """
         self.allocator.check_integrity()
+        ps, cache = self.page_size, self.prefix_cache
         named = [0] * self.num_blocks
         for seq_id, seq in self._seqs.items():
-            need = -(-self._rows(seq.num_tokens) // self.page_size)
+            need = -(-self._rows(seq.num_tokens) // ps)
             assert len(seq.block_table) == need, f"{seq_id!r}: {len(seq.block_table)} pages, needs {need}"
             for block in seq.block_table:
                 named[block] += 1
-        cached = set(self.prefix_cache._entry_of) if self.prefix_cache else set()
+            assert 0 <= seq.num_committed <= seq.num_tokens, f"{seq_id!r}: {seq.num_committed} committed"
+            ids = len(seq.token_ids)
+            assert ids <= seq.num_tokens and (ids == seq.num_tokens or not seq.tracked), f"{seq_id!r}: {ids} ids"
+            if cache is None:
+                assert not seq.block_hashes, f"{seq_id!r} has block hashes without a prefix cache"
+                continue
+            full = min(seq.num_committed, ids) // ps
+            assert len(seq.block_hashes) == full, f"{seq_id!r}: {len(seq.block_hashes)} hashes, {full} committed blocks"
+            for j, h in enumerate(seq.block_hashes):
+                want = block_hash(seq.block_hashes[j - 1] if j else None, seq.token_ids[j * ps : (j + 1) * ps])
+                assert h == want, f"{seq_id!r}: block {j} hash breaks the chain"
+            for j, block in enumerate(seq.block_table):
+                if block not in cache:
+                    continue
+                h, tokens = cache._entry_of[block]
+                assert (j + 1) * ps <= seq.num_tokens, f"cached page {block} is the partial block {j} of {seq_id!r}"
+                assert tokens == tuple(seq.token_ids[j * ps : (j + 1) * ps]), f"cached page {block}: other ids"
+                assert j >= len(seq.block_hashes) or h == seq.block_hashes[j], f"cached page {block}: other hash"
+        cached = set(cache._entry_of) if cache else set()
         for block in range(self.num_blocks):
             want = named[block] + (block in cached)
             got = self.allocator.refcount(block)

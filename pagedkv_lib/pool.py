@@ -13,6 +13,7 @@ that shape); :func:`cache_dims` and :func:`cache_strides` read a layout from it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -65,6 +66,18 @@ def cache_strides(cache: torch.Tensor, layout: str = "NHD") -> tuple[int, int, i
     cache_dims(cache, layout)
     sp, skv, s2, s3, sd = cache.stride()
     return (sp, skv, s2, s3, sd) if layout == "NHD" else (sp, skv, s3, s2, sd)
+
+
+def _int_or_none(value) -> int | None:
+    """``value`` as an int if it is one (or integer-like, as ``operator.index`` takes it:
+    numpy ints, 0-d int tensors), else None. Floats are refused, ``3.0`` too; so is bool,
+    an int subclass that is never meant as a page id or row count."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class PagedKVPool:
@@ -135,21 +148,34 @@ class PagedKVPool:
         """Copy pages (K and V) for every ``(src, dst)`` or ``(src, dst, num_rows)``.
 
         With ``num_rows`` only the first ``num_rows`` token rows are copied (a partial
-        block copy: copy-on-write of a partly filled last page needs no more). Every
-        id is checked before anything is copied; ``src == dst`` is refused.
+        block copy: copy-on-write of a partly filled last page needs no more). Page ids
+        and ``num_rows`` are ints (or integer-like, as ``operator.index`` takes them; not
+        bools or floats). Every pair is checked before anything is copied: ValueError
+        naming ``pairs[i]`` and the field for a pair of the wrong length, a value that is
+        not an int, a page outside the pool, ``src == dst``, or ``num_rows`` outside
+        ``[0, page_size]``; the pool is then unchanged.
         """
-        pairs = [tuple(p) for p in pairs]
+        checked = []
         for i, pair in enumerate(pairs):
+            try:
+                pair = tuple(pair)
+            except TypeError:
+                raise ValueError(f"pairs[{i}]={pair!r} must be (src, dst) or (src, dst, num_rows)") from None
             if len(pair) not in (2, 3):
                 raise ValueError(f"pairs[{i}]={pair!r} must be (src, dst) or (src, dst, num_rows)")
-            for name, page in zip(("src", "dst"), pair[:2]):
+            values = [_int_or_none(value) for value in pair]
+            for name, given, value in zip(("src", "dst", "num_rows"), pair, values):
+                if value is None:
+                    raise ValueError(f"pairs[{i}].{name}={given!r} is not an int")
+            for name, page in zip(("src", "dst"), values[:2]):
                 if not 0 <= page < self.num_pages:
                     raise ValueError(f"pairs[{i}].{name}={page} is outside the pool ({self.num_pages} pages)")
-            if pair[0] == pair[1]:
-                raise ValueError(f"pairs[{i}] copies page {pair[0]} onto itself")
-            if len(pair) == 3 and not 0 <= pair[2] <= self.page_size:
-                raise ValueError(f"pairs[{i}].num_rows={pair[2]} must be in [0, {self.page_size}]")
-        for src, dst, *rows in pairs:
+            if values[0] == values[1]:
+                raise ValueError(f"pairs[{i}] copies page {values[0]} onto itself")
+            if len(values) == 3 and not 0 <= values[2] <= self.page_size:
+                raise ValueError(f"pairs[{i}].num_rows={values[2]} must be in [0, {self.page_size}]")
+            checked.append(values)
+        for src, dst, *rows in checked:
             n = rows[0] if rows else self.page_size
             if self.layout == "NHD":
                 self.cache[dst, :, :n] = self.cache[src, :, :n]

@@ -2,18 +2,57 @@
 
 Block ``j`` of a prompt is identified by ``block_hash(hash of block j-1, tokens of block
 j)``, so equal hashes mean equal whole prefixes, not just equal blocks. Only full
-blocks are cached. The cache holds one reference on every block it maps; a block that
-no sequence uses any more (refcount 1, the cache's own) is *evictable*, least
-recently used first.
+blocks whose K/V has been written are cached (the manager registers them on
+``commit``). The cache holds one reference on every block it maps; a block that no
+sequence uses any more (refcount 1, the cache's own) is *evictable*, least recently
+used first.
+
+Token ids are ints. :func:`as_token_ids` is the one place that decides what counts as
+one; every entry point that takes token ids calls it before changing anything.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["block_hash", "PrefixCache"]
+__all__ = ["as_token_ids", "block_hash", "PrefixCache"]
+
+
+def _is_bool(value) -> bool:
+    # bool is an int subclass and a bool tensor passes operator.index; neither is a token id.
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def as_token_ids(values: Iterable, name: str = "token_ids") -> list[int]:
+    """Return ``values`` as a new list of Python ints (token ids).
+
+    Accepts ints and integer-like scalars, as ``operator.index`` does (numpy integers,
+    0-d integer tensors), and a 1-D integer array or tensor as a whole. Raises
+    ValueError naming ``name[i]`` and the value for anything else: a bool, a float (even
+    ``2.0``: hashing it through ``int()`` would make it hit the block cached for ``2``),
+    None, a str, a tensor with more than one element. ``values`` that cannot be iterated
+    (or a str) raise ValueError naming ``name``.
+    """
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{name}={values!r} is a string, not a sequence of token ids")
+    try:
+        # tolist() turns a 1-D array or tensor into Python scalars of its dtype at once.
+        items = values.tolist() if getattr(values, "ndim", 0) >= 1 and hasattr(values, "tolist") else list(values)
+    except TypeError:
+        raise ValueError(f"{name}={values!r} is not a sequence of token ids") from None
+    out = []
+    for i, value in enumerate(items):
+        if not _is_bool(value) and getattr(value, "ndim", 0) == 0:
+            try:
+                out.append(operator.index(value))
+                continue
+            except TypeError:
+                pass
+        raise ValueError(f"{name}[{i}]={value!r} is not an int")
+    return out
 
 
 def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -21,8 +60,9 @@ def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
     A stable 64-bit digest (not Python's ``hash``, which differs between processes),
     so stored notebook outputs and test expectations do not change from run to run.
+    Raises ValueError if a token id is not an int (see :func:`as_token_ids`).
     """
-    text = f"{parent_hash}:{','.join(str(int(t)) for t in token_ids)}"
+    text = f"{parent_hash}:{','.join(str(t) for t in as_token_ids(token_ids))}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
@@ -50,21 +90,38 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
-    def lookup(self, h: int, token_ids: Sequence[int]) -> int | None:
-        """Block cached under hash ``h`` holding exactly ``token_ids``, or None."""
-        self.queries += 1
+    def peek(self, h: int, token_ids: Sequence[int]) -> int | None:
+        """Block cached under hash ``h`` holding exactly ``token_ids``, or None.
+
+        Changes nothing (no counter, no LRU order): an admission peeks at every block
+        before it knows it will succeed. Raises ValueError for a token id that is not an int.
+        """
+        tokens = tuple(as_token_ids(token_ids))
         block = self._block_of.get(h)
-        if block is None or self._entry_of[block][1] != tuple(token_ids):
+        if block is None or self._entry_of[block][1] != tokens:
             return None
-        self.hits += 1
         return block
 
+    def lookup(self, h: int, token_ids: Sequence[int]) -> int | None:
+        """:meth:`peek`, counted in :attr:`queries` and :attr:`hits`."""
+        block = self.peek(h, token_ids)
+        self.record_lookups(1, int(block is not None))
+        return block
+
+    def record_lookups(self, queries: int, hits: int) -> None:
+        """Count ``queries`` block lookups of which ``hits`` found a block (for :meth:`hit_rate`)."""
+        self.queries += queries
+        self.hits += hits
+
     def insert(self, h: int, token_ids: Sequence[int], block: int) -> bool:
-        """Map ``h`` to ``block``; False (and nothing changed) if ``h`` is already cached."""
+        """Map ``h`` to ``block``; False (and nothing changed) if ``h`` or ``block`` is
+        already cached. The caller vouches that ``block`` holds the written K/V of
+        ``token_ids``. Raises ValueError for a token id that is not an int."""
+        tokens = tuple(as_token_ids(token_ids))
         if h in self._block_of or block in self._entry_of:
             return False
         self._block_of[h] = block
-        self._entry_of[block] = (h, tuple(token_ids))
+        self._entry_of[block] = (h, tokens)
         return True
 
     def hash_of(self, block: int) -> int | None:

@@ -5,11 +5,15 @@ The allocator hands out the lowest free ids first (free list 0, 1, 2, ... and fr
 ids go to the back), so the ids below follow from the order of the calls.
 """
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
 from pagedkv_lib import KVCacheManager, OutOfBlocksError, PagedKVPool, RingWindow
 from pagedkv_lib.reference import append_paged_kv, gather_paged_kv
+from pagedkv_lib.sharing import block_hash
 
 
 def refcounts(m: KVCacheManager):
@@ -266,6 +270,8 @@ def test_unknown_sequence_ids_raise_key_error_naming_the_id():
     m = KVCacheManager(2, 4)
     for call in (
         lambda: m.seq_len("ghost"),
+        lambda: m.committed_len("ghost"),
+        lambda: m.commit("ghost"),
         lambda: m.block_table("ghost"),
         lambda: m.append_tokens("ghost", 1),
         lambda: m.free_sequence("ghost"),
@@ -317,6 +323,41 @@ def test_append_rejects_token_ids_of_the_wrong_length():
     assert m.seq_len("a") == 0 and m.num_free == 2
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True])
+@pytest.mark.parametrize("bad", [None, 2.0, "3", True, torch.tensor(True), torch.tensor(2.0)])
+def test_append_tokens_with_a_non_int_id_raises_before_growing_and_on_every_retry(prefix_cache, bad):
+    # Four ids fill one page of 4. The old code accepted any id without a prefix cache,
+    # and with one it grew the sequence, then failed (None) or hashed the id through
+    # int() (2.0, "3", True); every retry grew the sequence again.
+    m = KVCacheManager(4, 4, prefix_cache=prefix_cache)
+    m.add_sequence("a")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape(f"token_ids[2]={bad!r} is not an int")):
+            m.append_tokens("a", 4, [1, 2, bad, 4])
+        assert m.seq_len("a") == 0 and m.block_table("a") == [] and m.num_free == 4
+        assert m.pop_copies() == []
+    m.check_integrity()
+    assert m.append_tokens("a", 4, [1, 2, 3, 4]) == [0, 1, 2, 3]  # good ids still go through
+
+
+@pytest.mark.parametrize("token_ids, message", [(5, "token_ids=5 is not a sequence"), ("abcd", "is a string")])
+def test_append_tokens_refuses_ids_that_are_not_a_sequence(token_ids, message):
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.add_sequence("a")
+    with pytest.raises(ValueError, match=message):
+        m.append_tokens("a", 4, token_ids)
+    assert m.seq_len("a") == 0 and m.num_free == 4
+
+
+def test_append_tokens_takes_numpy_and_torch_integer_ids():
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.add_sequence("a")
+    assert m.append_tokens("a", 3, np.array([7, 8, 9])) == [0, 1, 2]
+    assert m.append_tokens("a", 2, [torch.tensor(10), np.int32(11)]) == [3, 4]
+    assert m.seq_len("a") == 5
+    m.check_integrity()
+
+
 def test_constructor_rejects_bad_configs():
     with pytest.raises(ValueError, match="page_size=0"):
         KVCacheManager(4, 0)
@@ -326,6 +367,25 @@ def test_constructor_rejects_bad_configs():
         KVCacheManager(4, 4, window=RingWindow(16, 0, 8))
     with pytest.raises(ValueError, match="prefix_cache cannot be combined"):
         KVCacheManager(4, 4, window=RingWindow(16, 0, 4), prefix_cache=True)
+
+
+def test_check_integrity_catches_a_cached_page_that_is_still_being_filled():
+    # Page 1 holds 2 of a's 4 rows. Were it cached, a's next append would write into a
+    # page the cache hands to other requests.
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6])
+    m.prefix_cache.insert(block_hash(block_hash(None, [1, 2, 3, 4]), [5, 6, 7, 8]), [5, 6, 7, 8], 1)
+    m.allocator.incref(1)  # the cache's reference, so only the new invariant can object
+    with pytest.raises(AssertionError, match="cached page 1 is the partial block 1 of 'a'"):
+        m.check_integrity()
+
+
+def test_check_integrity_catches_a_commit_past_the_end():
+    m = KVCacheManager(4, 4, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6])
+    m._seqs["a"].num_committed = 7  # corrupt on purpose: 7 committed of 6 tokens
+    with pytest.raises(AssertionError, match="'a': 7 committed"):
+        m.check_integrity()
 
 
 def test_check_integrity_catches_a_leaked_reference():

@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,6 +113,15 @@ def test_copy_blocks_copies_whole_pages_and_partial_rows(layout):
         ([(0, 1), (2, 3, 5)], r"pairs\[1\].num_rows=5 must be in \[0, 4\]"),
         ([(0, 1), (2, 3, -1)], r"pairs\[1\].num_rows=-1"),
         ([(0, 1), (2,)], r"pairs\[1\]=\(2,\) must be \(src, dst\)"),
+        ([(0, 1), 2], r"pairs\[1\]=2 must be \(src, dst\)"),
+        # Not ints: the first pair used to be copied before indexing with 3.5 failed, and
+        # True (== 1) or 3.0 were taken as page ids.
+        ([(0, 1), (2, 3.5)], r"pairs\[1\].dst=3.5 is not an int"),
+        ([(0, 1), (2.0, 3)], r"pairs\[1\].src=2.0 is not an int"),
+        ([(0, 1), (True, 2)], r"pairs\[1\].src=True is not an int"),
+        ([(0, 1), (2, 3, 2.0)], r"pairs\[1\].num_rows=2.0 is not an int"),
+        ([(0, 1), (2, 3, False)], r"pairs\[1\].num_rows=False is not an int"),
+        ([(0, 1), (None, 3)], r"pairs\[1\].src=None is not an int"),
     ],
 )
 def test_copy_blocks_checks_every_pair_before_copying_any(pairs, message):
@@ -120,6 +130,14 @@ def test_copy_blocks_checks_every_pair_before_copying_any(pairs, message):
     with pytest.raises(ValueError, match=message):
         pool.copy_blocks(pairs)
     assert torch.equal(pool.cache, before)  # not even the valid first pair was applied
+
+
+def test_copy_blocks_takes_integer_like_ids_from_numpy_and_torch():
+    pool = filled_pool("NHD", pages=4)
+    before = pool.cache.clone()
+    pool.copy_blocks([(np.int64(0), torch.tensor(2), np.int32(3))])
+    assert torch.equal(pool.cache[2, :, :3], before[0, :, :3])
+    assert torch.equal(pool.cache[2, :, 3:], before[2, :, 3:])
 
 
 def test_pool_constructor_and_layout_errors():

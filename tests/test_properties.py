@@ -4,7 +4,9 @@ format round trips on random inputs.
 
 The model keeps every live sequence's token ids. A token's K/V is a function of its
 whole prefix (like a real model's), so a page served from the prefix cache or shared
-by a fork must hold exactly the values the model expects. All runs are derandomized.
+by a fork must hold exactly the values the model expects. Sequences commit all, some
+or none of what they wrote, and some admissions are freed before anything is written:
+a page the cache serves must have been written all the same. All runs are derandomized.
 """
 
 import math
@@ -84,14 +86,15 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tokens[seq].extend(tokens)
 
     def observable(self):
-        m = self.m
-        cached = [b for b in range(self.num_blocks) if m.prefix_cache is not None and b in m.prefix_cache]
+        """Everything a failed call must leave as it was (LRU order and lookup counters too)."""
+        m, cache = self.m, self.m.prefix_cache
+        cached = [b for b in range(self.num_blocks) if cache is not None and b in cache]
         return (
-            {s: (m.seq_len(s), m.block_table(s)) for s in m.sequences},
+            {s: (m.seq_len(s), m.committed_len(s), m.block_table(s)) for s in m.sequences},
             [m.refcount(b) for b in range(self.num_blocks)],
             m.num_free,
             cached,
-            sorted(m.prefix_cache.evictable_blocks()) if m.prefix_cache else [],
+            (cache.evictable_blocks(), cache.queries, cache.hits) if cache else None,
         )
 
     def tables_naming(self, page):
@@ -105,8 +108,9 @@ class ManagerMachine(RuleBasedStateMachine):
             if self.m.refcount(b) > 1
         }
 
-    def write(self, seq, slots, start, shared_before):
-        """Apply pending copies, then write the model's K/V of positions start.. to slots."""
+    def write(self, seq, slots, start, shared_before, data):
+        """Apply pending copies, write the model's K/V of positions start.. to slots, then
+        commit all, some or none of the sequence (all of it is written by now)."""
         # Every slot handed out must lie in a page only this sequence's table names.
         for slot in slots:
             assert self.tables_naming(slot // self.ps) == [seq], (slot, self.tables_naming(slot // self.ps))
@@ -119,9 +123,15 @@ class ManagerMachine(RuleBasedStateMachine):
         append_paged_kv(k, v, self.pool.cache, slots, self.layout)
         append_paged_kv_loop(k, v, self.pool_loop.cache, slots, self.layout)
         # No write (or copy) changed a page that was shared before the call.
-        for b, (data, data_loop) in shared_before.items():
-            assert torch.equal(self.pool.cache[b], data), f"shared page {b} was written"
-            assert torch.equal(self.pool_loop.cache[b], data_loop)
+        for b, (page, page_loop) in shared_before.items():
+            assert torch.equal(self.pool.cache[b], page), f"shared page {b} was written"
+            assert torch.equal(self.pool_loop.cache[b], page_loop)
+        n = self.m.seq_len(seq)
+        commit = data.draw(st.sampled_from(["all", "some", "none"]))
+        if commit == "all":
+            self.m.commit(seq)
+        elif commit == "some":
+            self.m.commit(seq, data.draw(st.integers(0, n)))
 
     # -------------------------------------------------------------- rules
 
@@ -150,7 +160,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert len(slots) == n and len(set(slots)) == n
         self.extend_model(seq, tokens)
-        self.write(seq, slots, start, shared)
+        self.write(seq, slots, start, shared, data)
         self.history.append(list(self.tokens[seq]))
 
     @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
@@ -194,15 +204,35 @@ class ManagerMachine(RuleBasedStateMachine):
         self.free(data)
         self._admit(data)
 
-    def _admit(self, data):
-        # A prompt that often shares a prefix with something seen before.
+    @precondition(lambda self: self.m.prefix_cache is not None and len(self.tokens) < MAX_LIVE)
+    @rule(data=st.data())
+    def abandon(self, data):
+        # Admitted, then freed before its K/V is written (cancelled, preempted): its pages
+        # hold stale values, so none of them may enter the cache.
+        prompt = self._prompt(data)
+        if not prompt:
+            return
+        seq, self.next_id = self.next_id, self.next_id + 1
+        entries = len(self.m.prefix_cache)
+        try:
+            self.m.admit(seq, prompt)
+        except OutOfBlocksError:
+            return
+        self.m.free_sequence(seq)
+        assert len(self.m.prefix_cache) <= entries  # evictions only, nothing new
+
+    def _prompt(self, data):
+        """A prompt that often shares a prefix with something seen before."""
         base = data.draw(st.sampled_from(self.history[-8:]))
         whole_blocks = len(base) // self.ps * self.ps
         cut = data.draw(
             st.sampled_from([len(base), whole_blocks, max(whole_blocks - self.ps, 0)]) | st.integers(0, len(base))
         )
         tail = data.draw(st.lists(st.integers(0, 2), max_size=self.ps + 1))
-        prompt = base[:cut] + tail
+        return base[:cut] + tail
+
+    def _admit(self, data):
+        prompt = self._prompt(data)
         if not prompt:
             return
         seq, self.next_id = self.next_id, self.next_id + 1
@@ -215,9 +245,10 @@ class ManagerMachine(RuleBasedStateMachine):
         c = adm.num_cached_tokens
         assert c % self.ps == 0 and 0 <= c <= len(prompt) - 1
         assert len(adm.slots) == len(prompt) - c and self.m.seq_len(seq) == len(prompt)
+        assert self.m.committed_len(seq) == c  # the hit blocks were written by whoever committed them
         self.tokens[seq], self.prints[seq] = [], []
         self.extend_model(seq, prompt)
-        self.write(seq, adm.slots, c, shared)
+        self.write(seq, adm.slots, c, shared, data)
         self.history.append(prompt)
 
     # -------------------------------------------------------------- invariants
@@ -241,6 +272,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert m.num_free == sum(1 for b in range(self.num_blocks) if m.refcount(b) == 0)
         if cache is not None:
             assert sorted(cache.evictable_blocks()) == [b for b in range(self.num_blocks) if cached[b] and not named[b]]
+
+    @invariant()
+    def manager_invariants_hold(self):
+        self.m.check_integrity()
 
     @invariant()
     def csr_lengths_equal_manager_and_model_lengths(self):

@@ -11,7 +11,8 @@
 # page must first get its own copy (**copy-on-write**), or it corrupts its siblings
 # silently. Here we fork a prompt into samples, watch the copy happen on the first
 # divergent write, measure the memory saved, and reuse a system prompt across requests
-# through a prefix cache, checking every claim against the reference data.
+# through a prefix cache (which may only share a page once its K/V is written),
+# checking every claim against the reference data.
 
 # %%
 import torch
@@ -159,13 +160,61 @@ plt.show()
 # %% [markdown]
 # ## Prefix caching across requests
 #
-# Eight chat requests share a 24-token system prompt (6 full pages) and add a user
-# message of their own. The prefix cache keys every **full** block by a hash chain,
-# `hash(parent_hash, block_tokens)`, so a block matches only if the whole prefix before
-# it matches too. A new request reuses the longest run of matching blocks and its
-# prefill starts at the first unmatched token. The K/V of a token here is a fixed
-# function of the tokens up to it, as in a real model, so shared pages hold the right
-# values for every request.
+# Chat requests often begin with the same system prompt. The prefix cache keys every
+# **full** block by a hash chain, `hash(parent_hash, block_tokens)`, so a block matches
+# only if the whole prefix before it matches too. A new request reuses the longest run
+# of matching blocks and its prefill starts at the first unmatched token.
+#
+# ### Share a block only once it is written: admit, write, commit
+#
+# `admit` only *reserves* slots for a request; its K/V lands in them when the model's
+# forward pass writes it, later. Until then the pages hold whatever their last owner
+# left. Were a block offered to other requests at admission, a request cancelled (or
+# preempted) before its write would leave cache entries pointing at pages nobody wrote,
+# and the next request with that prompt would attend to stale values, with no error.
+# So, as in real engines, a block enters the cache only once the caller says its K/V
+# is written:
+#
+# 1. `adm = mgr.admit(seq, prompt)`: reuse cached blocks, get `adm.slots` for the rest;
+# 2. `pool.copy_blocks(mgr.pop_copies())`, then write the K/V of
+#    `prompt[adm.num_cached_tokens:]` into `adm.slots`;
+# 3. `mgr.commit(seq)`: the sequence's full, written blocks become shareable.
+#
+# Below, request `a` is freed between steps 1 and 2. A request `b` with the same
+# 9-token prompt (two full pages of 4, one token over) must find nothing cached. Then
+# `b` writes and commits, and a third request `c` must be served both full pages,
+# holding exactly what `b` wrote.
+
+# %%
+demo_prompt = list(range(9))
+demo_pool = PagedKVPool(8, PAGE_SIZE, HEADS, DIM, torch.float32)
+demo = KVCacheManager(8, PAGE_SIZE, prefix_cache=True)
+demo.admit("a", demo_prompt)  # 1. slots reserved ...
+demo.free_sequence("a")  # ... and "a" is cancelled before anything is written
+adm_b = demo.admit("b", demo_prompt)
+print("b, after a was freed unwritten: tokens from the cache", adm_b.num_cached_tokens)
+assert adm_b.num_cached_tokens == 0, (
+    f"b was served {adm_b.num_cached_tokens} tokens from pages a never wrote: blocks must not be shared before commit"
+)
+k_b, v_b = kv(len(demo_prompt))
+demo_pool.copy_blocks(demo.pop_copies())
+reference.append_paged_kv(k_b, v_b, demo_pool.cache, torch.tensor(adm_b.slots))  # 2. write
+demo.commit("b")  # 3. commit: b's two full pages enter the cache
+demo.free_sequence("b")
+adm_c = demo.admit("c", demo_prompt)
+print("c, after b wrote and committed: tokens from the cache", adm_c.num_cached_tokens)
+assert adm_c.num_cached_tokens == 8, (
+    f"c was served {adm_c.num_cached_tokens} tokens, not b's 2 committed full pages (8 tokens): did b commit?"
+)
+k_c, v_c = reference.gather_paged_kv(demo_pool.cache, demo.block_table("c"), 8)
+assert torch.equal(k_c, k_b[:8]) and torch.equal(v_c, v_b[:8]), "c's shared pages do not hold what b wrote"
+demo.check_integrity()
+
+# %% [markdown]
+# Now eight chat requests share a 24-token system prompt (6 full pages) and add a user
+# message of their own; each one is admitted, written and committed in turn. The K/V
+# of a token here is a fixed function of the tokens up to it, as in a real model, so
+# shared pages hold the right values for every request.
 
 # %%
 gen = torch.Generator().manual_seed(1)
@@ -186,6 +235,7 @@ for r, prompt in enumerate(requests):
     admission = mgr.admit(r, prompt)
     pool.copy_blocks(mgr.pop_copies())
     reference.append_paged_kv(*kv_of(prompt, admission.num_cached_tokens), pool.cache, torch.tensor(admission.slots))
+    mgr.commit(r)  # written: the next request may share these pages
     cached.append(admission.num_cached_tokens)
     used.append(mgr.num_blocks - mgr.num_free)
     mgr.check_integrity()
@@ -247,6 +297,7 @@ mgr.check_integrity()
 # | the parent and every sibling read the prompt bit-identically | `torch.equal` after all writes |
 # | decode over shared pages = over private copies | `torch.equal` of outputs |
 # | CoW holds `2 + 2n` pages against `4n` for full copies | exact page counts, n = 1..16 |
+# | a request freed before its write leaves no cache hit; a committed one does | 0, then 8 cached tokens = `b`'s K/V |
 # | a shared 24-token system prompt is computed once for 8 requests | 24 cached tokens each, 42 pages saved |
 # | prefill over the prefix cache = prefill without sharing | `torch.equal` |
 # | freed cached blocks stay reusable until evicted | late request hits 24 tokens |
