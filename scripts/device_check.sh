@@ -10,14 +10,14 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PAGEDKV_BACKEND=gpu
 python -c "from pagedkv_lib import runtime; print(runtime.backend_line())" | tee "$OUT/backend.txt"
 if python -c "import pytest, hypothesis" 2>/dev/null; then
-  timeout 240 python -m pytest tests/test_kernel_write.py tests/test_kernel_read.py tests/test_verify.py -q \
+  timeout 240 python -m pytest tests/test_kernel_*.py tests/test_checks_parity.py tests/test_verify.py -q \
     -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
   echo "pytest rc=$?" >> "$OUT/kernel_tests.txt"
   tail -5 "$OUT/kernel_tests.txt"
 else
   echo "pytest or hypothesis missing: kernel tests skipped" | tee "$OUT/kernel_tests.txt"
 fi
-timeout 120 python -m pagedkv_lib.verify --full --hypothesis 0 > "$OUT/verify.txt" 2>&1
+timeout 120 python -m kernels.verify --full --hypothesis 0 > "$OUT/verify.txt" 2>&1
 echo "verify rc=$?" | tee -a "$OUT/verify.txt"
 timeout 90 python benchmarks/bench_write.py --out "$OUT" | tail -12
 timeout 90 python benchmarks/bench_decode.py --out "$OUT" | tail -12

@@ -83,3 +83,78 @@ def test_cli_exits_nonzero_only_when_a_check_fails():
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = subprocess.run([*cmd, "--fault", "past_len_zero"], capture_output=True, text=True)
     assert bad.returncode == 1 and "FAIL" in bad.stdout
+
+
+def test_cli_on_the_suites_kernels_lives_on_the_kernels_side():
+    """``python -m kernels.verify`` runs the suite's kernels; the library's own command
+    line asks for the kernels to check instead of importing them."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels.verify", "--hypothesis", "0"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "0 failed" in out.stdout, out.stdout + out.stderr
+    bare = subprocess.run([sys.executable, "-m", "pagedkv_lib.verify"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "python -m kernels.verify" in bare.stderr
+
+
+@pytest.mark.parametrize("value", ["-5", "many"])
+def test_cli_refuses_a_bad_hypothesis_count_as_a_usage_error(value):
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv_lib.verify", "--reference", "--hypothesis", value],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert "argument --hypothesis" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_names_kernels_by_import_path_and_refuses_one_that_does_not_import():
+    ref = ["--append-fn", "pagedkv_lib.reference:append_paged_kv", "--hypothesis", "0"]
+    ok = subprocess.run([sys.executable, "-m", "pagedkv_lib.verify", *ref], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = ["--decode-fn", "pagedkv_lib.reference:no_such_kernel"]
+    out = subprocess.run([sys.executable, "-m", "pagedkv_lib.verify", *bad], capture_output=True, text=True)
+    assert out.returncode == 2 and "cannot import 'pagedkv_lib.reference:no_such_kernel'" in out.stderr
+
+
+def _raising_decode(q, cache, block_tables, seq_lens, **kwargs):
+    raise RuntimeError("illegal memory access")
+
+
+def test_a_kernel_that_raises_inside_a_scenario_fails_that_check_and_the_run_goes_on():
+    report = verify.run(decode_fn=_raising_decode, checks=("chunked_prefill", "fork_cow", "int64_offsets"))
+    by_check = {r.check: r for r in report.results}
+    assert by_check["chunked_prefill"].passed is False
+    assert "raised RuntimeError: illegal memory access" in by_check["chunked_prefill"].detail
+    assert by_check["fork_cow"].passed is False
+    assert by_check["int64_offsets"].passed is True  # the run went on
+    repro = by_check["fork_cow"].repro
+    assert "verify.run_case('fork_cow', {}, decode_fn='test_verify:_raising_decode')" in repro
+
+
+def test_repro_lines_name_the_callable_by_import_path_or_ask_for_it():
+    report = verify.run(kernels.append_paged_kv, faults={"minus_one_as_index"}, checks=("append",))
+    assert "append_fn='kernels.write:append_paged_kv'" in report.failures[0].repro
+    local = verify.run(lambda *a, **k: None, checks=("append",))  # writes nothing: fails
+    assert "append_fn=APPEND_FN" in local.failures[0].repro
+    with pytest.raises(ValueError, match="needs decode_fn"):
+        verify.run_case("decode", verify.decode_grid()[0])
+
+
+def test_decode_that_modifies_its_query_fails_even_with_a_right_output():
+    def decode_then_scribble(q, cache, block_tables, seq_lens, **kwargs):
+        out = kernels.paged_decode_attention(q, cache, block_tables, seq_lens, **kwargs)
+        q.zero_()
+        return out
+
+    result = verify.decode_case(decode_then_scribble, verify.decode_grid()[0])
+    assert result.passed is False and "decode modified its input q" in result.detail
+
+
+def test_the_library_never_imports_the_kernels_or_triton():
+    code = (
+        "import sys, pkgutil, importlib, pagedkv_lib, pagedkv_lib.verify; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(pagedkv_lib.__path__, 'pagedkv_lib.')"
+        " if not m.name.endswith('__main__')]; "
+        "assert 'kernels' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
