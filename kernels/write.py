@@ -363,13 +363,15 @@ class AppendPlan:
 
     layout: str
     cache: tuple  # (shape, strides, dtype, device) of the pool
-    num_tokens: int
+    num_tokens: int  # tokens written (the index tensors' length)
+    kv_rows: int  # rows of k and v (and q): num_tokens or more
     num_kv_heads: int
     num_q_heads: int  # 0 without q
     head_dim: int
     page_size: int
     kv_dtype: torch.dtype
     q_dtype: torch.dtype | None
+    q_rows: int  # rows of q (0 without q)
     slot_mapping: torch.Tensor | None  # slot form
     batch_indices: torch.Tensor | None  # CSR form
     kv_indptr: torch.Tensor | None
@@ -422,25 +424,27 @@ def _v_tail_tensors(cache, layout, zero_v_tail, written):
     return tuple(t.contiguous() for t in zero_v_tail)
 
 
-def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, **index) -> AppendPlan:
+def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, num_tokens, **index) -> AppendPlan:
     dims = cache_dims(cache, layout)
     num_q_heads = 0 if q is None else q.shape[1]
     inv_freq = reference.rope_inv_freq(dims.head_dim, rope_theta).to(cache.device) if rope else None
     return AppendPlan(
         layout=layout,
         cache=_fingerprint(cache),
-        num_tokens=k.shape[0],
+        num_tokens=num_tokens,
+        kv_rows=k.shape[0],
         num_kv_heads=dims.num_kv_heads,
         num_q_heads=num_q_heads,
         head_dim=dims.head_dim,
         page_size=dims.page_size,
         kv_dtype=k.dtype,
         q_dtype=None if q is None else q.dtype,
+        q_rows=0 if q is None else q.shape[0],
         window=window,
         rope=rope,
         inv_freq=inv_freq,
         v_tail=v_tail,
-        tiles=write_tiles(k.shape[0], max(dims.num_kv_heads, num_q_heads), dims.head_dim),
+        tiles=write_tiles(num_tokens, max(dims.num_kv_heads, num_q_heads), dims.head_dim),
         **{
             name: _contiguous(index.get(name))
             for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
@@ -471,7 +475,7 @@ def plan_append(
     _check_write_launch(k, v, cache, q, index)
     tail = None if zero_v_tail is None else _v_tail_tensors(cache, layout, zero_v_tail, slots)
     return _plan(
-        k, v, cache, layout, q, rope, rope_theta, None, tail, slot_mapping=slot_mapping,
+        k, v, cache, layout, q, rope, rope_theta, None, tail, slots.numel(), slot_mapping=slot_mapping,
         positions=positions if rope is not None else None,
     )  # fmt: skip
 
@@ -490,7 +494,7 @@ def plan_append_csr(
     rope: str | None = None,
     rope_theta: float = 10000.0,
     q: torch.Tensor | None = None,
-    kv_last_page_len: torch.Tensor | None = None,
+    zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> AppendPlan:
     """Validate an :func:`append_paged_kv_csr` call once and return its :class:`AppendPlan`
     (nothing is written). Arguments and errors as :func:`append_paged_kv_csr`."""
@@ -503,19 +507,17 @@ def plan_append_csr(
         "kv_indptr": (kv_indptr, True),
     }
     _check_write_launch(k, v, cache, q, index)
-    tail = None
-    if kv_last_page_len is not None:
-        tail = _v_tail_tensors(cache, layout, (kv_indptr, kv_indices, kv_last_page_len), slots)
+    tail = None if zero_v_tail is None else _v_tail_tensors(cache, layout, zero_v_tail, slots)
     return _plan(
-        k, v, cache, layout, q, rope, rope_theta, window, tail, batch_indices=batch_indices, positions=positions,
-        kv_indptr=kv_indptr, kv_indices=kv_indices,
+        k, v, cache, layout, q, rope, rope_theta, window, tail, slots.numel(), batch_indices=batch_indices,
+        positions=positions, kv_indptr=kv_indptr, kv_indices=kv_indices,
     )  # fmt: skip
 
 
 def _check_run_inputs(plan: AppendPlan, k, v, cache, q) -> None:
     """The tensors given to :func:`run_append` must be what the plan was made for."""
     check_same_layout("cache", cache, plan.cache)
-    want = (plan.num_tokens, plan.num_kv_heads, plan.head_dim)
+    want = (plan.kv_rows, plan.num_kv_heads, plan.head_dim)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != plan.kv_dtype:
             raise ValueError(f"{name} must be {plan.kv_dtype} of shape {want} as planned, got {getattr(t, 'shape', t)}")
@@ -524,7 +526,7 @@ def _check_run_inputs(plan: AppendPlan, k, v, cache, q) -> None:
     if (q is None) != (plan.q_dtype is None):
         raise ValueError("q must be given exactly when the plan was made with q")
     if q is not None:
-        if tuple(q.shape) != (plan.num_tokens, plan.num_q_heads, plan.head_dim) or q.dtype != plan.q_dtype:
+        if tuple(q.shape) != (plan.q_rows, plan.num_q_heads, plan.head_dim) or q.dtype != plan.q_dtype:
             raise ValueError(f"q has shape {tuple(q.shape)} and {q.dtype}; the plan was made for another q")
         check_device("q", q)
         check_no_self_overlap("q", q)
@@ -621,7 +623,9 @@ def append_paged_kv(
     ``cache`` is the raw 5-D pool (``layout`` ``"NHD"`` or ``"HND"``), fp32, fp16 or bf16,
     the dtype of ``k`` and ``v``; any strides of ``k``, ``v`` and ``cache`` work (views
     are fine). Token ``i`` goes to flat slot ``slot_mapping[i]`` (``[num_tokens]`` int32
-    or int64, ``-1``: skipped; no slot twice); zero tokens write nothing.
+    or int64, ``-1``: skipped; no slot twice); zero tokens write nothing. ``k`` and ``v``
+    may have more rows than ``slot_mapping`` (vLLM pads them for CUDA graphs): only the
+    first ``num_tokens`` are written.
 
     ``rope="neox"|"gptj"`` stores K rotated by RoPE at ``positions [num_tokens]`` (the
     tokens' absolute positions, required then) with base ``rope_theta``; ``k`` itself
@@ -661,7 +665,7 @@ def append_paged_kv_csr(
     rope: str | None = None,
     rope_theta: float = 10000.0,
     q: torch.Tensor | None = None,
-    kv_last_page_len: torch.Tensor | None = None,
+    zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write ``k, v [num_tokens, num_kv_heads, head_dim]`` into ``cache`` in place, addressed
     by request and position (FlashInfer's ``append_paged_kv_cache``); returns None.
@@ -674,14 +678,15 @@ def append_paged_kv_csr(
     The kernel computes this itself; the launcher checks beforehand that every token
     lands on one of its request's pages, inside the pool.
 
-    ``rope``, ``rope_theta`` and ``q`` as in :func:`append_paged_kv`; RoPE uses the
-    absolute position ``p``, never the ring row. With ``kv_last_page_len [batch]`` the
-    V tail of every request's last page is zeroed afterwards (see
-    :func:`append_paged_kv`). Raises ValueError naming the argument before any write.
+    ``rope``, ``rope_theta``, ``q`` and ``zero_v_tail=(kv_indptr, kv_indices,
+    kv_last_page_len)`` as in :func:`append_paged_kv`; RoPE uses the absolute position
+    ``p``, never the ring row. (FlashInfer's ``append_paged_kv_cache`` also takes a
+    ``kv_last_page_len`` but does not write with it; here a V tail is zeroed only when
+    asked for by name.) Raises ValueError naming the argument before any write.
     """
     plan = plan_append_csr(
         k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window=window, rope=rope,
-        rope_theta=rope_theta, q=q, kv_last_page_len=kv_last_page_len,
+        rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail,
     )  # fmt: skip
     run_append(plan, k, v, cache, q)
 

@@ -129,14 +129,15 @@ def _check_slots(slots: torch.Tensor, dims: CacheDims, name: str = "slot_mapping
 def check_append_args(k, v, cache, slot_mapping, layout: str = "NHD") -> torch.Tensor:
     """Validate a slot-mapping append; return ``slot_mapping`` as host int64.
 
-    ``k, v`` as :func:`check_kv`; ``slot_mapping [num_tokens]`` integer, each ``-1``
-    (padding) or in ``[0, num_pages * page_size)``, no slot twice (two writers of one
-    row would race).
+    ``k, v`` as :func:`check_kv`, with at least ``num_tokens`` rows (vLLM pads K/V for
+    CUDA graphs; rows past ``num_tokens`` are not written); ``slot_mapping
+    [num_tokens]`` integer, each ``-1`` (padding) or in ``[0, num_pages * page_size)``,
+    no slot twice (two writers of one row would race).
     """
     dims = check_kv(k, v, cache, layout)
     slots = index_tensor("slot_mapping", slot_mapping, 1)
-    if slots.numel() != k.shape[0]:
-        raise ValueError(f"slot_mapping has {slots.numel()} entries for {k.shape[0]} tokens")
+    if slots.numel() > k.shape[0]:
+        raise ValueError(f"slot_mapping has {slots.numel()} entries but k has only {k.shape[0]} rows")
     _check_slots(slots, dims)
     return slots
 
@@ -156,8 +157,8 @@ def check_csr_append_args(
     dims = check_kv(k, v, cache, layout)
     check_window(window)
     batch = index_tensor("batch_indices", batch_indices, 1)
-    if batch.numel() != k.shape[0]:
-        raise ValueError(f"batch_indices has {batch.numel()} entries for {k.shape[0]} tokens")
+    if batch.numel() > k.shape[0]:
+        raise ValueError(f"batch_indices has {batch.numel()} entries but k has only {k.shape[0]} rows")
     slots = csr_slot_mapping(batch, positions, kv_indices, kv_indptr, dims.page_size, window, dims.num_pages)
     _check_slots(slots, dims, name="the slots of batch_indices/positions")
     return slots
@@ -171,7 +172,8 @@ def check_rope_args(rope, positions, rope_theta, q, k, cache, layout: str, slots
     ``rope_theta`` a finite number > 1, ``positions [num_tokens]`` integers that are
     >= 0 for every token that is written (``slots >= 0``). ``q`` (rotated in place)
     needs ``rope`` and is ``[num_tokens, num_q_heads, head_dim]`` (a float tensor,
-    ``num_q_heads`` any positive count). Without ``rope``, ``positions`` is ignored.
+    ``num_q_heads`` any positive count; extra rows, like K's, are left alone). Without
+    ``rope``, ``positions`` is ignored.
     """
     if rope not in ROPE_STYLES:
         raise ValueError(f"rope={rope!r} must be None, 'neox' or 'gptj'")
@@ -189,16 +191,16 @@ def check_rope_args(rope, positions, rope_theta, q, k, cache, layout: str, slots
     if positions is None:
         raise ValueError("rope needs positions [num_tokens], the tokens' absolute positions")
     pos = index_tensor("positions", positions, 1)
-    if pos.numel() != k.shape[0]:
-        raise ValueError(f"positions has {pos.numel()} entries for {k.shape[0]} tokens")
+    if pos.numel() != slots.numel():
+        raise ValueError(f"positions has {pos.numel()} entries for {slots.numel()} tokens")
     bad = (slots >= 0) & (pos < 0)
     if bad.any():
         i = int(torch.nonzero(bad)[0])
         raise ValueError(f"positions[{i}]={int(pos[i])} must be >= 0 for a token that is written")
     if q is not None:
         _float_tensor("q", q, "[num_tokens, num_q_heads, head_dim]")
-        if q.shape[0] != k.shape[0] or q.shape[2] != head_dim or q.shape[1] == 0:
-            raise ValueError(f"q has shape {tuple(q.shape)}; expected [{k.shape[0]}, num_q_heads, {head_dim}]")
+        if q.shape[0] < slots.numel() or q.shape[2] != head_dim or q.shape[1] == 0:
+            raise ValueError(f"q has shape {tuple(q.shape)}; expected [{slots.numel()}, num_q_heads, {head_dim}]")
     return pos
 
 

@@ -315,12 +315,14 @@ def csr_slot_mapping(
     return torch.where(pad, PAD, slot_of(page, offset, page_size))
 
 
-def get_batch_indices_positions(append_indptr, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request and position ``[num_new_tokens]`` (int32) of every appended token.
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request and position ``[nnz]`` (int32) of every appended token.
 
     ``append_indptr [batch + 1]`` delimits each request's new tokens in the ragged
     batch; ``seq_lens [batch]`` are the lengths after the append, so the new tokens of
     request ``b`` take its last ``append_indptr[b+1] - append_indptr[b]`` positions.
+    ``nnz`` (FlashInfer's argument) sizes the output beyond ``append_indptr[-1]``, for a
+    padded batch: the tail entries are padding, request ``-1`` at position 0.
     """
     indptr = index_tensor("append_indptr", append_indptr, 1)
     lens = index_tensor("seq_lens", seq_lens, 1)
@@ -330,7 +332,13 @@ def get_batch_indices_positions(append_indptr, seq_lens) -> tuple[torch.Tensor, 
     if (counts < 0).any() or (counts > lens).any():
         b = int(torch.nonzero((counts < 0) | (counts > lens))[0])
         raise ValueError(f"request {b} appends {int(counts[b])} tokens but seq_lens[{b}]={int(lens[b])}")
+    total = int(counts.sum())
+    if nnz is not None and (isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < total):
+        raise ValueError(f"nnz={nnz!r} must be an int >= the {total} appended tokens")
     batch = torch.repeat_interleave(torch.arange(lens.numel()), counts)
-    within = torch.arange(int(counts.sum())) - torch.repeat_interleave(indptr[:-1], counts)
+    within = torch.arange(total) - torch.repeat_interleave(indptr[:-1], counts)
     positions = lens[batch] - counts[batch] + within
+    pad = (nnz or total) - total
+    batch = torch.cat([batch, torch.full((pad,), PAD, dtype=batch.dtype)])
+    positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
     return batch.to(torch.int32), positions.to(torch.int32)

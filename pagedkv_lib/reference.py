@@ -65,12 +65,13 @@ def _store(k, v, cache, slots: torch.Tensor, layout: str, rope, positions, rope_
     keep = slots >= 0
     page, offset = split_slot(slots[keep], cache_dims(cache, layout).page_size)
     keep_dev = keep.to(k.device)
+    k, v = k[: slots.numel()], v[: slots.numel()]  # rows past the mapped tokens are not written
     k_new = k[keep_dev]
     if rope is not None:  # computed on the host in float64, rounded once to the storage dtype
         pos = positions[keep]
         k_new = rope_reference(k_new.cpu(), pos, rope_theta, rope).to(cache.dtype)
         if q is not None:
-            q_keep = keep.to(q.device)
+            q_keep = torch.cat([keep, torch.zeros(q.shape[0] - keep.numel(), dtype=torch.bool)]).to(q.device)
             q[q_keep] = rope_reference(q[q_keep].cpu(), pos, rope_theta, rope).to(q.dtype).to(q.device)
     cache[_row_index(layout, page.to(cache.device), 0, offset.to(cache.device))] = k_new.to(cache.device)
     cache[_row_index(layout, page.to(cache.device), 1, offset.to(cache.device))] = v[keep_dev].to(cache.device)
@@ -91,7 +92,9 @@ def append_paged_kv(
 ) -> None:
     """Write ``k, v [num_tokens, num_kv_heads, head_dim]`` into ``cache`` in place.
 
-    Token ``i`` goes to flat slot ``slot_mapping[i]`` (``-1``: skipped). With
+    Token ``i`` goes to flat slot ``slot_mapping[i]`` (``-1``: skipped); ``k`` and ``v``
+    may have more rows than ``slot_mapping`` (vLLM pads them for CUDA graphs): only the
+    first ``len(slot_mapping)`` are written. With
     ``rope="neox"|"gptj"`` K is stored rotated by RoPE at ``positions [num_tokens]``
     (computed in float64, then rounded to the cache dtype) and ``q [num_tokens,
     num_q_heads, head_dim]``, if given, is rotated in place (rows of padding tokens
@@ -122,7 +125,7 @@ def append_paged_kv_csr(
     rope: str | None = None,
     rope_theta: float = 10000.0,
     q=None,
-    kv_last_page_len=None,
+    zero_v_tail=None,
 ) -> None:
     """Write ``k, v`` addressed by request and position over a CSR page table
     (FlashInfer's ``append_paged_kv_cache``), in place.
@@ -130,15 +133,13 @@ def append_paged_kv_csr(
     Token ``i`` of request ``batch_indices[i]`` at position ``positions[i]`` (``-1`` in
     either: padding) goes to cache row ``positions[i]`` (or ``window.kv_token_idx`` of it)
     of the request's pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``. ``rope``,
-    ``rope_theta`` and ``q`` as :func:`append_paged_kv` (RoPE at the absolute
-    position); ``kv_last_page_len [batch]`` zeroes the V tails afterwards. Arguments
-    as ``kernels.append_paged_kv_csr``.
+    ``rope_theta``, ``q`` and ``zero_v_tail=(kv_indptr, kv_indices, kv_last_page_len)``
+    as :func:`append_paged_kv` (RoPE at the absolute position). Arguments as
+    ``kernels.append_paged_kv_csr``.
     """
     slots = check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window)
     pos = check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
-    tails = None
-    if kv_last_page_len is not None:
-        tails = check_v_tail_args(cache, kv_indptr, kv_indices, kv_last_page_len, layout, written=slots)
+    tails = None if zero_v_tail is None else check_v_tail_args(cache, *zero_v_tail, layout=layout, written=slots)
     _store(k, v, cache, slots, layout, rope, pos, rope_theta, q)
     if tails is not None:
         _zero_tails(cache, tails, layout)

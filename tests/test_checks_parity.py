@@ -75,7 +75,12 @@ APPEND_CASES = {
     "slot_mapping None": lambda a: a.update(slot_mapping=None),
     "slot_mapping float": lambda a: a.update(slot_mapping=a["slot_mapping"].float()),
     "slot_mapping on meta": lambda a: a.update(slot_mapping=torch.empty(5, dtype=torch.long, device="meta")),
-    "slot_mapping too short": lambda a: a.update(slot_mapping=a["slot_mapping"][:4]),
+    "slot_mapping longer than k": lambda a: a.update(k=a["k"][:4], v=a["v"][:4]),
+    "k and v with more rows than slot_mapping (vLLM's padding)": lambda a: a.update(slot_mapping=a["slot_mapping"][:3]),
+    "rope with more q and k rows than tokens": lambda a: (
+        _rope(a),
+        a.update(slot_mapping=a["slot_mapping"][:3], positions=_POSITIONS[:3].clone()),
+    ),
     "k has other heads": lambda a: a.update(k=a["k"][:, :1]),
     "v in another dtype": lambda a: a.update(v=a["v"].half()),
     "k and v differ": lambda a: a.update(v=a["v"][:4]),
@@ -113,7 +118,12 @@ def _outcome(call):
 
 
 def _on_dev(a):
-    return {k: v.to(DEV) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in a.items()}
+    def move(v):
+        if isinstance(v, tuple):
+            return tuple(move(t) for t in v)
+        return v.to(DEV) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+
+    return {k: move(v) for k, v in a.items()}
 
 
 def _clone(a):
@@ -133,8 +143,6 @@ def test_append_reference_and_kernel_accept_the_same_inputs(name):
     a = _append_args()
     APPEND_CASES[name](a)
     ref_args, ker_args = _clone(a), _on_dev(_clone(a))
-    if isinstance(ker_args.get("zero_v_tail"), tuple):
-        ker_args["zero_v_tail"] = tuple(t.to(DEV) for t in ker_args["zero_v_tail"])
     ref = _outcome(lambda: reference.append_paged_kv(**ref_args))
     ker = _outcome(lambda: kernels.append_paged_kv(**ker_args))
     assert ref[0] == ker[0], f"reference: {ref}, kernel: {ker}"
@@ -178,8 +186,13 @@ CSR_CASES = {
     "kv_indptr decreases": lambda a: a.update(kv_indptr=torch.tensor([0, 3, 2])),
     "two tokens on one slot": lambda a: a["positions"].__setitem__(1, 3),
     "batch_indices None": lambda a: a.update(batch_indices=None),
-    "v tail zeroed": lambda a: a.update(kv_last_page_len=torch.tensor([1, 3])),
-    "token written into a V tail": lambda a: a.update(kv_last_page_len=torch.tensor([1, 2])),
+    "v tail zeroed": lambda a: a.update(zero_v_tail=(a["kv_indptr"], a["kv_indices"], torch.tensor([1, 3]))),
+    "token written into a V tail": lambda a: a.update(
+        zero_v_tail=(a["kv_indptr"], a["kv_indices"], torch.tensor([1, 2]))
+    ),
+    "k and v with more rows than tokens (vLLM's padding)": lambda a: a.update(
+        k=torch.cat([a["k"], a["k"][:2]]), v=torch.cat([a["v"], a["v"][:2]])
+    ),
 }
 
 
@@ -190,7 +203,7 @@ def test_csr_append_reference_and_kernel_accept_the_same_inputs(name):
     names = ("k", "v", "cache", "batch_indices", "positions", "kv_indices", "kv_indptr")
 
     def call(impl, b):
-        kw = {"kv_last_page_len": b["kv_last_page_len"]} if "kv_last_page_len" in b else {}
+        kw = {"zero_v_tail": b["zero_v_tail"]} if "zero_v_tail" in b else {}
         return impl(*(b[n] for n in names), "NHD", **kw)
 
     ref_args, ker_args = _clone(a), _on_dev(_clone(a))

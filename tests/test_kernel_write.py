@@ -297,7 +297,7 @@ def test_v_tail_zeroed_rest_untouched(layout, page_size):
     assert_same_bits(got, want)
     (got,) = on_dev(cache)
     append_paged_kv_csr(
-        to_dev_view(k), to_dev_view(v), got, *on_dev(batch, pos), table[1], table[0], layout, kv_last_page_len=table[2]
+        to_dev_view(k), to_dev_view(v), got, *on_dev(batch, pos), table[1], table[0], layout, zero_v_tail=table
     )
     assert_same_bits(got, want)
     (got,) = on_dev(cache)
@@ -433,9 +433,9 @@ def _bad_calls():
             r"batch_indices\[0\]=1 but kv_indptr describes 1",
         ),
         (
-            "csr token count",
-            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"][:3], e["pos"][:3], *e["csr"]),
-            r"batch_indices has 3 entries for 4 tokens",
+            "csr more tokens than k rows",
+            lambda k, v, c, s, e: append_paged_kv_csr(k[:3], v[:3], c, e["batch"], e["pos"], *e["csr"]),
+            r"batch_indices has 4 entries but k has only 3 rows",
         ),
         (
             "csr batch index -2",

@@ -113,7 +113,7 @@ def test_append_loop_and_vectorized_are_bit_identical(layout, dtype):
         ([0, 1, 16], r"slot_mapping\[2\] = 16 is outside the pool \(4 pages x 4 slots"),
         ([0, 1, -2], r"slot_mapping\[2\] = -2 is outside the pool"),
         ([5, 1, 5], "writes slot 5 more than once"),
-        ([0, 1], "slot_mapping has 2 entries for 3 tokens"),
+        ([0, 1, 2, 3], "slot_mapping has 4 entries but k has only 3 rows"),
         ([0.0, 1.0, 2.0], "slot_mapping must hold integers"),
     ],
 )

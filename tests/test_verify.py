@@ -61,12 +61,30 @@ def test_failing_case_repro_line_replays_the_failure():
     compile(failure.repro, "<repro>", "exec")
 
 
-def test_hypothesis_shrinks_a_failure_to_one_reported_case():
+def test_hypothesis_reports_every_failure_then_the_first_one_shrunk():
+    """A failure does not stop the generated cases: all of them run, every failure is
+    reported, and the first is shrunk to a minimal case with its repro line."""
     broken = faults.minus_one_as_index(reference.append_paged_kv)
     results = verify.generated_cases("append", broken, 30)
-    assert len(results) == 1 and results[0].passed is False
-    assert results[0].case["padding"] >= 1  # the shrunk case still has a padding slot
-    assert "shrunk" in results[0].detail
+    failures = [r for r in results if r.check == "append[hypothesis]"]
+    assert len(failures) > 1 and all(r.passed is False for r in failures)
+    assert all(r.case["padding"] >= 1 for r in failures)  # only cases with a padding slot fail
+    shrunk = results[-1]
+    assert shrunk.check == "append[hypothesis, shrunk]" and shrunk.passed is False
+    assert "shrunk" in shrunk.detail and shrunk.case["padding"] == 1 and shrunk.case["num_tokens"] == 1
+
+
+def test_hypothesis_draws_only_inside_the_declared_contract():
+    narrow = verify.Contract(dtypes=("fp16",), layouts=("HND",), head_dims="pow2", page_sizes=(16,))
+    seen = []
+
+    def record(check, case):
+        seen.append(case)
+        return verify.append_case(reference.append_paged_kv, case)
+
+    verify.generated_cases("append", reference.append_paged_kv, 12, contract=narrow, runner=record)
+    assert seen and all(narrow.outside(c) is None for c in seen)
+    assert {c["head_dim"] for c in seen} <= {16, 64}
 
 
 def test_report_table_counts_and_plot():

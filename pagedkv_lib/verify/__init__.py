@@ -31,11 +31,13 @@ exit 1 when a check fails. This package never imports ``kernels`` or ``triton``.
 from .append_checks import append_case, append_grid
 from .cli import main
 from .compare import TOLERANCES
+from .contract import FULL, Contract, contract, contract_of
 from .decode_checks import decode_case, decode_grid, long_decode_cases
 from .generated import generated_cases
 from .report import CaseResult, Report
 from .runner import CHECKS, callable_path, resolve_callable, run, run_case
 from .scenarios import (
+    SCENARIO_NEEDS,
     SCENARIOS,
     check_chunked_prefill,
     check_fork,
@@ -50,6 +52,11 @@ __all__ = [
     "TOLERANCES",
     "CHECKS",
     "SCENARIOS",
+    "SCENARIO_NEEDS",
+    "Contract",
+    "FULL",
+    "contract",
+    "contract_of",
     "CaseResult",
     "Report",
     "run",

@@ -18,11 +18,14 @@ import math
 import torch
 
 from .. import reference, runtime
+from ..cache_layouts import to_native, to_paged
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..pool import PagedKVPool
 from ..window import RingWindow
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
+from .contract import Contract, contract_of
 from .grid import accepts, cover
+from .guards import Guards
 from .report import CaseResult
 
 __all__ = ["decode_grid", "long_decode_cases", "decode_inputs", "decode_case"]
@@ -115,19 +118,30 @@ def decode_inputs(case: dict):
     return q, pool.cache, tables, torch.tensor(lens, dtype=torch.int32), window
 
 
-def decode_case(decode_fn, case: dict) -> CaseResult:
+def decode_case(decode_fn, case: dict, contract: Contract | None = None) -> CaseResult:
     """Run one decode case: the output within tolerance of the float64 reference, and
-    the pool, ``q`` and the page table bit-for-bit unchanged."""
+    the pool, ``q`` and the page table bit-for-bit unchanged, nothing written next to
+    them. The pool is built in the kernel's declared cache layout."""
+    contract = contract or contract_of(decode_fn)
+    reason = contract.outside(case)
+    if reason:
+        return CaseResult("decode", case, None, outside=reason)
     q, cache, tables, lens, window = decode_inputs(case)
     layout = case["layout"]
     expected = reference.paged_decode_attention(q, cache, tables, lens, layout=layout, window=window, precision="fp64")
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
-    dev = runtime.device()
-    # Copies (``.to`` alone returns the same tensor on the CPU): the originals stay as
-    # they were, to compare with after the call.
-    originals = {"q": q, "cache": cache, "block_tables": tables, "seq_lens": lens}
-    inputs = {name: t.to(dev, copy=True) for name, t in originals.items()}
-    kwargs, notes = {"layout": layout}, []
+    dev, guards = runtime.device(), Guards()
+    page_bytes = cache[0].numel() * cache.element_size()
+    native = to_native(cache, contract.cache_layout, layout)
+    if isinstance(native, torch.Tensor):
+        native = guards.place("cache", native.to(dev), page_bytes)
+    else:
+        native = tuple(guards.place(n, t.to(dev), page_bytes) for n, t in zip(("k_cache", "v_cache"), native))
+    originals = {"q": q, "block_tables": tables, "seq_lens": lens}
+    inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
+    kwargs, notes = {}, []
+    if accepts(decode_fn, "layout"):
+        kwargs["layout"] = layout
     if window is not None:
         kwargs["window"] = window
     if "num_splits" in case:
@@ -136,19 +150,26 @@ def decode_case(decode_fn, case: dict) -> CaseResult:
         else:
             notes.append("decode_fn takes no num_splits: ran with its own")
     try:
-        out = decode_fn(*inputs.values(), **kwargs)
+        out = decode_fn(inputs["q"], native, inputs["block_tables"], inputs["seq_lens"], **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
         return CaseResult("decode", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
     result = compare(out, expected, atol, rtol)
     ok, detail = result.passed, result.detail
     if not ok and result.worst is not None and not detail:
         b, h = result.worst[:2]
-        detail = f"first beyond tolerance: sequence {b} (length {int(lens[b])}), query head {h}"
-    for name, before in originals.items():
-        count, where = first_difference(inputs[name].cpu(), before, layout if name == "cache" else None)
+        detail = (
+            f"first beyond tolerance: sequence {b} (length {int(lens[b])}), query head {h}, "
+            f"|err| = {result.tol_ratio:.3g} x (atol + rtol |ref|)"
+        )
+    dims = (cache.shape[0], case["page_size"], case["num_kv_heads"], case["head_dim"])
+    after = {"cache": to_paged(native, contract.cache_layout, layout, *dims).cpu()}
+    after.update({name: t.cpu() for name, t in inputs.items()})
+    for name, before in {"cache": cache, **originals}.items():
+        count, where = first_difference(after[name], before, layout if name == "cache" else None)
         if count:
-            ok = False
             what = "wrote into the pool" if name == "cache" else f"modified its input {name}"
             notes.append(f"decode {what}: {count} elements changed, first at {where}")
+    notes += guards.corrupted()
+    ok = ok and not [n for n in notes if not n.startswith("decode_fn takes no")]
     detail = "; ".join([detail, *notes]) if detail else "; ".join(notes)
     return CaseResult("decode", case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)

@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 
 __all__ = ["CaseResult", "Report"]
 
-_STATUS = {True: "pass", False: "FAIL", None: "skip"}
+_STATUSES = ("pass", "FAIL", "skip", "outside")
 
 
 @dataclass
 class CaseResult:
     """One check on one case.
 
-    ``passed`` is None when the check was skipped. ``max_abs`` / ``max_rel`` are the
+    ``passed`` is None when the check did not run: skipped (``detail`` says why), or
+    ``outside`` the kernel's declared contract (the reason). ``max_abs`` / ``max_rel`` are the
     errors against the reference and ``atol`` the absolute tolerance; ``tol_ratio`` is
     the largest ``|err| / (atol + rtol |ref|)`` by the pass rule (>= 1 fails; 0 for a
     bit-exact check that passed). ``fns`` maps ``append_fn`` / ``decode_fn`` to the
@@ -32,6 +33,14 @@ class CaseResult:
     tol_ratio: float | None = None
     faults: tuple[str, ...] = ()
     fns: dict[str, str | None] = field(default_factory=dict)
+    outside: str | None = None
+
+    @property
+    def status(self) -> str:
+        """``"pass"``, ``"FAIL"``, ``"skip"`` or ``"outside"`` (the declared contract)."""
+        if self.passed is None:
+            return "outside" if self.outside else "skip"
+        return "pass" if self.passed else "FAIL"
 
     @property
     def repro(self) -> str:
@@ -57,21 +66,54 @@ class Report:
     def failures(self) -> list[CaseResult]:
         return [r for r in self.results if r.passed is False]
 
+    @property
+    def outside_contract(self) -> list[CaseResult]:
+        return [r for r in self.results if r.status == "outside"]
+
     def rows(self) -> list[dict]:
         """One dict per result: check, case, status, max_abs, max_rel, atol, tol_ratio, detail."""
         return [
             {
                 "check": r.check,
                 "case": _short(r.case),
-                "status": _STATUS[r.passed],
+                "status": r.status,
                 "max_abs": r.max_abs,
                 "max_rel": r.max_rel,
                 "atol": r.atol,
                 "tol_ratio": r.tol_ratio,
-                "detail": r.detail,
+                "detail": r.outside or r.detail,
             }
             for r in self.results
         ]
+
+    def to_json(self) -> dict:
+        """The report as JSON-ready data (for other projects' CI): a summary, then one
+        entry per result with its case as a dict, its status, errors, detail and repro
+        line (failures only)."""
+
+        def number(x):
+            return None if x is None or x != x or x in (float("inf"), float("-inf")) else x
+
+        counts = {s: sum(r.status == s for r in self.results) for s in _STATUSES}
+        return {
+            "passed": self.passed,
+            "counts": counts,
+            "results": [
+                {
+                    "check": r.check,
+                    "case": r.case,
+                    "status": r.status,
+                    "max_abs": number(r.max_abs),
+                    "max_rel": number(r.max_rel),
+                    "atol": r.atol,
+                    "tol_ratio": number(r.tol_ratio),
+                    "detail": r.outside or r.detail,
+                    "faults": list(r.faults),
+                    "repro": r.repro if r.passed is False else None,
+                }
+                for r in self.results
+            ],
+        }
 
     def to_frame(self):
         """The rows as a pandas DataFrame (pandas is optional)."""
@@ -80,17 +122,24 @@ class Report:
         return pd.DataFrame(self.rows())
 
     def summary(self) -> str:
-        counts = {s: sum(r.passed is p for r in self.results) for p, s in _STATUS.items()}
-        return f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped"
+        counts = {s: sum(r.status == s for r in self.results) for s in _STATUSES}
+        text = f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped"
+        return text + (f", {counts['outside']} outside the declared contract" if counts["outside"] else "")
 
     def __str__(self) -> str:
         lines = [f"{'check':<18} {'status':<6} {'max_abs':>9} {'err/tol':>8}  case / detail"]
         for row in self.rows():
+            if row["status"] == "outside":
+                continue
             ratio = "" if row["tol_ratio"] is None else f"{row['tol_ratio']:.2g}"
             lines.append(
                 f"{row['check']:<18} {row['status']:<6} {row['max_abs']:>9.2e} {ratio:>8}  "
                 f"{row['case']}{'  ' + row['detail'] if row['detail'] else ''}"
             )
+        outside = self.outside_contract
+        if outside:
+            lines.append(f"outside the declared contract ({len(outside)}, neither passed nor failed):")
+            lines += [f"  {r.check:<16} {_short(r.case)}  ({r.outside})" for r in outside]
         lines.append(self.summary())
         for r in self.failures:
             lines.append(f"reproduce: {r.repro}")

@@ -1,0 +1,162 @@
+"""Kernel contracts: what a kernel under test declares it supports.
+
+Few production kernels take every input the suite can build: one supports only
+power-of-two head dims, another never sees a sequence of length 0, a third has no ring
+window. A :class:`Contract` says so; the harness then reports the cases outside it as
+*outside the declared contract* (listed apart, neither passed nor failed), skips a
+scenario that needs an undeclared feature with that reason, and draws generated cases
+only inside the contract. It also says which cache layout the kernel takes (see
+:mod:`pagedkv_lib.cache_layouts`), so each case's pool is built in that layout.
+
+Declare a contract when wrapping a kernel::
+
+    @verify.contract(cache_layout="flat", head_dims="pow2", windows=False)
+    def my_append(k, v, cache, slot_mapping, layout="NHD"):
+        k_cache, v_cache = cache
+        ...
+
+or pass ``verify.run(..., contracts={"append_fn": Contract(...)})``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..cache_layouts import CACHE_LAYOUTS
+from ..indexing import is_power_of_two
+
+__all__ = ["Contract", "contract", "contract_of", "FULL"]
+
+_DTYPES = ("fp32", "fp16", "bf16")
+_LAYOUTS = ("NHD", "HND")
+
+
+def _domain(name: str, value) -> None:
+    if value is None or value == "pow2":
+        return
+    if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{name}={value!r} must be None (any), 'pow2' or a tuple of ints")
+
+
+def _admits(domain, value: int) -> bool:
+    if domain is None:
+        return True
+    if domain == "pow2":
+        return is_power_of_two(value)
+    return value in domain
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a kernel supports. Every field defaults to "everything the suite builds".
+
+    ``dtypes``: of ``"fp32"``, ``"fp16"``, ``"bf16"``. ``layouts``: ``"NHD"``/``"HND"`` (for
+    the ``"paged"`` and ``"kv_tuple"`` cache layouts). ``cache_layout``: one of
+    :data:`pagedkv_lib.cache_layouts.CACHE_LAYOUTS`. ``head_dims``, ``page_sizes``,
+    ``gqa_groups``: None (any), ``"pow2"`` (powers of two) or a tuple of values.
+    ``min_seq_len``: the shortest sequence a decode accepts (1 excludes empty ones).
+    ``windows``: ring windows (the ``window=`` argument). ``padding``: ``-1`` slots
+    in an append. ``strided_kv``: non-contiguous K/V inputs.
+    """
+
+    dtypes: tuple[str, ...] = _DTYPES
+    layouts: tuple[str, ...] = _LAYOUTS
+    cache_layout: str = "paged"
+    head_dims: tuple[int, ...] | str | None = None
+    page_sizes: tuple[int, ...] | str | None = None
+    gqa_groups: tuple[int, ...] | str | None = None
+    min_seq_len: int = 0
+    windows: bool = True
+    padding: bool = True
+    strided_kv: bool = True
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dtypes", _DTYPES), ("layouts", _LAYOUTS)):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not value or not set(value) <= set(allowed):
+                raise ValueError(f"{name}={value!r} must be a non-empty tuple of {allowed}")
+        if self.cache_layout not in CACHE_LAYOUTS:
+            raise ValueError(f"cache_layout={self.cache_layout!r} must be one of {CACHE_LAYOUTS}")
+        for name in ("head_dims", "page_sizes", "gqa_groups"):
+            _domain(name, getattr(self, name))
+        if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
+            raise ValueError(f"min_seq_len={self.min_seq_len!r} must be an int >= 0")
+
+    def outside(self, case: dict) -> str | None:
+        """Why ``case`` (a grid, generated or scenario case) lies outside this contract,
+        or None when the kernel declared everything it needs."""
+        reasons = []
+        if case.get("dtype", "fp32") not in self.dtypes:
+            reasons.append(f"dtype {case['dtype']}")
+        if self.cache_layout in ("paged", "kv_tuple") and case.get("layout", "NHD") not in self.layouts:
+            reasons.append(f"layout {case['layout']}")
+        for key, domain, label in (
+            ("head_dim", self.head_dims, "head_dim"),
+            ("page_size", self.page_sizes, "page_size"),
+            ("group", self.gqa_groups, "GQA group"),
+        ):
+            if key in case and not _admits(domain, case[key]):
+                reasons.append(f"{label} {case[key]}")
+        lens = case.get("seq_lens")
+        if lens is not None and len(lens) and min(lens) < self.min_seq_len:
+            reasons.append(f"a sequence of length {min(lens)} (< {self.min_seq_len})")
+        if case.get("window") and not self.windows:
+            reasons.append("a ring window")
+        if case.get("padding", 0) and not self.padding:
+            reasons.append("-1 padding slots")
+        if case.get("noncontiguous") and not self.strided_kv:
+            reasons.append("non-contiguous K/V")
+        if self.cache_layout == "vllm_x" and "head_dim" in case:
+            x = 16 // {"fp32": 4, "fp16": 2, "bf16": 2}[case.get("dtype", "fp32")]
+            if case["head_dim"] % x:
+                reasons.append(f"head_dim {case['head_dim']} not a multiple of x={x}")
+        return ", ".join(reasons) or None
+
+    def meet(self, other: Contract) -> Contract:
+        """The contract of two kernels used together (a scenario's writer and reader)."""
+        if self.cache_layout != other.cache_layout:
+            raise ValueError(f"cache layouts differ: {self.cache_layout!r} and {other.cache_layout!r}")
+
+        def both(a, b):
+            if a is None:
+                return b
+            if b is None or a == b:
+                return a
+            if "pow2" in (a, b):
+                other_set = b if a == "pow2" else a
+                return tuple(v for v in other_set if is_power_of_two(v))
+            return tuple(v for v in a if v in b)
+
+        return replace(
+            self,
+            dtypes=tuple(d for d in self.dtypes if d in other.dtypes) or ("fp32",),
+            layouts=tuple(x for x in self.layouts if x in other.layouts) or ("NHD",),
+            head_dims=both(self.head_dims, other.head_dims),
+            page_sizes=both(self.page_sizes, other.page_sizes),
+            gqa_groups=both(self.gqa_groups, other.gqa_groups),
+            min_seq_len=max(self.min_seq_len, other.min_seq_len),
+            windows=self.windows and other.windows,
+            padding=self.padding and other.padding,
+            strided_kv=self.strided_kv and other.strided_kv,
+        )
+
+
+FULL = Contract()
+
+
+def contract(**fields):
+    """Decorator: attach a :class:`Contract` to a kernel (read by :func:`contract_of`)."""
+    declared = Contract(**fields)
+
+    def attach(fn):
+        fn.pagedkv_contract = declared
+        return fn
+
+    return attach
+
+
+def contract_of(fn) -> Contract:
+    """The contract a callable declares (:func:`contract`), else the full one."""
+    declared = getattr(fn, "pagedkv_contract", None)
+    return declared if isinstance(declared, Contract) else FULL
