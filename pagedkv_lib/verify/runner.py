@@ -11,12 +11,13 @@ from .. import reference
 from .append_checks import append_case, append_grid
 from .decode_checks import decode_case, decode_grid
 from .generated import generated_cases
+from .prefill_checks import prefill_case, prefill_grid
 from .report import CaseResult, Report
 from .scenarios import SCENARIOS
 
 __all__ = ["run", "run_case", "callable_path", "resolve_callable", "CHECKS"]
 
-CHECKS = ("append", "decode", *SCENARIOS)
+CHECKS = ("append", "decode", "prefill", *SCENARIOS)
 
 
 def resolve_callable(spec):
@@ -61,22 +62,28 @@ def _guarded(name: str, scenario, writer, reader, faults, **case) -> CaseResult:
         return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
 
 
-def _prepare(append_fn, decode_fn, faults):
+def _prepare(append_fn, decode_fn, faults, prefill_fn=None):
     append_fn, decode_fn = resolve_callable(append_fn), resolve_callable(decode_fn)
+    prefill_fn = resolve_callable(prefill_fn)
     faults = F.check_faults(faults)
     fns = {}
     if append_fn is not None:
         fns["append_fn"] = callable_path(append_fn)
     if decode_fn is not None:
         fns["decode_fn"] = callable_path(decode_fn)
+    if prefill_fn is not None:
+        fns["prefill_fn"] = callable_path(prefill_fn)
     if "minus_one_as_index" in faults and append_fn is not None:
         append_fn = F.minus_one_as_index(append_fn)
-    return append_fn, decode_fn, faults, fns
+    if "chunk_local_mask" in faults and prefill_fn is not None:
+        prefill_fn = F.chunk_local_mask(prefill_fn)
+    return append_fn, decode_fn, faults, fns, prefill_fn
 
 
 def run(
     append_fn=None,
     decode_fn=None,
+    prefill_fn=None,
     *,
     faults=(),
     full: bool = False,
@@ -90,12 +97,15 @@ def run(
     ``zero_v_tail=``) and ``kernels.paged_decode_attention`` (``fn(q, cache,
     block_tables, seq_lens, layout=...)``, optionally ``num_splits=`` and ``window=``),
     or their import paths ``"module:function"``. Either may be None: its grid is
-    skipped and the scenarios use the reference for that side. ``faults``: names from
+    skipped and the scenarios use the reference for that side. ``prefill_fn``: a
+    callable with the signature of ``kernels.paged_prefill_attention`` (``fn(q, cache,
+    qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``) for the
+    prefill grid (:mod:`.prefill_checks`), or None to skip it. ``faults``: names from
     :data:`pagedkv_lib.faults.FAULTS` to switch on. ``full``: the larger grid (head dim
     256, page size 64, 300 tokens). ``hypothesis_examples``: generated cases per
     operation. ``checks``: a subset of :data:`CHECKS`.
     """
-    append_fn, decode_fn, faults, fns = _prepare(append_fn, decode_fn, faults)
+    append_fn, decode_fn, faults, fns, prefill_fn = _prepare(append_fn, decode_fn, faults, prefill_fn)
     wanted = set(checks) if checks else set(CHECKS)
     unknown = wanted - set(CHECKS)
     if unknown:
@@ -109,6 +119,8 @@ def run(
         report.results += [decode_case(decode_fn, c) for c in decode_grid(full)]
         if hypothesis_examples:
             report.results += generated_cases("decode", decode_fn, hypothesis_examples)
+    if prefill_fn is not None and "prefill" in wanted:
+        report.results += [prefill_case(prefill_fn, c) for c in prefill_grid(full)]
     writer = append_fn or reference.append_paged_kv
     reader = decode_fn or reference.paged_decode_attention
     for name, scenario in SCENARIOS.items():
@@ -119,13 +131,17 @@ def run(
     return report
 
 
-def run_case(check: str, case: dict, append_fn=None, decode_fn=None, faults=()) -> CaseResult:
+def run_case(check: str, case: dict, append_fn=None, decode_fn=None, faults=(), prefill_fn=None) -> CaseResult:
     """Re-run one case of a report (grid, hypothesis or scenario), as its ``repro`` line
-    prints it, on the callables given (or their import paths). The ``append`` and
-    ``decode`` checks need their callable; a scenario uses the reference for a side
-    that is not given."""
-    append_fn, decode_fn, faults, fns = _prepare(append_fn, decode_fn, faults)
-    if check == "append" or check == "decode":
+    prints it, on the callables given (or their import paths). The ``append``,
+    ``decode`` and ``prefill`` checks need their callable; a scenario uses the
+    reference for a side that is not given."""
+    append_fn, decode_fn, faults, fns, prefill_fn = _prepare(append_fn, decode_fn, faults, prefill_fn)
+    if check == "prefill":
+        if prefill_fn is None:
+            raise ValueError("run_case('prefill', ...) needs prefill_fn: a callable or 'module:function'")
+        result = prefill_case(prefill_fn, case)
+    elif check == "append" or check == "decode":
         fn = append_fn if check == "append" else decode_fn
         if fn is None:
             raise ValueError(f"run_case({check!r}, ...) needs {check}_fn: a callable or 'module:function'")
