@@ -21,8 +21,9 @@ softmax in fp32: running max ``m``, denominator ``l`` and the ``[BLOCK_M, BLOCK_
 accumulator, rescaled by ``2**(m_old - m_new)`` per key tile. ``BLOCK_D`` is the head
 dimension rounded up to a power of two (80 runs in 128 lanes, masked). Sizes come
 from :func:`kernels.tiles.prefill_tiles`: 64 x 64 (or smaller for wide heads)
-compiled, so the tiles stay in registers; up to 128 x 128 interpreted, where each
-``tl`` operation costs the same whatever its size.
+compiled, so the tiles stay in registers (untuned); interpreted, up to 128 rows and
+``[BLOCK_M, BLOCK_N, BLOCK_D]`` products of 2**19 elements, since the interpreter pays
+mostly per executed ``tl`` operation.
 
 Work skipped, not only masked: a tile reads keys up to its last query's position and
 no further (the causal limit); with a window it reads the sinks and then only from its
