@@ -59,3 +59,24 @@ __all__ = [
     "GatheredKV",
     "GatherPlan",
 ]
+
+# --------------------------------------------------------------------------- prefill
+# :mod:`kernels.prefill`: paged prefill attention, many queries per sequence (chunked
+# prefill, prefix-cache hits, speculative verification).
+from .prefill import (  # noqa: E402
+    PrefillPlan,
+    paged_prefill_attention,
+    paged_prefill_attention_csr,
+    plan_prefill,
+    plan_prefill_csr,
+    run_prefill,
+)
+
+__all__ += [
+    "paged_prefill_attention",
+    "paged_prefill_attention_csr",
+    "plan_prefill",
+    "plan_prefill_csr",
+    "run_prefill",
+    "PrefillPlan",
+]

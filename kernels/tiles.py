@@ -70,3 +70,42 @@ def gather_block_t(num_kv_heads: int, head_dim: int, max_len: int) -> int:
 def merge_tiles(num_splits: int, head_dim: int) -> tuple[int, int]:
     """``(BLOCK_S, BLOCK_D)`` of the split-KV merge: all splits and the whole head at once."""
     return pow2(num_splits), pow2(head_dim)
+
+
+# --------------------------------------------------------------------------- prefill
+# (added with kernels/prefill.py)
+
+__all__ += ["prefill_tiles"]
+
+
+def prefill_tiles(group: int, head_dim: int, max_rows: int, max_keys: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps)`` of a prefill launch.
+
+    ``BLOCK_M`` rows of (query, GQA head) pairs of one request and one KV head (the
+    group's query heads folded into M, so each K/V tile serves all of them) times
+    ``BLOCK_N`` keys per loop iteration; ``BLOCK_D = next_pow2(head_dim)``, masked.
+    Every block is at least 16, the smallest ``tl.dot`` a GPU takes. ``max_rows`` is
+    the longest request's ``q_len * group``, ``max_keys`` its longest ``seq_len``: no
+    tile is made much larger than the work.
+
+    Compiled: 64 x 64 tiles up to head dim 64, 64 x 32 up to 128 and 32 x 32 beyond,
+    so that Q, K, V, the scores and the fp32 accumulator of one program stay in
+    registers (not tuned on a GPU yet). Interpreted: up to 128 rows, and as many keys
+    as keep the ``[BLOCK_M, BLOCK_N, BLOCK_D]`` products of the interpreter's
+    multiply-and-sum path at 2**19 elements (measured about as fast as 2**20, Triton's
+    limit), since the interpreter pays mostly per executed ``tl`` operation.
+    """
+    block_d = max(16, pow2(head_dim))
+    if _interpreted():  # [BLOCK_M, BLOCK_N, BLOCK_D] products of 2**19 elements (Triton's limit: 2**20)
+        block_m = max(16, min(128, pow2(max_rows)))
+        block_n = min(128, max(16, (1 << 19) // (block_m * block_d)))
+    elif block_d <= 64:
+        block_m, block_n = 64, 64
+    elif block_d <= 128:
+        block_m, block_n = 64, 32
+    else:
+        block_m, block_n = 32, 32
+    block_m = max(16, min(block_m, pow2(max_rows)))
+    block_n = max(16, min(block_n, pow2(max_keys)))
+    num_warps = 8 if block_m * block_d >= 1 << 13 else 4
+    return block_m, block_n, block_d, num_warps

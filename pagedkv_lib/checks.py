@@ -348,3 +348,34 @@ def check_merge_args(partials, lse) -> None:
         )
     if partials.shape[2] == 0:
         raise ValueError("partials has 0 splits")
+
+
+# --------------------------------------------------------------------------- prefill over a CSR page table
+# (added with kernels/prefill.py: the CSR twin of check_prefill_args, which it reuses so
+# that the qo_indptr rule has one home)
+
+from .formats import csr_to_block_table  # noqa: E402
+
+__all__ += ["check_csr_prefill_args"]
+
+
+def check_csr_prefill_args(
+    q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None
+):
+    """Validate a prefill over a CSR page table; return ``(qo_indptr, kv_indptr,
+    kv_indices, kv_last_page_len, seq_lens)`` as host int64.
+
+    The page table follows :func:`pagedkv_lib.formats.check_csr` with page ids inside
+    the pool; the KV lengths it implies (:func:`pagedkv_lib.formats.csr_seq_lens`) then
+    obey :func:`check_prefill_args`'s rules (no window: a ring's pages do not give the
+    sequence length).
+    """
+    dims = check_q(q, cache, layout)
+    check_scale(scale)
+    indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
+    table, lens = csr_to_block_table(indptr, indices, last, dims.page_size)
+    try:  # what is left to fail is the qo_indptr rule, against lengths the caller did not pass
+        qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, None, scale)
+    except ValueError as err:
+        raise ValueError(f"{err} (seq_lens: the KV lengths kv_indptr and kv_last_page_len give)") from None
+    return qo, indptr, indices, last, lens

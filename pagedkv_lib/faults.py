@@ -38,6 +38,8 @@ FAULTS: dict[str, str] = {
     "minus_one_as_index": "a padding slot -1 is used as an index, so the token lands in the pool's last row",
     "stale_block_table": "a reader keeps a block table from before its pages were freed and reused",
     "int32_offset": "element offsets are computed in int32 and wrap on a pool of more than 2**31 elements",
+    # added with the prefill kernel (see chunk_local_mask below)
+    "chunk_local_mask": "prefill's causal mask compares keys with the query's index in its chunk, not its position",
 }
 
 
@@ -123,3 +125,29 @@ def whole_page_decode(q, cache, block_tables, seq_lens, layout: str = "NHD"):
         probs = torch.softmax(scores, dim=-1)  # exactly 0 past the end
         out[b] = torch.einsum("ht,thd->hd", probs, v)
     return out
+
+
+# --------------------------------------------------------------------------- prefill
+# (added with kernels/prefill.py)
+
+__all__ += ["chunk_local_mask"]
+
+
+def chunk_local_mask(prefill_fn):
+    """Wrap a prefill callable (the signature of ``kernels.paged_prefill_attention``) so
+    that query ``i`` of every request sees keys ``0 .. i``: the causal mask of a kernel
+    that compares key positions with the query's index inside its chunk instead of its
+    absolute position ``seq_len - q_len + i``.
+
+    Modelled by handing the callable ``seq_lens = q_len`` with the same page tables: the
+    keys are still read at their true positions, only the limit is the chunk-local
+    one. Right for a first chunk (``q_len == seq_len``), which is why tests that only
+    prefill whole prompts miss it; wrong for every later chunk, every prefix-cache hit
+    and every decode step (query 0 then sees key 0 alone)."""
+
+    def prefill(q, cache, qo_indptr, block_tables, seq_lens, *args, **kwargs):
+        indptr = torch.as_tensor(qo_indptr)
+        q_lens = (indptr[1:] - indptr[:-1]).to(device=seq_lens.device, dtype=seq_lens.dtype)
+        return prefill_fn(q, cache, qo_indptr, block_tables, q_lens, *args, **kwargs)
+
+    return prefill

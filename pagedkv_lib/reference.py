@@ -472,3 +472,50 @@ def rope_reference(x, positions, theta: float = 10000.0, style: str = "neox"):
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
     a, b = x[..., 0::2], x[..., 1::2]
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
+# --------------------------------------------------------------------------- prefill over a CSR page table
+# (added with kernels/prefill.py)
+
+from .checks import check_csr_prefill_args  # noqa: E402
+from .formats import csr_to_block_table  # noqa: E402
+
+__all__ += ["paged_prefill_attention_csr", "contiguous_attention"]
+
+
+def paged_prefill_attention_csr(
+    q,
+    cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    scale: float | None = None,
+    layout: str = "NHD",
+    precision: str = "fp32",
+):
+    """:func:`paged_prefill_attention` over a CSR page table (FlashInfer's format):
+    request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
+    ``kv_last_page_len[b]`` rows of the last one, so its KV length (new tokens
+    included) is ``(pages - 1) * page_size + last``. No window. Arguments as
+    ``kernels.paged_prefill_attention_csr``; same result as the padded form."""
+    check_csr_prefill_args(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
+    table, lens = csr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, cache_dims(cache, layout).page_size)
+    return paged_prefill_attention(q, cache, qo_indptr, table, lens, scale, layout, None, precision)
+
+
+def contiguous_attention(q, k, v, q_positions, window: RingWindow | None = None, scale: float | None = None):
+    """One-shot attention without pages: queries ``q [n, num_q_heads, head_dim]`` at
+    absolute positions ``q_positions [n]`` over contiguous ``k, v [seq_len,
+    num_kv_heads, head_dim]`` (key ``j`` at position ``j``), causal and through
+    ``window``'s mask (:func:`pagedkv_lib.window.window_mask`), GQA by repetition.
+    Computed by torch's ``scaled_dot_product_attention`` in float64 on the CPU, a route
+    independent of the paged references: the oracle of "chunked prefill equals one
+    attention over the whole prompt". Returns ``[n, num_q_heads, head_dim]`` float64."""
+    group = q.shape[1] // k.shape[1]
+    mask = window_mask(torch.as_tensor(q_positions).cpu(), torch.arange(k.shape[0]), window)
+    q, k, v = (x.detach().cpu().double().transpose(0, 1) for x in (q, k, v))  # [heads, tokens, dim]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)

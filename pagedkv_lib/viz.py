@@ -267,3 +267,48 @@ def plot_histogram(samples: Mapping[str, Sequence[float]], title: str, xlabel: s
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+# =========================================================================== chunked prefill
+# (added with notebook 10 and kernels/prefill.py)
+
+__all__ += ["plot_chunk_masks"]
+
+_MASK_COLORS = ["white", "tab:blue", "tab:orange", "tab:red", "mistyrose"]
+_MASK_LABELS = ["hidden", "earlier chunks' key", "own chunk's key", "seen, should not be", "missed, should be seen"]
+
+
+def plot_chunk_masks(masks: Mapping[str, torch.Tensor], past_len: int, correct: torch.Tensor | None = None, title=""):
+    """Side-by-side masks of one prefill chunk over absolute key positions.
+
+    ``masks`` maps a panel title to a bool ``[q_len, seq_len]`` mask (query ``i`` at
+    absolute position ``past_len + i``; key ``j`` at position ``j``). A visible key is
+    blue before ``past_len`` (written by earlier chunks or the prefix cache) and orange
+    from it on (the chunk's own keys, the causal triangle). With ``correct`` given,
+    cells where a mask disagrees with it are red (seen, should not be) or pink
+    (missed). The dashed line separates cached keys from the chunk's own.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(1, len(masks), figsize=(3.3 * len(masks), 3.2), squeeze=False)
+    used = set()
+    for ax, (name, mask) in zip(axes[0], masks.items()):
+        mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
+        q_len, seq_len = mask.shape
+        own = torch.arange(seq_len)[None, :] >= past_len
+        cat = torch.where(mask, torch.where(own, 2, 1), 0)
+        if correct is not None:
+            cat = torch.where(mask & ~correct, 3, torch.where(~mask & correct, 4, cat))
+        used |= set(cat.unique().tolist())
+        ax.imshow(cat.numpy(), cmap=ListedColormap(_MASK_COLORS), vmin=0, vmax=4, interpolation="nearest",
+                  aspect="auto", extent=(-0.5, seq_len - 0.5, past_len + q_len - 0.5, past_len - 0.5))  # fmt: skip
+        ax.axvline(past_len - 0.5, color="k", ls="--", lw=0.8)
+        ax.set(title=name, xlabel="key position (token)", ylabel="query position (token)")
+        ax.grid(False)
+    handles = [Patch(facecolor=_MASK_COLORS[i], edgecolor="0.6", label=_MASK_LABELS[i]) for i in sorted(used)]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig

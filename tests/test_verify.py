@@ -17,10 +17,11 @@ CAUGHT_BY = {
     "minus_one_as_index": "append",
     "stale_block_table": "reused_page",
     "int32_offset": "int64_offsets",
+    "chunk_local_mask": "prefill",
 }
-IMPLEMENTATIONS = {
-    "reference": (reference.append_paged_kv, reference.paged_decode_attention),
-    "kernels": (kernels.append_paged_kv, kernels.paged_decode_attention),
+IMPLEMENTATIONS = {  # (append_fn, decode_fn, prefill_fn)
+    "reference": (reference.append_paged_kv, reference.paged_decode_attention, reference.paged_prefill_attention),
+    "kernels": (kernels.append_paged_kv, kernels.paged_decode_attention, kernels.paged_prefill_attention),
 }
 
 
@@ -33,7 +34,7 @@ def test_harness_passes_on_correct_code(impl):
     report = verify.run(*IMPLEMENTATIONS[impl], hypothesis_examples=3)
     assert report.passed, str(report)
     checks = {r.check for r in report.results if r.passed}
-    assert {"append", "decode", "append[hypothesis]", "decode[hypothesis]", *CAUGHT_BY.values()} <= checks
+    assert {"append", "decode", "prefill", "append[hypothesis]", "decode[hypothesis]", *CAUGHT_BY.values()} <= checks
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

@@ -78,3 +78,13 @@ __all__ = [
     "check_int64_offsets",
     "check_large_pool",
 ]
+
+# --------------------------------------------------------------------------- prefill
+# (added with kernels/prefill.py) ``run(..., prefill_fn=fn)`` also runs the prefill grid
+# of :mod:`.prefill_checks` on ``fn`` (the signature of ``kernels.paged_prefill_attention``:
+# ``fn(q, cache, qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``):
+# chunked prefill, prefix-cache hits mid-page, decode steps, empty requests, ring windows
+# that cut the chunk's own triangle, NaN-poisoned pools; fault ``chunk_local_mask`` fails it.
+from .prefill_checks import long_prefill_cases, prefill_case, prefill_grid  # noqa: E402
+
+__all__ += ["prefill_grid", "long_prefill_cases", "prefill_case"]

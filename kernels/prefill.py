@@ -1,0 +1,600 @@
+"""The Triton prefill kernel: attention of many new queries per sequence over the paged KV.
+
+Chunked prefill, a prompt whose prefix came from the prefix cache, and speculative
+decoding's verification of several draft tokens all attend with ``q_len >= 1`` new
+queries per request against the paged cache (FlashInfer's
+``BatchPrefillWithPagedKVCacheWrapper``, vLLM's unified Triton attention). The
+queries are ragged: request ``b`` owns rows ``qo_indptr[b] .. qo_indptr[b + 1] - 1``
+of ``q``; ``seq_lens[b]`` counts its keys *including* the new ones (written before
+the call), so query ``i`` sits at absolute position ``seq_lens[b] - q_len[b] + i``
+and sees keys ``0 .. that position`` (the causal mask aligned bottom-right), or, with
+a ring window, the sinks and the last ``window - sinks`` of them.
+
+Tiles. One program owns a tile of ``BLOCK_M`` *rows* of one request and one KV head,
+a row being a (query, GQA head) pair: row ``r`` is query ``r // group``, query head
+``kv_head * group + r % group``. Folding the group into M lets one K/V tile serve
+every query head that reads it (GQA of any ratio, 5 included), and keeps M full for
+short chunks of wide groups. The program loops (a ``while`` loop) over tiles of
+``BLOCK_N`` keys, walking the page table through :mod:`kernels.addressing` as the
+decode kernel does (a tile may span pages of any size, 1 included), with an online
+softmax in fp32: running max ``m``, denominator ``l`` and the ``[BLOCK_M, BLOCK_D]``
+accumulator, rescaled by ``2**(m_old - m_new)`` per key tile. ``BLOCK_D`` is the head
+dimension rounded up to a power of two (80 runs in 128 lanes, masked). Sizes come
+from :func:`kernels.tiles.prefill_tiles`: 64 x 64 (or smaller for wide heads)
+compiled, so the tiles stay in registers (untuned); interpreted, up to 128 rows and
+``[BLOCK_M, BLOCK_N, BLOCK_D]`` products of 2**19 elements, since the interpreter pays
+mostly per executed ``tl`` operation.
+
+Work skipped, not only masked: a tile reads keys up to its last query's position and
+no further (the causal limit); with a window it reads the sinks and then only from its
+first query's window start on (the enumeration of :mod:`kernels.decode`, over the
+union of its queries' windows). Inside that range each (row, key) is masked by the
+exact rule, so the result never depends on the tiling. The grid is ``(tiles,
+num_kv_heads)``; the plan lists the tiles of all requests (request, first row),
+longest key range first so that the long tiles of a GPU wave start early. A request
+with no queries owns no tile.
+
+Numerics: the plan picks a product mode (``DOT``, :func:`dot_mode`):
+
+* ``"sum"`` (Triton's interpreter): Q, K and V converted to fp32 right after loading,
+  both products as a broadcast multiply and ``tl.sum`` in fp32, as the decode kernel
+  does. Not ``tl.dot``: the interpreter's fp16/bf16 dot is not trustworthy (its bf16
+  arithmetic is wrong), and its fp32 dot is numpy's BLAS matmul, whose threads were
+  measured at 10-25 ms a call on a busy 2-core machine (0.02 ms single-threaded);
+* ``"fp32"`` (compiled fp32 pools, or ``q.dtype != cache.dtype``): fp32 operands,
+  ``tl.dot`` with ``input_precision="ieee"`` (a plain fp32 ``tl.dot`` runs in tf32, 10
+  mantissa bits, far outside the fp32 tolerance);
+* ``"fp16"`` / ``"bf16"`` (compiled 16-bit pools): ``Q K^T`` on the operands as stored
+  (their products are exact in fp32 and the dot accumulates in fp32), the scale
+  applied to the fp32 scores afterwards; ``P V`` with ``P`` rounded to fp16 (relative
+  error 2**-11 per probability, at most ``2**-11 max|v|`` on the output) or, for bf16,
+  split as ``P = P_hi + P_lo`` with both parts in bf16 and two dots (about 2**-17
+  relative), since one bf16 rounding (2**-9) would take a good part of bf16's
+  tolerance.
+
+The ``"fp32"`` and ``"fp16"`` modes also run in the interpreter (a test forces them
+through the plan); the compiled modes have not been measured on a GPU from this
+repository yet (no device was lent when the kernel was written): run
+``tests/test_kernel_prefill.py`` on CUDA before trusting them.
+
+Masked key lanes load 0 and their scores are set to
+``-inf``, so a NaN in an unused slot of a page never reaches the output; the keys a
+tile loads are all written positions, so ``0 * v`` of a key masked for one row only
+is exactly 0. A bf16 output is rounded to nearest in fp32 bits before the cast
+(:func:`_round_bf16`), because the interpreter's cast truncates.
+
+The key loop is a ``while`` loop: Triton 3.6's interpreter cannot ``range()`` over a
+runtime bound.
+"""
+
+from __future__ import annotations
+
+from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
+
+# isort: split
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv_lib import checks
+from pagedkv_lib.pool import cache_dims, cache_strides
+from pagedkv_lib.window import RingWindow
+
+from .addressing import kv_token_idx, ring_params, table_row_offset
+from .tiles import prefill_tiles
+from .validate import (
+    INT32_MAX,
+    check_device,
+    check_head_dim,
+    check_index_tensor,
+    check_kernel_dtype,
+    check_same_layout,
+)
+
+__all__ = [
+    "DOT_MODES",
+    "dot_mode",
+    "PrefillPlan",
+    "plan_prefill",
+    "plan_prefill_csr",
+    "run_prefill",
+    "paged_prefill_attention",
+    "paged_prefill_attention_csr",
+]
+
+DOT_MODES = ("sum", "fp32", "fp16", "bf16")  # index = the kernel's DOT constexpr
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), still as fp32: Triton's
+    interpreter casts fp32 to bf16 by truncating the low 16 bits (up to one ulp of
+    error, measured on 3.6 and 3.9), while a value that is already a bf16 casts
+    exactly on either backend. Outputs are finite, so NaN/inf need no care."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_last_page_len_ptr,
+    qo_indptr_ptr,
+    tile_request_ptr,
+    tile_row_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_page,
+    stride_kv,
+    stride_n,
+    stride_h,
+    stride_d,
+    stride_table,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    qk_scale,
+    group,
+    head_dim,
+    page_size,
+    sink_tokens,
+    bubble_len,
+    cyclic_cache_len,
+    window_recent,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IS_CSR: tl.constexpr,
+    DOT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.load(tile_request_ptr + tile_id)
+    row0 = tl.load(tile_row_ptr + tile_id)  # first (query, head) row of this tile in its request
+    q_start = tl.load(qo_indptr_ptr + b)
+    q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+
+    # The request's page list and KV length (padded table row, or CSR slice as in decode).
+    if IS_CSR:
+        start = tl.load(kv_indptr_ptr + b)
+        num_pages = tl.load(kv_indptr_ptr + b + 1) - start
+        seq_len = tl.maximum(num_pages - 1, 0) * page_size + tl.load(kv_last_page_len_ptr + b)
+        table_row = kv_indices_ptr + start.to(tl.int64)
+    else:
+        seq_len = tl.load(seq_lens_ptr + b)
+        table_row = block_tables_ptr + b.to(tl.int64) * stride_table
+    past = seq_len - q_len  # absolute position of the request's query 0
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = row0 + offs_m
+    qi = rows // group  # query index within the request
+    heads = kv_head * group + (rows - qi * group)
+    m_valid = qi < q_len
+    d_mask = offs_d < head_dim
+    qpos = past + qi  # absolute positions: the causal mask compares keys with these
+
+    q_ptrs = (
+        q_ptr
+        + (q_start + qi).to(tl.int64)[:, None] * stride_qt
+        + heads.to(tl.int64)[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=m_valid[:, None] & d_mask[None, :], other=0.0)
+    if DOT <= 1:
+        q = q.to(tl.float32)
+
+    # Keys this tile may need: up to its last query's position (the causal limit), and
+    # with a window only the sinks and the recent range of its first query onwards.
+    p_lo = past + row0 // group
+    p_hi = past + tl.minimum((row0 + BLOCK_M - 1) // group, q_len - 1)
+    if HAS_WINDOW:
+        n_sink = tl.minimum(p_hi + 1, sink_tokens)
+        recent_start = tl.maximum(sink_tokens, p_lo - window_recent + 1)
+        n_vis = n_sink + tl.maximum(p_hi + 1 - recent_start, 0)
+    else:
+        n_sink = p_hi + 1
+        recent_start = p_hi + 1
+        n_vis = p_hi + 1
+    num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
+
+    head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    tile = 0
+    while tile < num_key_tiles:
+        j = tile * BLOCK_N + offs_n
+        valid = j < n_vis
+        pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
+        row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
+        tok_off = table_row_offset(table_row, row, page_size, valid, stride_page, stride_n)
+        kv_ptrs = cache_ptr + tok_off[:, None] + head_off[None, :]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        # other=0.0: a masked lane never carries a poisoned slot's NaN into a product.
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0)
+        if DOT <= 1:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if DOT == 0:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        elif DOT == 1:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # 16-bit operands, exact products, fp32 accumulation
+        s = s * qk_scale  # scale * log2(e): base-2 scores for exp2
+
+        see = valid[None, :] & (pos[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 to avoid -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if DOT == 0:
+            acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        elif DOT == 1:
+            acc += tl.dot(p, v, input_precision="ieee")
+        elif DOT == 2:
+            acc += tl.dot(p.to(tl.float16), v)
+        else:
+            p_hi = p.to(tl.bfloat16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+            acc += tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        m_i = m_new
+        tile += 1
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if OUT_BF16:
+        o = _round_bf16(o)
+    o_ptrs = (
+        out_ptr
+        + (q_start + qi).to(tl.int64)[:, None] * stride_ot
+        + heads.to(tl.int64)[:, None] * stride_oh
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A validated prefill launch, fixed once by :func:`plan_prefill` or
+    :func:`plan_prefill_csr` and launched by :func:`run_prefill`: the tiles, the dot
+    mode, the tile list and the index tensors (int32, contiguous, on the device).
+
+    ``q`` and ``cache`` given to :func:`run_prefill` must have the planned shapes,
+    dtypes and device (``cache`` also its strides: page ids were checked against it).
+    """
+
+    layout: str
+    cache: tuple  # (shape, strides, dtype, device) of the pool
+    total_q: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    q_dtype: torch.dtype
+    scale: float
+    window: RingWindow | None
+    group: int  # query heads per KV head
+    block_m: int  # (query, head) rows per tile
+    block_n: int  # keys per loop iteration
+    block_d: int
+    num_warps: int
+    dot_mode: str  # one of DOT_MODES
+    num_tiles: int  # programs along grid axis 0
+    visited_pairs: int  # (query row, key) pairs inside the tiles' key ranges, all KV heads
+    tile_request: torch.Tensor  # [num_tiles] request of each tile
+    tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
+    qo_indptr: torch.Tensor  # [batch + 1]
+    block_tables: torch.Tensor | None  # padded form: [batch, max_blocks]
+    seq_lens: torch.Tensor | None  # padded form: [batch]
+    kv_indptr: torch.Tensor | None  # CSR form: [batch + 1]
+    kv_indices: torch.Tensor | None  # CSR form: [nnz_pages] (at least 1 entry)
+    kv_last_page_len: torch.Tensor | None  # CSR form: [batch]
+
+    @property
+    def is_csr(self) -> bool:
+        return self.kv_indptr is not None
+
+
+def _int32(x: torch.Tensor, device: torch.device, min_len: int = 0) -> torch.Tensor:
+    """The int32 contiguous device copy the kernel indexes with (values were checked to
+    fit). A table with no columns or an empty list still gets a valid pointer."""
+    t = torch.as_tensor(x).to(device=device, dtype=torch.int32).contiguous()
+    if t.dim() == 2 and t.shape[1] == 0:
+        t = torch.zeros((t.shape[0], 1), dtype=torch.int32, device=device)
+    elif t.dim() == 1 and t.numel() < min_len:
+        t = torch.zeros(min_len, dtype=torch.int32, device=device)
+    return t
+
+
+def _host(x):
+    """Host copy for the library's value checks (they build CPU index tensors)."""
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """The kernel's product mode (one of :data:`DOT_MODES`): ``"sum"`` in the
+    interpreter; compiled, ``"fp32"`` for fp32 pools and for a ``q`` whose dtype differs
+    from the pool's, else the 16-bit dtype. See the module docstring for what each mode
+    computes and costs in precision."""
+    if runtime.BACKEND.interpreted:
+        return "sum"
+    if cache_dtype == torch.float32 or q_dtype != cache_dtype:
+        return "fp32"
+    return "fp16" if cache_dtype == torch.float16 else "bf16"
+
+
+def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m: int, window):
+    """``(tile_request, tile_row, visited_pairs)``: one tile per ``block_m`` (query, head)
+    rows of every request, longest key range first; ``visited_pairs`` counts the
+    (row, key) pairs of every tile's key range (what the kernel computes scores for)."""
+    rows = q_lens * group
+    per = torch.div(rows + block_m - 1, block_m, rounding_mode="floor")
+    request = torch.repeat_interleave(torch.arange(q_lens.numel()), per)
+    first = torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
+    row0 = (torch.arange(int(per.sum())) - first) * block_m
+    past = (seq_lens - q_lens)[request]
+    p_lo = past + torch.div(row0, group, rounding_mode="floor")
+    p_hi = past + torch.minimum(torch.div(row0 + block_m - 1, group, rounding_mode="floor"), q_lens[request] - 1)
+    keys = p_hi + 1
+    if window is not None:
+        sinks, recent = window.sink_tokens, window.max_attention_window - window.sink_tokens
+        start = torch.clamp(p_lo - recent + 1, min=sinks)
+        keys = torch.clamp(p_hi + 1, max=sinks) + torch.clamp(p_hi + 1 - start, min=0)
+    order = torch.argsort(-keys, stable=True)
+    live_rows = torch.clamp(rows[request] - row0, max=block_m)
+    return request[order], row0[order], int((keys * live_rows).sum())
+
+
+def _check_launch(q, cache, index_tensors: dict) -> None:
+    for name, t in (("q", q), ("cache", cache)):
+        check_device(name, t)
+        check_kernel_dtype(name, t)
+    check_head_dim(q.shape[2])
+    for name, t in index_tensors.items():
+        check_index_tensor(name, t)
+
+
+def _make_plan(q, cache, layout, scale, window, qo, lens, **tables) -> PrefillPlan:
+    dims = cache_dims(cache, layout)
+    total_q, num_q_heads, head_dim = q.shape
+    group = num_q_heads // dims.num_kv_heads
+    q_lens = qo[1:] - qo[:-1]
+    max_rows = int(q_lens.max()) * group if q_lens.numel() else 0
+    if max_rows > INT32_MAX - 2**20:  # the kernel numbers a request's (query, head) rows in int32
+        raise ValueError(f"a request has {max_rows} (query, head) rows; the kernel indexes them with int32")
+    max_keys = int(lens.max()) if lens.numel() else 0
+    block_m, block_n, block_d, num_warps = prefill_tiles(group, head_dim, max_rows, max_keys)
+    tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window)
+    device = q.device
+    return PrefillPlan(
+        layout=layout,
+        cache=(tuple(cache.shape), cache.stride(), cache.dtype, cache.device),
+        total_q=total_q,
+        num_q_heads=num_q_heads,
+        num_kv_heads=dims.num_kv_heads,
+        head_dim=head_dim,
+        page_size=dims.page_size,
+        q_dtype=q.dtype,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        window=window,
+        group=group,
+        block_m=block_m,
+        block_n=block_n,
+        block_d=block_d,
+        num_warps=num_warps,
+        dot_mode=dot_mode(q.dtype, cache.dtype),
+        num_tiles=int(tile_request.numel()),
+        visited_pairs=pairs * dims.num_kv_heads,
+        tile_request=_int32(tile_request, device, min_len=1),
+        tile_row=_int32(tile_row, device, min_len=1),
+        qo_indptr=_int32(qo, device),
+        **{k: tables.get(k) for k in ("block_tables", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len")},
+    )
+
+
+def plan_prefill(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: str = "NHD",
+    window: RingWindow | None = None,
+    scale: float | None = None,
+) -> PrefillPlan:
+    """Validate a :func:`paged_prefill_attention` call and fix its tiles and tile list;
+    nothing is launched. Arguments and errors as :func:`paged_prefill_attention`."""
+    qo, _, lens = checks.check_prefill_args(
+        q, cache, _host(qo_indptr), _host(block_tables), _host(seq_lens), layout, window, scale
+    )
+    _check_launch(q, cache, {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens})
+    return _make_plan(
+        q, cache, layout, scale, window, qo, lens,
+        block_tables=_int32(block_tables, q.device), seq_lens=_int32(seq_lens, q.device),
+    )  # fmt: skip
+
+
+def plan_prefill_csr(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    layout: str = "NHD",
+    scale: float | None = None,
+) -> PrefillPlan:
+    """Validate a :func:`paged_prefill_attention_csr` call and fix its tiles and tile
+    list; nothing is launched. Arguments and errors as :func:`paged_prefill_attention_csr`."""
+    host = (_host(qo_indptr), _host(kv_indptr), _host(kv_indices), _host(kv_last_page_len))
+    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale)
+    index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
+             "kv_last_page_len": kv_last_page_len}  # fmt: skip
+    _check_launch(q, cache, index)
+    return _make_plan(
+        q, cache, layout, scale, None, qo, lens, kv_indptr=_int32(kv_indptr, q.device),
+        kv_indices=_int32(kv_indices, q.device, min_len=1), kv_last_page_len=_int32(kv_last_page_len, q.device),
+    )  # fmt: skip
+
+
+def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Launch a planned prefill; returns ``[total_q, num_q_heads, head_dim]`` in
+    ``q.dtype``. ``q`` and ``cache`` must match the plan (ValueError otherwise)."""
+    check_same_layout("cache", cache, plan.cache)
+    if not isinstance(q, torch.Tensor) or tuple(q.shape) != (plan.total_q, plan.num_q_heads, plan.head_dim):
+        raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan was made for another q")
+    if q.dtype != plan.q_dtype:
+        raise ValueError(f"q.dtype={q.dtype}; the plan was made for {plan.q_dtype}")
+    check_device("q", q)
+    return _launch(plan, q, cache)
+
+
+def _launch(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    # Every row belongs to one request, whose tiles cover all its (query, head) rows.
+    out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
+    if plan.num_tiles == 0:  # no queries at all
+        return out
+    sinks, bubble, cyclic = ring_params(plan.window)
+    recent = 0 if plan.window is None else plan.window.max_attention_window - plan.window.sink_tokens
+    csr = plan.is_csr
+    dummy = plan.qo_indptr  # never dereferenced
+    _prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
+        q,
+        cache,
+        dummy if csr else plan.block_tables,
+        dummy if csr else plan.seq_lens,
+        plan.kv_indptr if csr else dummy,
+        plan.kv_indices if csr else dummy,
+        plan.kv_last_page_len if csr else dummy,
+        plan.qo_indptr,
+        plan.tile_request,
+        plan.tile_row,
+        out,
+        *q.stride(),
+        *cache_strides(cache, plan.layout),
+        0 if csr else plan.block_tables.stride(0),
+        *out.stride(),
+        plan.scale * math.log2(math.e),
+        plan.group,
+        plan.head_dim,
+        plan.page_size,
+        sinks,
+        bubble,
+        cyclic,
+        recent,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+        HAS_WINDOW=plan.window is not None,
+        IS_CSR=csr,
+        DOT=DOT_MODES.index(plan.dot_mode),
+        OUT_BF16=q.dtype == torch.bfloat16,
+        num_warps=plan.num_warps,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: str = "NHD",
+    window: RingWindow | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``q_len >= 0`` new queries per sequence over the paged KV pool.
+
+    Args:
+        q: ``[total_q, num_q_heads, head_dim]``, fp32/fp16/bf16, ragged by
+            ``qo_indptr``: request ``b`` owns rows ``qo_indptr[b] .. qo_indptr[b+1] - 1``.
+        cache: the raw 5-D pool, NHD ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+            or HND ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (index 0 of
+            dim 1 is K, 1 is V), fp32/fp16/bf16, any strides. The new tokens' K/V must
+            already be written.
+        qo_indptr: ``[batch + 1]`` int32/int64, starting at 0, ending at ``total_q``,
+            with ``q_len[b] = qo_indptr[b+1] - qo_indptr[b]`` in ``[0, seq_lens[b]]``.
+        block_tables: ``[batch, max_blocks]`` int32/int64 page ids, ``-1`` padded; the
+            first ``ceil(rows / page_size)`` entries of row ``b`` must be pages of the
+            pool, ``rows`` being ``seq_lens[b]`` or the ring's cache length.
+        seq_lens: ``[batch]`` KV lengths *including* the new tokens: query ``i`` of
+            request ``b`` sits at position ``seq_lens[b] - q_len[b] + i``.
+        layout: ``"NHD"`` or ``"HND"``.
+        window: a :class:`~pagedkv_lib.window.RingWindow` (``tokens_per_block ==
+            page_size``; chunks of at most ``window.max_chunk_len()`` queries), or None.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+
+    Each query sees the keys at positions up to its own (causal, bottom-right aligned),
+    through the window when given (its sinks and last ``window - sinks`` positions).
+    GQA maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``. The
+    pool is only read. With ``q_len == 1`` every request is a decode step, and the
+    result equals :func:`kernels.decode.paged_decode_attention` within the decode
+    tolerances.
+
+    Returns:
+        ``[total_q, num_q_heads, head_dim]`` in ``q.dtype`` (softmax and accumulation
+        in fp32).
+
+    Raises:
+        ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
+        ``qo_indptr``, ``scale``, ``window``, chunk length through a ring) before
+        anything is allocated or launched.
+    """
+    plan = plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale)
+    return _launch(plan, q, cache)
+
+
+def paged_prefill_attention_csr(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    layout: str = "NHD",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Prefill attention with a CSR page table (FlashInfer's format), walked in-kernel.
+
+    Request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
+    ``kv_last_page_len[b]`` rows of the last one; its KV length (new tokens included)
+    is ``(pages - 1) * page_size + last``. ``kv_indptr [batch + 1]``, ``kv_indices
+    [nnz_pages]``, ``kv_last_page_len [batch]`` are integer tensors on the kernels'
+    device. No window (a ring's pages do not give the length; use the padded entry).
+    Other arguments, result and errors as :func:`paged_prefill_attention`.
+    """
+    plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
+    return _launch(plan, q, cache)

@@ -1,0 +1,360 @@
+# %% [markdown]
+# # 10 · Chunked prefill: many queries against the paged cache
+#
+# Decode attends with one query per sequence (notebook 07). Every engine also attends
+# with *many* queries per sequence against the same paged cache:
+#
+# * **chunked prefill**: a long prompt is processed a chunk at a time (so that one
+#   engine step stays short and decodes can share it); each chunk's queries see every
+#   key of the earlier chunks plus a causal triangle of their own;
+# * **a prefix-cache hit**: the first tokens of a prompt are already cached, and only
+#   the rest is computed, starting wherever the cached part ended, even mid-page;
+# * **speculative decoding**: several draft tokens are verified in one pass.
+#
+# All three are the same call: `kernels.paged_prefill_attention(q, cache, qo_indptr,
+# block_tables, seq_lens)`. `q` is ragged: request `b` owns rows `qo_indptr[b] ..
+# qo_indptr[b+1] - 1`, and `seq_lens[b]` counts its keys *including* the new ones, so
+# its query `i` sits at absolute position `seq_lens[b] - q_len[b] + i`.
+#
+# What this notebook shows, each claim checked by an `assert`:
+#
+# 1. a 100-token prompt written (write kernel) and attended (prefill kernel) in three
+#    chunks equals one causal attention over the whole contiguous prompt;
+# 2. the mask of one chunk over absolute positions, with and without a sliding window,
+#    and a windowed prompt prefilled through a ring cache;
+# 3. the classic bug, a causal mask against the query's index *in its chunk*: its
+#    picture, its symptom, and the harness check that catches it;
+# 4. a prefix-cache hit whose first new query starts in the middle of a page;
+# 5. what a chunk costs as it grows.
+
+# %%
+import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
+from pagedkv_lib import KVCacheManager, PagedKVPool, RingWindow, faults, formats, reference, runtime, verify, viz
+from pagedkv_lib.window import window_mask
+
+print(runtime.backend_line())
+viz.use_style()
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+torch.manual_seed(0)
+DEV = runtime.device()
+
+# %% [markdown]
+# ## 1. A prompt in chunks equals the prompt at once
+#
+# One sequence, 100 tokens, 2 KV heads of dimension 64 shared by 4 query heads each
+# (GQA), pages of 16 rows scattered over the pool. Every slot of the pool starts as NaN,
+# so a read of anything not written would show. A chunked-prefill step for tokens
+# `start .. end - 1` does two things:
+#
+# 1. **write** their K/V at positions `start .. end - 1` (`past_len = start`; notebook 03
+#    showed what happens when that is forgotten);
+# 2. **attend**: their `end - start` queries against `seq_len = end` keys.
+#
+# `prefill_chunk` below is exactly that, with the library's index helpers.
+
+
+# %%
+def prefill_chunk(pool, table, q, k, v, start, end, window=None, prefill_fn=kernels.paged_prefill_attention):
+    """Write tokens start..end-1 of one sequence (K/V), then attend their queries
+    against keys 0..end-1: one chunked-prefill step. Returns [end - start, Hq, D]."""
+    batch, pos = formats.get_batch_indices_positions([0, end - start], [end])
+    slots = formats.slot_mapping(table, batch, pos, pool.page_size, window)
+    kernels.append_paged_kv(k[start:end].to(DEV), v[start:end].to(DEV), pool.cache, slots.to(DEV))
+    qo_indptr = torch.tensor([0, end - start], dtype=torch.int32)
+    args = [x.to(DEV) for x in (q[start:end], qo_indptr, table, torch.tensor([end], dtype=torch.int32))]
+    extra = {} if window is None else {"window": window}
+    return prefill_fn(args[0], pool.cache, *args[1:], **extra).cpu()
+
+
+n, page, hk, group, d = 100, 16, 2, 4, 64
+gen = torch.Generator().manual_seed(0)
+k, v = (torch.randn(n, hk, d, generator=gen) for _ in range(2))
+q = torch.randn(n, hk * group, d, generator=gen)
+table = torch.tensor([[8, 3, 5, 0, 9, 2, 7]], dtype=torch.int32)  # 7 pages of 16 rows hold 100 tokens
+chunks = [(0, 40), (40, 80), (80, 100)]
+
+pool = PagedKVPool(10, page, hk, d, torch.float32, device=DEV)
+pool.cache.fill_(float("nan"))
+chunked = torch.cat([prefill_chunk(pool, table, q, k, v, s, e) for s, e in chunks])
+one_shot = reference.contiguous_attention(q, k, v, torch.arange(n))  # torch SDPA, float64, no pages
+err_chunked = float((chunked.double() - one_shot).abs().max())
+print(f"chunks {chunks}: |chunked - one-shot| below 1e-5: {err_chunked < 1e-5}")
+assert err_chunked < 1e-5, "chunked prefill must equal one causal attention over the whole prompt"
+
+# %% [markdown]
+# The same pool, attended once more with all 100 queries in a single call
+# (`q_len == seq_len`), gives the same rows: the chunks changed *when* each query ran,
+# not what it saw. Chunk 2 starts at position 40, row 8 of its third page: the queries
+# of a chunk need not start on a page boundary.
+
+# %%
+whole = kernels.paged_prefill_attention(
+    q.to(DEV), pool.cache, torch.tensor([0, n]).to(DEV), table.to(DEV), torch.tensor([n]).to(DEV)
+).cpu()
+err_whole = float((whole.double() - one_shot).abs().max())
+print(f"one call over the whole prompt: below 1e-5: {err_whole < 1e-5}; chunk 2 starts at page row {40 % page}")
+assert err_whole < 1e-5 and (whole - chunked).abs().max() < 1e-5, "one call and three chunks must agree"
+fig = viz.bar_plot(
+    ["3 chunks (40, 40, 20)", "1 call (100)"],
+    [max(err_chunked, 1e-12), max(err_whole, 1e-12)],
+    "paged prefill vs one-shot float64 attention",
+    "max |error|",
+    "{:.1e}",
+)
+plt.show()
+
+# %% [markdown]
+# ## 2. The mask of one chunk, over absolute positions
+#
+# Chunk 2 holds the queries at positions 40..79. Query `p` sees keys `0..p`: every key
+# of chunk 1 (a full rectangle) and a causal triangle of the chunk's own keys. With a
+# sliding window of 24 keys of which 4 are attention sinks (StreamingLLM; notebook 04),
+# query `p` sees keys 0..3 and `p - 19 .. p`: a diagonal band, which here already cuts
+# into the chunk's own triangle (its last queries no longer see its first keys).
+
+# %%
+past, q_len = 40, 40
+qpos, kpos = torch.arange(past, past + q_len), torch.arange(past + q_len)
+window = RingWindow(max_attention_window=24, sink_tokens=4, tokens_per_block=16, one_more_block=True)
+full, windowed = window_mask(qpos, kpos), window_mask(qpos, kpos, window)
+assert (full.sum(1) == qpos + 1).all(), "without a window, query p must see keys 0..p"
+assert (windowed.sum(1) == 24).all(), "with this window every query here must see 4 sinks + 20 recent keys"
+assert not windowed[-1, past], "the window must cut the chunk's own triangle: query 79 does not see key 40"
+fig = viz.plot_chunk_masks(
+    {"no window": full, "window 24 (4 sinks)": windowed}, past, title="chunk 2 of a 100-token prompt (queries 40-79)"
+)
+plt.show()
+
+# %% [markdown]
+# Through a window the keys live in a **ring** of pages (notebook 04): a position's row is
+# `window.kv_token_idx(p)`, and a new token overwrites the row of a token that has left
+# every window. A chunk may only be as long as the ring can hold without overwriting a
+# key its own first query still needs: `window.max_chunk_len()`, here 17 with
+# `one_more_block`. So the 100-token prompt goes in chunks of 16, through a ring of
+# `window.num_blocks(100)` pages, and must still equal one windowed attention over
+# the whole contiguous prompt.
+
+# %%
+ring_pool = PagedKVPool(8, page, hk, d, torch.float32, device=DEV)
+ring_pool.cache.fill_(float("nan"))
+ring_table = torch.tensor([[6, 2, 4, 1]], dtype=torch.int32)[:, : window.num_blocks(n)]
+ring_chunks = [(s, min(s + 16, n)) for s in range(0, n, 16)]
+windowed_out = torch.cat([prefill_chunk(ring_pool, ring_table, q, k, v, s, e, window) for s, e in ring_chunks])
+oracle = reference.contiguous_attention(q, k, v, torch.arange(n), window)
+err_window = float((windowed_out.double() - oracle).abs().max())
+print(f"max chunk {window.max_chunk_len()}, ring of {window.num_blocks(n)} pages for {n} tokens")
+print(f"{len(ring_chunks)} chunks through the ring equal one windowed attention (below 1e-5): {err_window < 1e-5}")
+assert window.max_chunk_len() >= 16 and err_window < 1e-5, "windowed chunked prefill must equal the oracle"
+
+# %% [markdown]
+# ## 3. The classic bug: a causal mask against the chunk-local index
+#
+# A kernel first written for whole prompts compares a key's position with the query's
+# *row in its chunk*, `key <= i`, instead of its position `past_len + i`. For the first
+# chunk the two are equal, so every test that prefills whole prompts passes. For a
+# later chunk, query `i` sees keys `0..i`: the beginning of the prompt instead of
+# everything up to its own position. It never sees a key it should not; it misses most
+# of those it should, among them itself.
+
+# %%
+local = window_mask(torch.arange(q_len), kpos)  # the bug: positions counted from the chunk's start
+assert (local.sum(1) == torch.arange(q_len) + 1).all() and not local[:, past:].any()
+assert (local != full).any(1).all(), "with the bug every query of chunk 2 must miss keys"
+assert not (local & ~full).any(), "it sees nothing it should not: only a prefix of what it should"
+fig = viz.plot_chunk_masks(
+    {"absolute positions": full, "chunk-local positions (bug)": local},
+    past,
+    correct=full,
+    title="chunk 2 with the bug: query i sees keys 0..i only (pink: missed)",
+)
+plt.show()
+
+# %% [markdown]
+# The fault `chunk_local_mask` of the bug zoo (`pagedkv_lib.faults`) wraps a prefill
+# callable so that it behaves exactly like that kernel. On our prompt: chunk 1 is still
+# right, chunks 2 and 3 are wrong by far more than any rounding.
+
+# %%
+broken = faults.chunk_local_mask(kernels.paged_prefill_attention)
+pool.cache.fill_(float("nan"))
+buggy = [prefill_chunk(pool, table, q, k, v, s, e, prefill_fn=broken) for s, e in chunks]
+errors = [float((out.double() - one_shot[s:e]).abs().max()) for out, (s, e) in zip(buggy, chunks)]
+print("chunk errors below 1e-5:", [e < 1e-5 for e in errors])
+assert errors[0] < 1e-5 and min(errors[1:]) > 0.1, "the bug must hide in chunk 1 and show in chunks 2 and 3"
+fig = viz.bar_plot(
+    [f"chunk {i + 1} ({s}-{e - 1})" for i, (s, e) in enumerate(chunks)],
+    [max(e, 1e-12) for e in errors],
+    "chunk-local causal mask: error per chunk",
+    "max |error| vs one-shot",
+    "{:.1e}",
+)
+plt.gca().set_yscale("log")
+plt.show()
+
+# %% [markdown]
+# The conformance harness runs its prefill grid (`verify.prefill_grid()`: whole prompts,
+# second and third chunks, prefix hits starting mid-page, decode steps, empty requests,
+# windows that cut the chunk's triangle, NaN-poisoned pools) on any callable with this
+# signature. The correct kernel passes every case; with the fault switched on, every
+# case fails, because every batch of the grid holds a request whose queries do not
+# start at position 0; the failure names the first (request, query, head) beyond
+# tolerance.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+clean = verify.run(prefill_fn=kernels.paged_prefill_attention, checks=("prefill",))
+caught = verify.run(prefill_fn=kernels.paged_prefill_attention, faults={"chunk_local_mask"}, checks=("prefill",))
+print("correct kernel:", clean.summary())
+print("chunk_local_mask:", caught.summary())
+print(caught.failures[0].detail)
+assert clean.passed and len(caught.failures) == len(caught.results), "the prefill check must catch the fault"
+
+# %% [markdown]
+# ## 4. A prefix-cache hit that starts mid-page
+#
+# Sequence A's 21-token prompt is in the cache. Sequence B starts with the same 21
+# tokens and continues with 30 of its own. With token-granular sharing (SGLang's
+# radix cache) B reuses all 21: it shares A's pages (`fork`, refcounts only), and its
+# first write into A's partly filled page 1 copies that page's 5 rows to a private page
+# first (copy-on-write, notebook 05). B's new tokens then start at position 21, row 5
+# of its page 1, and so does its prefill: 30 queries against 51 keys. (vLLM caches whole
+# blocks only: B would reuse page 0's 16 tokens and recompute 5.)
+
+# %%
+gen_b = torch.Generator().manual_seed(1)
+k_b, v_b = (torch.randn(51, hk, d, generator=gen_b) for _ in range(2))  # B's tokens; the first 21 are A's
+q_b = torch.randn(51, hk * group, d, generator=gen_b)
+manager = KVCacheManager(num_blocks=8, page_size=page)
+prefix_pool = PagedKVPool(8, page, hk, d, torch.float32, device=DEV)
+prefix_pool.cache.fill_(float("nan"))
+manager.add_sequence("A")
+slots_a = torch.tensor(manager.append_tokens("A", 21))
+kernels.append_paged_kv(k_b[:21].to(DEV), v_b[:21].to(DEV), prefix_pool.cache, slots_a.to(DEV))
+manager.fork("A", "B")
+slots_new = torch.tensor(manager.append_tokens("B", 30))
+copies = manager.pop_copies()
+prefix_pool.copy_blocks(copies)  # before B writes into its copy of A's last page
+kernels.append_paged_kv(k_b[21:].to(DEV), v_b[21:].to(DEV), prefix_pool.cache, slots_new.to(DEV))
+print(f"A's pages {manager.block_table('A')}, B's pages {manager.block_table('B')}, copies (src, dst, rows) {copies}")
+first = int(slots_new[0])
+print(f"B's first new token: slot {first} = page {first // page}, row {first % page}")
+assert manager.block_table("B")[0] == manager.block_table("A")[0] and first % page == 5
+
+# %% [markdown]
+# B's prefill: one request, 30 queries, `seq_lens = [51]`. It must equal rows 21..50 of
+# one causal attention over B's whole contiguous prompt, even though its first 16 keys
+# sit in a page A still owns.
+
+# %%
+table_b = torch.tensor([manager.block_table("B")], dtype=torch.int32)
+hit = kernels.paged_prefill_attention(
+    q_b[21:].to(DEV), prefix_pool.cache, torch.tensor([0, 30]).to(DEV), table_b.to(DEV), torch.tensor([51]).to(DEV)
+).cpu()
+err_hit = float((hit.double() - reference.contiguous_attention(q_b, k_b, v_b, torch.arange(51))[21:]).abs().max())
+print(f"prefix hit of 21 tokens, 30 new queries from page row 5: equals one-shot (below 1e-5): {err_hit < 1e-5}")
+assert err_hit < 1e-5, "a prefill that starts mid-page must still see every cached key"
+src, dst, rows = copies[0]
+title = f"A and B share page {manager.block_table('A')[0]}; B's copy of page {src} ({rows} rows) is page {dst}"
+fig = viz.plot_block_table({"A": manager.block_table("A"), "B": manager.block_table("B")}, 8, title)
+plt.show()
+
+# %% [markdown]
+# ## 5. What a chunk costs
+#
+# A chunk of `c` queries after `p` cached keys computes `c * p + c * (c + 1) / 2` scores
+# per query head: the rectangle and the triangle of section 2. The kernel works in
+# tiles (`BLOCK_M` (query, head) rows x `BLOCK_N` keys) and stops each tile's key loop at
+# its last query's position, so the pairs it scores (`plan.visited_pairs`) exceed the
+# exact count only by the rounding of the tiles' edges. Below, chunks of 16 to 128
+# queries after 128 cached tokens: the exact score count, the kernel's pairs, and the
+# measured time (in Triton's interpreter on a CPU, time follows the number of tile
+# iterations rather than the arithmetic, so the small chunks cost more per score).
+
+# %%
+past_c, sizes = 128, [16, 32, 64, 128]
+gen_c = torch.Generator().manual_seed(2)
+cost_pool = PagedKVPool(18, page, hk, d, torch.float32, device=DEV)
+cost_pool.cache.copy_(torch.randn(cost_pool.cache.shape, generator=gen_c))
+cost_table = torch.arange(16, dtype=torch.int32)[None].to(DEV)
+exact, visited, seconds = [], [], []
+for c in sizes:
+    q_c = torch.randn(c, hk * group, d, generator=gen_c).to(DEV)
+    args = (q_c, cost_pool.cache, torch.tensor([0, c]).to(DEV), cost_table, torch.tensor([past_c + c]).to(DEV))
+    plan = kernels.plan_prefill(*args)
+    kernels.run_prefill(plan, q_c, cost_pool.cache)  # once to warm up
+    t0 = time.perf_counter()
+    kernels.run_prefill(plan, q_c, cost_pool.cache)
+    seconds.append(time.perf_counter() - t0)
+    mask = window_mask(torch.arange(past_c, past_c + c), torch.arange(past_c + c))
+    exact.append(int(mask.sum()) * hk * group)
+    visited.append(plan.visited_pairs)
+    assert exact[-1] == (c * past_c + c * (c + 1) // 2) * hk * group, "the score count must be rectangle + triangle"
+    edge = plan.num_tiles * hk * plan.block_m * (plan.block_m // group)  # a tile's rows stop at its last query
+    assert exact[-1] <= visited[-1] <= exact[-1] + edge, "the kernel scores every needed pair, and few more"
+for c, e, s in zip(sizes, exact, seconds):
+    print(f"chunk {c:3d}: {e:7d} scores, {s:.3f} s wall")
+
+# %%
+fig = viz.line_plot(
+    sizes,
+    {
+        "exact scores": [e / exact[0] for e in exact],
+        "pairs the kernel scores": [x / exact[0] for x in visited],
+        "kernel time (this backend)": [s / seconds[0] for s in seconds],
+    },
+    f"cost of one chunk after {past_c} cached tokens (x the 16-query chunk)",
+    "chunk size (queries)",
+    "relative cost (x smallest chunk)",
+    logx=True,
+    logy=True,
+)
+plt.show()
+
+# %% [markdown]
+# A whole prompt of `n` tokens costs about `n^2 / 2` scores however it is chunked, but
+# every chunk reads the K/V of all earlier chunks again: chunks of `c` read the prompt's
+# K/V about `n / (2c)` times. Engines pick the chunk size (vLLM's
+# `max_num_batched_tokens`, SGLang's `chunked_prefill_size`) to balance that re-reading
+# against how long one step may take while decodes wait.
+#
+# ## What was verified
+#
+# | claim | check |
+# |---|---|
+# | a 100-token prompt in chunks of 40, 40, 20 equals one float64 causal attention | `assert` < 1e-5 |
+# | one call with all 100 queries equals the three chunks | `assert` < 1e-5 |
+# | query `p` sees keys `0..p`; window 24 / 4 sinks: 24 keys, cutting the chunk's triangle | mask `assert`s |
+# | 7 windowed chunks of at most 16 through a ring equal one windowed attention | `assert` < 1e-5 |
+# | the chunk-local mask is right on chunk 1, wrong on chunks 2 and 3 | per-chunk error `assert` |
+# | the harness passes the kernel and fails every prefill case with `chunk_local_mask` | report `assert` |
+# | a 21-token prefix hit (shared page + copy-on-write), prefilled from page row 5 | `assert` < 1e-5 |
+# | a chunk scores `c p + c(c+1)/2` pairs per head; the kernel no fewer, only tile edges more | count `assert`s |
+#
+# ## Try this
+#
+# * Change `chunks` to `[(0, 1), (1, 100)]` or to 100 chunks of one token (each a decode
+#   step): the asserts still hold.
+# * Set the window to `RingWindow(24, 4, 16)` without `one_more_block` and run section 2:
+#   which chunk length does `max_chunk_len()` allow now, and what does the kernel say
+#   when a chunk is longer?
+# * Make the fault subtler: in section 3, prefill only the first chunk and the last 5
+#   tokens. Which error is larger, and why?
+# * Run `python benchmarks/bench_prefill.py` (on a GPU for TFLOP/s against SDPA).
+#
+# ## In real systems
+#
+# * FlashInfer: `BatchPrefillWithPagedKVCacheWrapper` (`plan(qo_indptr, paged_kv_indptr,
+#   paged_kv_indices, paged_kv_last_page_len, ...)`, then `run(q, paged_kv_cache)`,
+#   `causal=True` aligned bottom-right), the twin of `kernels.paged_prefill_attention_csr`.
+# * vLLM: `unified_attention` in `vllm/attention/ops/triton_unified_attention.py` (in
+#   recent releases `vllm/v1/attention/ops/`): one Triton kernel for prefill, chunked
+#   prefill and decode over `block_tables`, with `cu_seqlens_q` as `qo_indptr` and
+#   `seqused_k` as `seq_lens`; chunked prefill is on by default in the V1 engine.
+# * SGLang: `extend_attention_fwd` (`python/sglang/srt/layers/attention/triton_ops/
+#   extend_attention.py`) attends an "extend" chunk against a radix-cache prefix.
+# * TensorRT-LLM: chunked context (`enable_chunked_context`) over its paged
+#   `KVBlockArray`, with the same sliding-window ring as notebook 04.

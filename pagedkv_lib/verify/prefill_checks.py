@@ -1,0 +1,167 @@
+"""Prefill cases: several new queries per sequence (chunked prefill, prefix-cache hits,
+speculative verification) attending to a paged pool, compared with the float64
+reference by the pass rule; the pool and the inputs must be left exactly as they were.
+
+Each case is a batch of requests ``(seq_len, q_len)``: the sequence's keys
+``0 .. seq_len - 1`` are written (the new ones included) into a NaN-poisoned pool on
+scattered pages, and its ``q_len`` queries sit at positions ``seq_len - q_len ..
+seq_len - 1``. The batches hold a single-chunk prefill (``q_len == seq_len``), the
+second and third chunk of a chunked prefill, a prefix-cache hit whose first query
+starts mid-page, a decode step (``q_len == 1``), a request with keys but no queries
+and an empty request; ring windows narrower than the chunk (so the window cuts the
+chunk's own causal triangle); and long requests over several query tiles and key
+tiles. A kernel whose causal mask compares keys with the query's index inside its
+chunk instead of its absolute position (fault ``chunk_local_mask``) is right on the
+single-chunk batches only, and fails the others.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import reference, runtime
+from ..formats import pad_block_tables, scatter_pages
+from ..pool import PagedKVPool
+from ..window import RingWindow
+from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
+from .decode_checks import _write_sequence
+from .grid import cover
+from .report import CaseResult
+
+__all__ = ["prefill_grid", "long_prefill_cases", "prefill_inputs", "prefill_case", "locate_row"]
+
+# Batches of (seq_len, q_len): what each one is there for.
+BATCHES = [
+    ((37, 37), (0, 0), (20, 1)),  # a whole prompt in one chunk; an empty request; a decode step
+    ((32, 16), (48, 16), (21, 5)),  # the 2nd and 3rd chunk of 16; a 5-token chunk after 16 cached
+    ((29, 13), (16, 0), (1, 1)),  # a prefix-cache hit of 16 (mid-page for pages of 5); keys, no queries
+]
+
+
+def long_prefill_cases() -> list[dict]:
+    """Requests of a few hundred tokens: several query tiles and key tiles per request,
+    the query range starting inside a key tile, and a whole long prompt at once."""
+    base = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 16, "group": 4, "num_kv_heads": 2}
+    return [
+        {**base, "requests": ((300, 100), (129, 129))},
+        {**base, "layout": "HND", "dtype": "bf16", "head_dim": 80, "page_size": 1, "group": 5,
+         "num_kv_heads": 1, "requests": ((190, 63), (2, 1))},
+    ]  # fmt: skip
+
+
+def window_prefill_cases() -> list[dict]:
+    """Ring windows (with ``one_more_block``, so that a chunk of up to ``page_size + 1``
+    tokens fits) narrower than the chunk: the chunk's last queries no longer see its
+    first keys, and the ring has wrapped several times."""
+    base = {"dtype": "fp32", "head_dim": 64, "group": 2, "num_kv_heads": 2}
+    return [
+        {**base, "layout": "NHD", "page_size": 16, "window": (8, 2), "requests": ((37, 12), (20, 1), (60, 17))},
+        {**base, "layout": "HND", "dtype": "fp16", "page_size": 5, "window": (7, 3), "requests": ((40, 6), (9, 6))},
+        {**base, "layout": "NHD", "dtype": "bf16", "page_size": 4, "window": (6, 0), "requests": ((23, 5), (3, 3))},
+    ]
+
+
+def prefill_grid(full: bool = False) -> list[dict]:
+    """Prefill cases: layouts x dtypes, cycling head dims, page sizes, GQA groups and the
+    :data:`BATCHES`; a pool of finite stale values; then windows and long requests."""
+    values = {
+        "layout": ["NHD", "HND"],
+        "dtype": ["fp32", "fp16", "bf16"],
+        "head_dim": [64, 80, 128] + ([256] if full else []),
+        "page_size": [1, 5, 16] + ([64] if full else []),
+        "group": [1, 4, 5, 8],
+        "num_kv_heads": [2, 1],
+        "requests": BATCHES,
+    }
+    extra = [
+        {"layout": "HND", "dtype": "fp32", "head_dim": 48, "page_size": 8, "group": 3, "num_kv_heads": 2,
+         "requests": ((24, 9), (9, 9)), "poison": False},
+        *window_prefill_cases(),
+        *long_prefill_cases(),
+    ]  # fmt: skip
+    return cover(values, extra, outer=3 if full else 2)
+
+
+def _window(case: dict) -> RingWindow | None:
+    if not case.get("window"):
+        return None
+    size, sinks = case["window"]
+    return RingWindow(size, sinks, case["page_size"], one_more_block=case.get("one_more_block", True))
+
+
+def prefill_inputs(case: dict):
+    """``(q, cache, qo_indptr, block_tables, seq_lens, window)`` of a prefill case, on the
+    CPU. Every slot no sequence owns is NaN (unless ``poison=False``: finite random)."""
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    dtype, ps, hk, d = DTYPES[case["dtype"]], case["page_size"], case["num_kv_heads"], case["head_dim"]
+    window = _window(case)
+    lens = [n for n, _ in case["requests"]]
+    q_lens = [m for _, m in case["requests"]]
+    pages_each = [int(window.num_blocks(n)) if window else -(-n // ps) for n in lens]
+    num_pages = sum(pages_each) + 2
+    pool = PagedKVPool(num_pages, ps, hk, d, dtype, case["layout"])
+    if case.get("poison", True):
+        pool.cache.fill_(float("nan"))
+    else:
+        pool.cache.copy_(rand(pool.cache.shape, dtype, gen))
+    tables = pad_block_tables(scatter_pages(pages_each, num_pages, gen), max(pages_each, default=0) + 1)
+    for b, n in enumerate(lens):
+        # Positions 0..n-1 in order (the chunk's own keys included), as the earlier
+        # chunks and this one left them: through a ring only the last writer of a row stays.
+        _write_sequence(pool, tables, b, n, window, gen)
+    qo_indptr = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+    q = rand((sum(q_lens), hk * case["group"], d), dtype, gen)
+    return q, pool.cache, qo_indptr, tables, torch.tensor(lens, dtype=torch.int32), window
+
+
+def locate_row(row: int, qo_indptr, seq_lens) -> tuple[int, int, int]:
+    """``(request, query index, absolute position)`` of row ``row`` of a ragged ``q``."""
+    indptr = torch.as_tensor(qo_indptr).tolist()
+    b = max(i for i in range(len(indptr) - 1) if indptr[i] <= row < indptr[i + 1])
+    i = row - indptr[b]
+    q_len = indptr[b + 1] - indptr[b]
+    return b, i, int(seq_lens[b]) - q_len + i
+
+
+def prefill_case(prefill_fn, case: dict) -> CaseResult:
+    """Run one prefill case: the output within tolerance of the float64 reference (the
+    failure detail names the first (request, query, head) beyond it), and the pool,
+    ``q`` and the index tensors bit-for-bit unchanged."""
+    q, cache, qo_indptr, tables, lens, window = prefill_inputs(case)
+    layout = case["layout"]
+    expected = reference.paged_prefill_attention(
+        q, cache, qo_indptr, tables, lens, layout=layout, window=window, precision="fp64"
+    )
+    atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
+    dev = runtime.device()
+    inputs = {"q": q, "cache": cache, "qo_indptr": qo_indptr, "block_tables": tables, "seq_lens": lens}
+    # Copies, even on the CPU (where .to(dev) would return the very tensor compared with).
+    inputs = {name: t.to(dev, copy=True) for name, t in inputs.items()}
+    kwargs = {"layout": layout}
+    if window is not None:
+        kwargs["window"] = window
+    try:
+        out = prefill_fn(*inputs.values(), **kwargs)
+    except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
+        return CaseResult("prefill", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
+    result = compare(out, expected, atol, rtol)
+    ok, detail, notes = result.passed, result.detail, []
+    if not ok and result.worst is not None:
+        b, i, pos = locate_row(result.worst[0], qo_indptr, lens)
+        q_len = int(qo_indptr[b + 1] - qo_indptr[b])
+        where = (
+            f"first beyond tolerance: request {b} (seq_len {int(lens[b])}, q_len {q_len}), "
+            f"query {i} (position {pos}), head {result.worst[1]}"
+        )
+        detail = f"{detail}; {where}" if detail else where
+    for name, before in (("cache", cache), ("q", q), ("qo_indptr", qo_indptr), ("block_tables", tables),
+                         ("seq_lens", lens)):  # fmt: skip
+        count, at = first_difference(inputs[name].cpu(), before, layout if name == "cache" else None)
+        if count:
+            ok = False
+            what = "wrote into the pool" if name == "cache" else f"modified its input {name}"
+            notes.append(f"prefill {what}: {count} elements changed, first at {at}")
+    detail = "; ".join([x for x in (detail, *notes) if x])
+    return CaseResult("prefill", case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)
