@@ -11,12 +11,13 @@ from .. import reference
 from .append_checks import append_case, append_grid
 from .decode_checks import decode_case, decode_grid
 from .generated import generated_cases
+from .mla_checks import mla_append_case, mla_append_grid, mla_decode_case, mla_decode_grid
 from .report import CaseResult, Report
 from .scenarios import SCENARIOS
 
 __all__ = ["run", "run_case", "callable_path", "resolve_callable", "CHECKS"]
 
-CHECKS = ("append", "decode", *SCENARIOS)
+CHECKS = ("append", "decode", *SCENARIOS, "mla_append", "mla_decode")
 
 
 def resolve_callable(spec):
@@ -61,7 +62,7 @@ def _guarded(name: str, scenario, writer, reader, faults, **case) -> CaseResult:
         return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
 
 
-def _prepare(append_fn, decode_fn, faults):
+def _prepare(append_fn, decode_fn, faults, mla_fns: dict | None = None):
     append_fn, decode_fn = resolve_callable(append_fn), resolve_callable(decode_fn)
     faults = F.check_faults(faults)
     fns = {}
@@ -69,6 +70,10 @@ def _prepare(append_fn, decode_fn, faults):
         fns["append_fn"] = callable_path(append_fn)
     if decode_fn is not None:
         fns["decode_fn"] = callable_path(decode_fn)
+    for arg, fn in (mla_fns or {}).items():  # resolved in place: the MLA block below runs them
+        mla_fns[arg] = fn = resolve_callable(fn)
+        if fn is not None:
+            fns[arg] = callable_path(fn)
     if "minus_one_as_index" in faults and append_fn is not None:
         append_fn = F.minus_one_as_index(append_fn)
     return append_fn, decode_fn, faults, fns
@@ -82,6 +87,8 @@ def run(
     full: bool = False,
     hypothesis_examples: int = 0,
     checks: tuple[str, ...] | None = None,
+    mla_append_fn=None,
+    mla_decode_fn=None,
 ) -> Report:
     """Run the case grid and the scenarios; return a :class:`Report`.
 
@@ -93,9 +100,13 @@ def run(
     skipped and the scenarios use the reference for that side. ``faults``: names from
     :data:`pagedkv_lib.faults.FAULTS` to switch on. ``full``: the larger grid (head dim
     256, page size 64, 300 tokens). ``hypothesis_examples``: generated cases per
-    operation. ``checks``: a subset of :data:`CHECKS`.
+    operation. ``checks``: a subset of :data:`CHECKS`. ``mla_append_fn`` /
+    ``mla_decode_fn``: callables with the signatures of ``kernels.append_paged_mla_kv``
+    and ``kernels.mla_decode_attention`` (or import paths); each runs its grid of
+    :mod:`.mla_checks` (skipped when None).
     """
-    append_fn, decode_fn, faults, fns = _prepare(append_fn, decode_fn, faults)
+    mla_fns = {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
+    append_fn, decode_fn, faults, fns = _prepare(append_fn, decode_fn, faults, mla_fns)
     wanted = set(checks) if checks else set(CHECKS)
     unknown = wanted - set(CHECKS)
     if unknown:
@@ -114,18 +125,27 @@ def run(
     for name, scenario in SCENARIOS.items():
         if name in wanted:
             report.results.append(_guarded(name, scenario, writer, reader, faults))
+    report.results += _run_mla(mla_fns, wanted, full)
     for r in report.results:
         r.faults, r.fns = tuple(sorted(faults)), dict(fns)
     return report
 
 
-def run_case(check: str, case: dict, append_fn=None, decode_fn=None, faults=()) -> CaseResult:
+def run_case(
+    check: str, case: dict, append_fn=None, decode_fn=None, faults=(), mla_append_fn=None, mla_decode_fn=None
+) -> CaseResult:
     """Re-run one case of a report (grid, hypothesis or scenario), as its ``repro`` line
     prints it, on the callables given (or their import paths). The ``append`` and
-    ``decode`` checks need their callable; a scenario uses the reference for a side
-    that is not given."""
-    append_fn, decode_fn, faults, fns = _prepare(append_fn, decode_fn, faults)
-    if check == "append" or check == "decode":
+    ``decode`` checks need their callable (``mla_append`` / ``mla_decode`` theirs); a
+    scenario uses the reference for a side that is not given."""
+    mla_fns = {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
+    append_fn, decode_fn, faults, fns = _prepare(append_fn, decode_fn, faults, mla_fns)
+    if check in _MLA_CASES:
+        fn = mla_fns[f"{check}_fn"]
+        if fn is None:
+            raise ValueError(f"run_case({check!r}, ...) needs {check}_fn: a callable or 'module:function'")
+        result = _MLA_CASES[check](fn, case)
+    elif check == "append" or check == "decode":
         fn = append_fn if check == "append" else decode_fn
         if fn is None:
             raise ValueError(f"run_case({check!r}, ...) needs {check}_fn: a callable or 'module:function'")
@@ -138,3 +158,21 @@ def run_case(check: str, case: dict, append_fn=None, decode_fn=None, faults=()) 
         raise ValueError(f"check={check!r} unknown; choose from {', '.join(CHECKS)}")
     result.faults, result.fns = tuple(sorted(faults)), fns
     return result
+
+
+# =========================================================================== MLA latent cache
+# The MLA grids (.mla_checks) run on their own callables; nothing else in the harness
+# changes for them.
+
+_MLA_CASES = {"mla_append": mla_append_case, "mla_decode": mla_decode_case}
+_MLA_GRIDS = {"mla_append": mla_append_grid, "mla_decode": mla_decode_grid}
+
+
+def _run_mla(mla_fns: dict, wanted: set, full: bool) -> list[CaseResult]:
+    """The MLA grid of every MLA callable given and wanted."""
+    results = []
+    for check, run_one in _MLA_CASES.items():
+        fn = mla_fns[f"{check}_fn"]
+        if fn is not None and check in wanted:
+            results += [run_one(fn, c) for c in _MLA_GRIDS[check](full)]
+    return results
