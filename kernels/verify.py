@@ -13,6 +13,7 @@ import sys
 from pagedkv_lib.verify import cli
 
 from .decode import paged_decode_attention
+from .mla import append_paged_mla_kv, mla_decode_attention
 from .write import append_paged_kv
 
 __all__ = ["main"]
@@ -20,6 +21,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     defaults = {"append_fn": append_paged_kv, "decode_fn": paged_decode_attention}
+    defaults |= {"mla_append_fn": append_paged_mla_kv, "mla_decode_fn": mla_decode_attention}  # the MLA grids
     return cli.main(argv, defaults=defaults, prog="python -m kernels.verify")
 
 
