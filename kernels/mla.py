@@ -11,8 +11,8 @@ FlashInfer's ``batch_indices``/``positions`` over a CSR page table): grid
 ``cdiv(num_tokens, BLOCK_T)``; each program copies ``BLOCK_T`` latent rows without
 leaving the storage dtype (bit-exact, NaN payloads included) and writes their ``k_pe``,
 rotated by RoPE (fp32 math, angle reduced in fp64) when ``rope`` is given. The token
-addressing and the tile copy/rotation are the write kernel's own jit helpers
-(:mod:`kernels.write`), so the two appends cannot disagree on a slot.
+addressing, the tile copy and the RoPE angles are the write kernel's own jit helpers
+(:mod:`kernels.write`), so the two appends cannot disagree on a slot or an angle.
 
 **Decode** (:func:`mla_decode_attention`), four launches:
 
@@ -28,11 +28,12 @@ addressing and the tile copy/rotation are the write kernel's own jit helpers
 4. up-projection: ``out[b, h] = w_uv[h] @ o_latent[b, h]``, the same projection kernel
    with the other weight's dimensions swapped by strides.
 
-Numerics: every operand is converted to fp32 right after loading, ``q_latent``,
-``o_latent`` and the projected output stay fp32 (the output is rounded once to
-``q_nope.dtype`` by torch, round-to-nearest-even on every backend: the interpreter's
-fp32-to-bf16 cast truncates), products are broadcast-multiply and ``tl.sum`` (no ``tl.dot``: tf32 on a GPU,
-untrustworthy for fp16/bf16 in the interpreter, and dims >= 16). Masked lanes load 0 and
+Numerics: every operand is converted to fp32 right after loading, ``q_latent`` and
+``o_latent`` stay fp32 between the launches, and a computed value (the output, a rotated
+RoPE key) is rounded once to its dtype, to nearest-even on both backends
+(:func:`_round_to`: the interpreter's own fp32-to-bf16 conversion truncates). Products
+are broadcast-multiply and ``tl.sum`` (no ``tl.dot``: tf32 on a GPU, untrustworthy for
+fp16/bf16 in the interpreter, and dims >= 16). Masked lanes load 0 and
 score ``-inf``, so a NaN in an unused slot never reaches the output. Compiled, this is a
 correct but untuned kernel (no tensor cores; production MLA kernels such as FlashMLA
 tile ``[64 heads, 512] x [512, 64 tokens]`` on tensor cores); its speed has not been
@@ -72,7 +73,7 @@ from .validate import (
     check_num_splits,
     check_same_layout,
 )
-from .write import ROPE_CODES, _copy_tile, _rope_cos_sin, _rope_tile, _token_rows
+from .write import ROPE_CODES, _copy_tile, _rope_cos_sin, _token_rows
 
 __all__ = [
     "MAX_KV_LORA_RANK",
@@ -92,6 +93,44 @@ MAX_KV_LORA_RANK = 1024  # one latent row is one register tile of next_pow2(rank
 
 
 # --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in ``dtype``. A GPU's fp32-to-bf16 conversion
+    rounds; Triton's interpreter (3.6 to 3.9) truncates, an error of up to one unit in
+    the last place instead of half. For bf16 the rounding is therefore done on the bits
+    (the GPU's answer on both backends); NaN keeps the plain conversion."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x == x, rounded, x.to(tl.bfloat16))
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos, sin, half, NEOX: tl.constexpr,
+               BLOCK_P: tl.constexpr):  # fmt: skip
+    """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst``, in fp32, rounded
+    once (:func:`_round_to`). Pair ``i`` is features ``(i, i + half)`` (NeoX) or ``(2i,
+    2i + 1)`` (GPT-J), as :func:`kernels.write._rope_tile` pairs them."""
+    pair = tl.arange(0, BLOCK_P)
+    if NEOX:
+        f1 = pair
+        f2 = pair + half
+    else:
+        f1 = 2 * pair
+        f2 = 2 * pair + 1
+    mask = valid[:, None] & (pair < half)[None, :]
+    src = src_ptr + src_base[:, None]
+    x1 = tl.load(src + f1[None, :].to(tl.int64) * src_sd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + f2[None, :].to(tl.int64) * src_sd, mask=mask, other=0.0).to(tl.float32)
+    out_ty = dst_ptr.dtype.element_ty
+    dst = dst_ptr + dst_base[:, None]
+    tl.store(dst + f1[None, :].to(tl.int64) * dst_sd, _round_to(x1 * cos - x2 * sin, out_ty), mask=mask)
+    tl.store(dst + f2[None, :].to(tl.int64) * dst_sd, _round_to(x2 * cos + x1 * sin, out_ty), mask=mask)
 
 
 @triton.jit
@@ -146,9 +185,9 @@ def _mla_append_kernel(
         pair = tl.arange(0, BLOCK_P // 2)
         pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
         cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, pair < rope_dim // 2)
-        _rope_tile(
-            kpe_ptr, tok * stride_pt, 0, stride_pd, kpe_cache_ptr, dst_p, 0, stride_pc_d, head, mask_th, cos, sin,
-            rope_dim // 2, ROPE == 1, BLOCK_P // 2,
+        _rope_rows(
+            kpe_ptr, tok * stride_pt, stride_pd, kpe_cache_ptr, dst_p, stride_pc_d, valid, cos, sin, rope_dim // 2,
+            ROPE == 1, BLOCK_P // 2,
         )  # fmt: skip
     else:
         _copy_tile(
@@ -199,7 +238,7 @@ def _head_matvec_kernel(
         acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
         i0 += BLOCK_I
     y_ptrs = y_ptr + offs_b[:, None] * stride_yb + h * stride_yh + offs_o[None, :] * stride_yo
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=b_mask[:, None] & o_mask[None, :])
+    tl.store(y_ptrs, _round_to(acc, y_ptr.dtype.element_ty), mask=b_mask[:, None] & o_mask[None, :])
 
 
 @triton.jit
@@ -763,10 +802,9 @@ def _head_matvec(x, w, y, in_dim: int, w_in_dim: int, tiles: tuple[int, int, int
 
 def _launch_decode(plan: MLADecodePlan, q_nope, q_pe, ckv_cache, kpe_cache, w_uk, w_uv, return_latent: bool):
     dev, batch, heads, rank, splits = q_nope.device, plan.batch, plan.num_heads, plan.kv_lora_rank, plan.num_splits
-    out = torch.empty((batch, heads, plan.v_head_dim), dtype=torch.float32, device=dev)
+    out = torch.empty((batch, heads, plan.v_head_dim), dtype=q_nope.dtype, device=dev)
     o_latent = torch.empty((batch, heads, rank), dtype=torch.float32, device=dev)
     if batch == 0:
-        out = out.to(q_nope.dtype)
         return (out, o_latent) if return_latent else out
     # 1. absorb w_uk into the query: q_latent[b, h] = q_nope[b, h] @ w_uk[h] (w_uk's input is dim 1).
     q_latent = torch.empty((batch, heads, rank), dtype=torch.float32, device=dev)
@@ -814,9 +852,6 @@ def _launch_decode(plan: MLADecodePlan, q_nope, q_pe, ckv_cache, kpe_cache, w_uk
         launch_merge(part, lse, o_latent)
     # 4. up-project: out[b, h] = w_uv[h] @ o_latent[b, h] (w_uv's input, the rank, is dim 2).
     _head_matvec(o_latent, w_uv, out, rank, 2, plan.up_tiles)
-    # Rounded once, by torch: Triton's interpreter casts fp32 to bf16 by truncation
-    # (an error of up to one ulp instead of half), so the kernel writes fp32.
-    out = out.to(q_nope.dtype)
     return (out, o_latent) if return_latent else out
 
 

@@ -19,6 +19,9 @@ import pagedkv_lib  # noqa: F401  (before triton)
 from pagedkv_lib import formats, mla, runtime, verify
 
 # isort: split
+import triton
+import triton.language as tl
+
 import kernels
 import kernels.mla as kmla
 from kernels.validate import MAX_HEAD_DIM
@@ -227,3 +230,33 @@ def test_deepseek_v2_dimensions_match_the_naive_reference():
     interpreted; CI deselects ``slow``)."""
     result = verify.mla_decode_case(kernels.mla_decode_attention, verify.deepseek_v2_case())
     assert result.passed, result.detail
+
+
+# ----------------------------------------------------------------------------- rounding
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, kmla._round_to(x, y_ptr.dtype.element_ty), mask=offs < n)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 overflow to inf
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_computed_values_round_to_nearest_even_like_torch(dtype):
+    """The interpreter's own fp32-to-bf16 cast truncates (1.01171875, a tie, would become
+    1.0078125); the kernels' rounding must give torch's (and a GPU's) answer bit for bit:
+    ties to even, carries into the exponent, overflow to inf, subnormals, NaN stays NaN."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (4000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    special = [1.01171875, 1.00390625, 2.4976005, -2.4976005, 3.3895313e38, 1e-40, -0.0, float("inf"), 65520.0]
+    x = torch.cat([bits.view(torch.float32), torch.tensor(special), torch.randn(1000, generator=gen) * 3])
+    y = torch.empty(x.shape, dtype=dtype)
+    x_dev, y_dev = x.to(DEV), y.to(DEV)
+    _round_kernel[(1,)](x_dev, y_dev, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    got, want = y_dev.cpu(), x.to(dtype)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32))  # fmt: skip
