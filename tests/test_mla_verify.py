@@ -107,16 +107,22 @@ def test_append_mutants_fail_the_append_check():
         assert all(hint in r.detail for r in report.failures), str(report)
 
 
-def test_decode_mutants_fail_the_decode_check():
-    for mutant, hint in (
+@pytest.mark.parametrize(
+    "mutant,hint",
+    [
         (decode_without_the_rope_key, "beyond tolerance"),
         (decode_with_w_uk_read_the_wrong_way, "beyond tolerance"),
         (decode_reading_whole_pages, "non-finite"),
         (decode_that_cleans_the_pool, "wrote into the pool"),
-    ):
-        report = run_mla(decode_fn=mutant, check="mla_decode")
-        assert report.failures, mutant.__name__
-        assert any(hint in r.detail for r in report.failures), f"{mutant.__name__}: {report}"
+    ],
+    ids=["no_rope_key", "w_uk_wrong_way", "whole_pages", "cleans_the_pool"],
+)
+def test_decode_mutants_fail_the_decode_check(mutant, hint):
+    """Two grid cases each (one fp32, one bf16 with the one-buffer pool): every mutant
+    must fail both, for its own reason."""
+    for case in (verify.mla_decode_grid()[1], verify.mla_decode_grid()[7]):
+        result = verify.mla_decode_case(mutant, case)
+        assert result.passed is False and hint in result.detail, (case, result.detail)
 
 
 def test_a_failing_mla_case_replays_from_its_repro_line():
