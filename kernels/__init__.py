@@ -80,3 +80,32 @@ __all__ += [
     "run_prefill",
     "PrefillPlan",
 ]
+
+# =========================================================================== MLA latent cache
+# :mod:`kernels.mla`: append c_kv/k_pe rows into the latent pool (slot mapping or CSR,
+# fused RoPE on k_pe) and decode in the absorbed form with split-KV.
+from .mla import (  # noqa: E402
+    MLAAppendPlan,
+    MLADecodePlan,
+    append_paged_mla_kv,
+    append_paged_mla_kv_csr,
+    mla_decode_attention,
+    plan_append_mla,
+    plan_append_mla_csr,
+    plan_mla_decode,
+    run_append_mla,
+    run_mla_decode,
+)
+
+__all__ += [
+    "append_paged_mla_kv",
+    "append_paged_mla_kv_csr",
+    "plan_append_mla",
+    "plan_append_mla_csr",
+    "run_append_mla",
+    "MLAAppendPlan",
+    "mla_decode_attention",
+    "plan_mla_decode",
+    "run_mla_decode",
+    "MLADecodePlan",
+]

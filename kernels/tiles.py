@@ -109,3 +109,50 @@ def prefill_tiles(group: int, head_dim: int, max_rows: int, max_keys: int) -> tu
     block_n = max(16, min(block_n, pow2(max_keys)))
     num_warps = 8 if block_m * block_d >= 1 << 13 else 4
     return block_m, block_n, block_d, num_warps
+
+
+# =========================================================================== MLA (kernels/mla.py)
+
+__all__ += ["mla_append_block_t", "mla_decode_tiles", "head_matvec_tiles"]
+
+
+def mla_append_block_t(num_tokens: int, row_width: int) -> int:
+    """Tokens per program of an MLA append (each token one latent row of ``row_width =
+    next_pow2(kv_lora_rank) + next_pow2(qk_rope_head_dim)`` lanes): about 2**11 elements
+    compiled, 2**17 interpreted, as :func:`write_tiles`."""
+    budget = (1 << 17) if _interpreted() else (1 << 11)
+    return max(1, min(pow2(num_tokens), budget // pow2(row_width)))
+
+
+def mla_decode_tiles(num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, max_len: int):
+    """``(BLOCK_H, BLOCK_N, BLOCK_R, BLOCK_P, num_warps)`` of the MLA split-KV attention.
+
+    ``BLOCK_H`` heads share each loaded ``c_kv`` / ``k_pe`` tile of ``BLOCK_N`` tokens;
+    ``BLOCK_R`` and ``BLOCK_P`` hold a whole latent and RoPE row. The
+    ``[BLOCK_H, BLOCK_N, BLOCK_R]`` fp32 products must fit one program: about 2**14
+    elements compiled (untuned: no GPU has measured them), 2**19 interpreted (where a
+    program's cost is per ``tl`` operation, so few large ones win). Never much wider
+    than the longest sequence."""
+    block_r, block_p = pow2(kv_lora_rank), pow2(qk_rope_head_dim)
+    if _interpreted():
+        block_h, budget, cap, floor = min(pow2(num_heads), 32), 1 << 19, 128, 16
+    else:
+        block_h, budget, cap, floor = min(pow2(num_heads), 16), 1 << 14, 64, 2
+    n = min(cap, max(floor, budget // (block_h * block_r)))
+    n = 1 << (n.bit_length() - 1)  # a power of two
+    block_n = max(min(n, pow2(max_len)), floor)
+    num_warps = 8 if block_h * block_n * block_r >= 1 << 14 else 4
+    return block_h, block_n, block_r, block_p, num_warps
+
+
+def head_matvec_tiles(batch: int, in_dim: int, out_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_B, BLOCK_I, BLOCK_O)`` of the per-head projection ``y[b, h] = x[b, h] @ W[h]``:
+    ``BLOCK_B`` batch rows share each weight tile of ``BLOCK_I`` inputs x ``BLOCK_O``
+    outputs; the input dimension is looped. About 2**13 elements per product compiled,
+    2**19 interpreted."""
+    if _interpreted():
+        block_b, block_o, budget = min(pow2(batch), 16), min(pow2(out_dim), 1024), 1 << 19
+    else:
+        block_b, block_o, budget = min(pow2(batch), 4), min(pow2(out_dim), 128), 1 << 13
+    block_i = max(16, min(pow2(in_dim), budget // (block_b * block_o)))
+    return block_b, 1 << (block_i.bit_length() - 1), block_o

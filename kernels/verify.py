@@ -2,7 +2,7 @@
 
 The harness itself (:mod:`pagedkv_lib.verify`) sits below the kernels and never imports
 them; this thin command line lives on the kernels' side and hands it the suite's
-append, decode and prefill. Options as ``python -m pagedkv_lib.verify`` (``--full``,
+append, decode, prefill and MLA kernels. Options as ``python -m pagedkv_lib.verify`` (``--full``,
 ``--hypothesis N``, ``--fault NAME``, ``--reference``); exits 1 when a check fails.
 """
 
@@ -13,6 +13,7 @@ import sys
 from pagedkv_lib.verify import cli
 
 from .decode import paged_decode_attention
+from .mla import append_paged_mla_kv, mla_decode_attention
 from .prefill import paged_prefill_attention
 from .write import append_paged_kv
 
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         "append_fn": append_paged_kv,
         "decode_fn": paged_decode_attention,
         "prefill_fn": paged_prefill_attention,
+        "mla_append_fn": append_paged_mla_kv,
+        "mla_decode_fn": mla_decode_attention,
     }
     return cli.main(argv, defaults=defaults, prog="python -m kernels.verify")
 

@@ -88,3 +88,23 @@ __all__ = [
 from .prefill_checks import long_prefill_cases, prefill_case, prefill_grid  # noqa: E402
 
 __all__ += ["prefill_grid", "long_prefill_cases", "prefill_case"]
+
+# =========================================================================== MLA latent cache
+# ``run(..., mla_append_fn=..., mla_decode_fn=...)`` runs these grids (see .mla_checks).
+from .mla_checks import (  # noqa: E402
+    deepseek_v2_case,
+    mla_append_case,
+    mla_append_grid,
+    mla_decode_case,
+    mla_decode_grid,
+    mla_decode_inputs,
+)
+
+__all__ += [
+    "mla_append_grid",
+    "mla_append_case",
+    "mla_decode_grid",
+    "mla_decode_inputs",
+    "mla_decode_case",
+    "deepseek_v2_case",
+]

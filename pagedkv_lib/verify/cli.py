@@ -1,17 +1,34 @@
 """The harness's command line: ``python -m pagedkv_lib.verify --append-fn pkg.mod:fn
---decode-fn pkg.mod:fn --prefill-fn pkg.mod:fn`` (your kernels), ``--reference`` (the
+--decode-fn pkg.mod:fn ...`` (your kernels, by import path; a contract declared with
+:func:`pagedkv_lib.verify.contract` on the function is honoured), ``--reference`` (the
 Python references), or ``python -m kernels.verify`` (the suite's Triton kernels, which
-lives on the kernels' side so that this library never imports them)."""
+lives on the kernels' side so that this library never imports them). ``--json PATH``
+also writes the report as JSON, for other projects' CI."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from .. import faults as F
 from .. import reference, runtime
-from .runner import run
+from .runner import FN_ARGS, run
 
 __all__ = ["main", "non_negative_int"]
+
+_HELP = {
+    "append_fn": "your append (the signature of kernels.append_paged_kv)",
+    "decode_fn": "your decode attention (kernels.paged_decode_attention)",
+    "prefill_fn": "your prefill attention, ragged queries (kernels.paged_prefill_attention)",
+    "mla_append_fn": "your MLA latent append (kernels.append_paged_mla_kv)",
+    "mla_decode_fn": "your MLA absorbed decode (kernels.mla_decode_attention)",
+}
+REFERENCES = {
+    "append_fn": reference.append_paged_kv,
+    "decode_fn": reference.paged_decode_attention,
+    "prefill_fn": reference.paged_prefill_attention,
+}
 
 
 def non_negative_int(text: str) -> int:
@@ -25,35 +42,58 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
 def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: str = "python -m pagedkv_lib.verify"):
     """Parse ``argv``, run the harness, print the report; return 0 when every check passed,
-    1 when one failed. ``defaults`` (``{"append_fn": ..., "decode_fn": ..., "prefill_fn": ...}``) are the
-    callables used when none is named on the command line."""
+    1 when one failed (argparse exits 2 on a usage error). ``defaults`` (``{"append_fn":
+    ..., ...}``) are the callables used when none is named on the command line."""
     parser = argparse.ArgumentParser(prog=prog, description="Run the pagedkv conformance harness on paged-KV kernels.")
-    parser.add_argument("--append-fn", metavar="MODULE:FN", help="your append, e.g. mypkg.kernels:append")
-    parser.add_argument("--decode-fn", metavar="MODULE:FN", help="your decode attention")
-    parser.add_argument("--prefill-fn", metavar="MODULE:FN", help="your prefill attention (ragged queries)")
+    for arg in FN_ARGS:
+        parser.add_argument(f"--{arg.replace('_', '-')}", dest=arg, metavar="MODULE:FN", help=_HELP.get(arg))
     parser.add_argument("--reference", action="store_true", help="check the Python references")
-    parser.add_argument("--full", action="store_true", help="the larger grid")
+    parser.add_argument("--full", action="store_true", help="the larger grids")
     parser.add_argument(
         "--hypothesis", type=non_negative_int, default=10, metavar="N", help="generated cases per op (default 10)"
     )
     parser.add_argument("--fault", action="append", default=[], choices=sorted(F.FAULTS), help="switch a fault on")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument("--no-isolate", action="store_true", help="run checks in this process (no crash isolation)")
+    parser.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S", help="seconds per check")
     args = parser.parse_args(argv)
+    named = {arg: getattr(args, arg) for arg in FN_ARGS if getattr(args, arg)}
     if args.reference:
-        fns = {"append_fn": reference.append_paged_kv, "decode_fn": reference.paged_decode_attention,
-               "prefill_fn": reference.paged_prefill_attention}  # fmt: skip
-    elif args.append_fn or args.decode_fn or args.prefill_fn:
-        fns = {"append_fn": args.append_fn, "decode_fn": args.decode_fn, "prefill_fn": args.prefill_fn}
+        fns = REFERENCES
+    elif named:
+        fns = named
     elif defaults:
         fns = defaults
     else:
-        parser.error("name the kernels to check (--append-fn / --decode-fn / --prefill-fn), or --reference; "
+        flags = " / ".join(f"--{arg.replace('_', '-')}" for arg in FN_ARGS)
+        parser.error(f"name the kernels to check ({flags}), or --reference; "
                      "`python -m kernels.verify` checks the suite's own kernels")  # fmt: skip
     print(runtime.backend_line())
     try:
-        report = run(**fns, faults=args.fault, full=args.full, hypothesis_examples=args.hypothesis)
-    except ValueError as err:  # an import path that does not resolve
+        report = run(
+            **fns,
+            faults=args.fault,
+            full=args.full,
+            hypothesis_examples=args.hypothesis,
+            isolate=False if args.no_isolate else None,
+            timeout_s=args.timeout,
+        )
+    except ValueError as err:  # an import path that does not resolve, an unknown fault
         parser.error(str(err))
     print(report)
+    if args.json:
+        args.json.write_text(json.dumps(report.to_json(), indent=1))
+        print(f"wrote {args.json}")
     return 0 if report.passed else 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .. import faults as F
 from .. import reference
@@ -12,13 +14,50 @@ from .append_checks import append_case, append_grid
 from .contract import Contract, contract_of
 from .decode_checks import decode_case, decode_grid
 from .generated import generated_cases
+from .grid import accepts
 from .isolation import can_isolate, run_isolated
+from .mla_checks import mla_append_case, mla_append_grid, mla_decode_case, mla_decode_grid
+from .prefill_checks import prefill_case, prefill_grid
 from .report import CaseResult, Report
 from .scenarios import SCENARIO_NEEDS, SCENARIOS
 
-__all__ = ["run", "run_case", "callable_path", "resolve_callable", "CHECKS"]
+__all__ = ["run", "run_case", "callable_path", "resolve_callable", "Family", "FAMILIES", "CHECKS", "FN_ARGS"]
 
-CHECKS = ("append", "decode", *SCENARIOS)
+
+@dataclass(frozen=True)
+class Family:
+    """A kind of grid case: the callable it checks (``fn_arg`` of :func:`run`), its grid,
+    and how one case runs (``case(fn, case)``, or ``case(fn, case, contract)`` when it
+    builds the pool in the kernel's declared cache layout). ``generated``: hypothesis
+    draws extra cases of this family."""
+
+    check: str
+    fn_arg: str
+    grid: Callable[[bool], list[dict]]
+    case: Callable[..., CaseResult]
+    generated: bool = False
+
+
+FAMILIES = {
+    f.check: f
+    for f in (
+        Family("append", "append_fn", append_grid, append_case, generated=True),
+        Family("decode", "decode_fn", decode_grid, decode_case, generated=True),
+        Family("prefill", "prefill_fn", prefill_grid, prefill_case),
+        Family("mla_append", "mla_append_fn", mla_append_grid, mla_append_case),
+        Family("mla_decode", "mla_decode_fn", mla_decode_grid, mla_decode_case),
+    )
+}
+# The scenarios drive the bookkeeping through an append and a decode.
+SCENARIO_ARGS = ("append_fn", "decode_fn")
+SCENARIO_REFERENCES = {"append_fn": reference.append_paged_kv, "decode_fn": reference.paged_decode_attention}
+FN_ARGS = tuple(dict.fromkeys([f.fn_arg for f in FAMILIES.values()] + list(SCENARIO_ARGS)))
+CHECKS = (*FAMILIES, *SCENARIOS)
+# A fault that lives in the callable under test is a wrapper around it.
+FAULT_WRAPPERS = {
+    "minus_one_as_index": ("append_fn", F.minus_one_as_index),
+    "chunk_local_mask": ("prefill_fn", F.chunk_local_mask),
+}
 
 
 def resolve_callable(spec):
@@ -67,64 +106,76 @@ class _Session:
     """The callables under test, their contracts, and how each check runs (in a child
     process when isolation is on)."""
 
-    def __init__(self, append_fn, decode_fn, faults, contracts, isolate, timeout_s):
-        append_fn, decode_fn = resolve_callable(append_fn), resolve_callable(decode_fn)
+    def __init__(self, fns: dict, faults, contracts, isolate, timeout_s):
         self.faults = F.check_faults(faults)
         contracts = dict(contracts or {})
-        unknown = set(contracts) - {"append_fn", "decode_fn"}
+        unknown = set(contracts) - set(FN_ARGS)
         if unknown:
-            raise ValueError(f"contracts has keys {sorted(unknown)}; use 'append_fn' and 'decode_fn'")
-        self.fns: dict[str, str | None] = {}
+            raise ValueError(f"contracts has keys {sorted(unknown)}; use {', '.join(FN_ARGS)}")
+        self.fns: dict = {}  # fn_arg -> callable under test (faults applied)
+        self.paths: dict[str, str | None] = {}  # fn_arg -> import path, for repro lines
         self.contracts: dict[str, Contract] = {}
-        for arg, fn in (("append_fn", append_fn), ("decode_fn", decode_fn)):
-            if fn is not None:
-                self.fns[arg] = callable_path(fn)
-                declared = contracts.get(arg, contract_of(fn))
-                if not isinstance(declared, Contract):
-                    raise ValueError(f"contracts[{arg!r}] must be a verify.Contract, got {type(declared).__name__}")
-                self.contracts[arg] = declared
-        if "minus_one_as_index" in self.faults and append_fn is not None:
-            append_fn = F.minus_one_as_index(append_fn)
-        self.append_fn, self.decode_fn = append_fn, decode_fn
+        for arg in FN_ARGS:
+            fn = resolve_callable(fns.get(arg))
+            if fn is None:
+                continue
+            self.paths[arg] = callable_path(fn)
+            declared = contracts.get(arg, contract_of(fn))
+            if not isinstance(declared, Contract):
+                raise ValueError(f"contracts[{arg!r}] must be a verify.Contract, got {type(declared).__name__}")
+            self.contracts[arg] = declared
+            self.fns[arg] = fn
+        for fault, (arg, wrap) in FAULT_WRAPPERS.items():
+            if fault in self.faults and arg in self.fns:
+                self.fns[arg] = wrap(self.fns[arg])
         self.isolate = can_isolate() if isolate is None else bool(isolate)
         if self.isolate and not can_isolate():
             raise ValueError("isolate=True needs the interpreter backend on a platform with fork")
         self.timeout_s = timeout_s
 
     def _stamp(self, result: CaseResult) -> CaseResult:
-        result.faults, result.fns = tuple(sorted(self.faults)), dict(self.fns)
+        result.faults, result.fns = tuple(sorted(self.faults)), dict(self.paths)
         return result
 
     def execute(self, check: str, case: dict, job) -> CaseResult:
         return self._stamp(run_isolated(job, check, case, self.timeout_s) if self.isolate else job())
 
-    def append(self, case: dict) -> CaseResult:
-        return self.execute("append", case, lambda: append_case(self.append_fn, case, self.contracts["append_fn"]))
-
-    def decode(self, case: dict) -> CaseResult:
-        return self.execute("decode", case, lambda: decode_case(self.decode_fn, case, self.contracts["decode_fn"]))
+    def case(self, check: str, case: dict) -> CaseResult:
+        """One grid (or generated) case of family ``check``."""
+        family = FAMILIES[check]
+        fn, declared = self.fns[family.fn_arg], self.contracts[family.fn_arg]
+        reason = declared.outside(case)
+        if reason:
+            return self._stamp(CaseResult(check, case, None, outside=reason))
+        if accepts(family.case, "contract"):
+            return self.execute(check, case, lambda: family.case(fn, case, contract=declared))
+        return self.execute(check, case, lambda: family.case(fn, case))
 
     def scenario(self, name: str, **case) -> CaseResult:
-        writer = self.append_fn or reference.append_paged_kv
-        reader = self.decode_fn or reference.paged_decode_attention
+        writer = self.fns.get("append_fn", SCENARIO_REFERENCES["append_fn"])
+        reader = self.fns.get("decode_fn", SCENARIO_REFERENCES["decode_fn"])
         needs = SCENARIO_NEEDS.get(name, {})
-        for arg, declared in self.contracts.items():
-            reason = declared.outside(needs)
+        for arg in SCENARIO_ARGS:
+            reason = self.contracts[arg].outside(needs) if arg in self.contracts else None
             if reason:
                 return self._stamp(CaseResult(name, case, None, outside=f"{arg} does not declare {reason}"))
         return self.execute(name, case, lambda: _guarded(name, SCENARIOS[name], writer, reader, self.faults, **case))
 
-    def generated(self, kind: str, examples: int) -> list[CaseResult]:
-        fn = self.append_fn if kind == "append" else self.decode_fn
-        runner = self.append if kind == "append" else self.decode
-        results = generated_cases(kind, fn, examples, self.contracts[f"{kind}_fn"], lambda check, case: runner(case))
+    def generated(self, check: str, examples: int) -> list[CaseResult]:
+        arg = FAMILIES[check].fn_arg
+        results = generated_cases(
+            check, self.fns[arg], examples, self.contracts[arg], lambda kind, case: self.case(kind, case)
+        )
         return [self._stamp(r) for r in results]
 
 
 def run(
     append_fn=None,
     decode_fn=None,
+    prefill_fn=None,
     *,
+    mla_append_fn=None,
+    mla_decode_fn=None,
     faults=(),
     full: bool = False,
     hypothesis_examples: int = 0,
@@ -133,55 +184,64 @@ def run(
     isolate: bool | None = None,
     timeout_s: float = 300.0,
 ) -> Report:
-    """Run the case grid and the scenarios; return a :class:`Report`.
+    """Run the case grids and the scenarios; return a :class:`Report`.
 
-    ``append_fn`` / ``decode_fn``: callables with the signatures of
-    ``kernels.append_paged_kv`` (``fn(k, v, cache, slot_mapping, layout=...)``, optionally
-    ``zero_v_tail=``) and ``kernels.paged_decode_attention`` (``fn(q, cache,
-    block_tables, seq_lens, layout=...)``, optionally ``num_splits=`` and ``window=``),
-    or their import paths ``"module:function"``; ``cache`` is the pool in the layout the
-    kernel's contract declares (:mod:`pagedkv_lib.cache_layouts`). Either may be None:
-    its grid is skipped and the scenarios use the reference for that side.
+    The callables under test (each may be None: its grid is skipped), or their import
+    paths ``"module:function"``; ``cache`` is the pool in the layout the kernel's
+    contract declares (:mod:`pagedkv_lib.cache_layouts`):
 
-    ``contracts``: ``{"append_fn": Contract(...), "decode_fn": ...}``, overriding what the
-    callables declare with :func:`pagedkv_lib.verify.contract`; cases outside a contract
-    are reported as such, never as passes or failures. ``isolate``: run every check in
-    a child process, so that a crash or a hang (past ``timeout_s`` seconds) fails its
-    case and the run goes on; the default is on wherever possible (the interpreter,
-    with ``fork``). ``faults``: names from :data:`pagedkv_lib.faults.FAULTS` to switch
-    on. ``full``: the larger grid. ``hypothesis_examples``: generated cases per
-    operation. ``checks``: a subset of :data:`CHECKS`.
+    * ``append_fn``: the signature of ``kernels.append_paged_kv`` (``fn(k, v, cache,
+      slot_mapping, layout=...)``, optionally ``zero_v_tail=``);
+    * ``decode_fn``: that of ``kernels.paged_decode_attention`` (``fn(q, cache,
+      block_tables, seq_lens, layout=...)``, optionally ``num_splits=`` and ``window=``);
+    * ``prefill_fn``: that of ``kernels.paged_prefill_attention`` (``fn(q, cache,
+      qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``);
+    * ``mla_append_fn`` / ``mla_decode_fn``: those of ``kernels.append_paged_mla_kv`` and
+      ``kernels.mla_decode_attention`` (:mod:`.mla_checks`).
+
+    The scenarios run when ``append_fn`` or ``decode_fn`` is given, with the reference
+    for a side that is not. ``contracts``: ``{"append_fn": Contract(...), ...}``,
+    overriding what the callables declare with :func:`pagedkv_lib.verify.contract`;
+    cases outside a contract are reported as such, never as passes or failures.
+    ``isolate``: run every check in a child process, so that a crash or a hang (past
+    ``timeout_s`` seconds) fails its case and the run goes on; the default is on
+    wherever possible (the interpreter, with ``fork``). ``faults``: names from
+    :data:`pagedkv_lib.faults.FAULTS` to switch on. ``full``: the larger grids.
+    ``hypothesis_examples``: generated append and decode cases. ``checks``: a subset of
+    :data:`CHECKS`.
     """
-    session = _Session(append_fn, decode_fn, faults, contracts, isolate, timeout_s)
+    fns = {"append_fn": append_fn, "decode_fn": decode_fn, "prefill_fn": prefill_fn}
+    fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
+    session = _Session(fns, faults, contracts, isolate, timeout_s)
     wanted = set(checks) if checks else set(CHECKS)
     unknown = wanted - set(CHECKS)
     if unknown:
         raise ValueError(f"checks={sorted(unknown)} unknown; choose from {', '.join(CHECKS)}")
     report = Report()
-    if session.append_fn is not None and "append" in wanted:
-        report.results += [session.append(c) for c in append_grid(full)]
-        if hypothesis_examples:
-            report.results += session.generated("append", hypothesis_examples)
-    if session.decode_fn is not None and "decode" in wanted:
-        report.results += [session.decode(c) for c in decode_grid(full)]
-        if hypothesis_examples:
-            report.results += session.generated("decode", hypothesis_examples)
-    report.results += [session.scenario(name) for name in SCENARIOS if name in wanted]
+    for check, family in FAMILIES.items():
+        if family.fn_arg in session.fns and check in wanted:
+            report.results += [session.case(check, c) for c in family.grid(full)]
+            if hypothesis_examples and family.generated:
+                report.results += session.generated(check, hypothesis_examples)
+    if any(arg in session.fns for arg in SCENARIO_ARGS):
+        report.results += [session.scenario(name) for name in SCENARIOS if name in wanted]
     return report
 
 
-def run_case(
-    check: str, case: dict, append_fn=None, decode_fn=None, faults=(), contracts=None, isolate: bool | None = None
-) -> CaseResult:
+def run_case(check: str, case: dict, faults=(), contracts=None, isolate: bool | None = None, **fns) -> CaseResult:
     """Re-run one case of a report (grid, hypothesis or scenario), as its ``repro`` line
-    prints it, on the callables given (or their import paths). The ``append`` and
-    ``decode`` checks need their callable; a scenario uses the reference for a side
-    that is not given."""
-    session = _Session(append_fn, decode_fn, faults, contracts, isolate, 300.0)
-    if check in ("append", "decode"):
-        if getattr(session, f"{check}_fn") is None:
-            raise ValueError(f"run_case({check!r}, ...) needs {check}_fn: a callable or 'module:function'")
-        return session.append(case) if check == "append" else session.decode(case)
+    prints it, on the callables given by keyword (``append_fn=``, ``decode_fn=``, ...:
+    callables or import paths). A grid case needs its family's callable; a scenario
+    uses the reference for a side that is not given."""
+    unknown = set(fns) - set(FN_ARGS)
+    if unknown:
+        raise ValueError(f"run_case got {sorted(unknown)}; the callables are {', '.join(FN_ARGS)}")
+    session = _Session(fns, faults, contracts, isolate, 300.0)
+    if check in FAMILIES:
+        arg = FAMILIES[check].fn_arg
+        if arg not in session.fns:
+            raise ValueError(f"run_case({check!r}, ...) needs {arg}: a callable or 'module:function'")
+        return session.case(check, case)
     if check in SCENARIOS:
         return session.scenario(check, **case)
     raise ValueError(f"check={check!r} unknown; choose from {', '.join(CHECKS)}")
