@@ -70,3 +70,25 @@ def gather_block_t(num_kv_heads: int, head_dim: int, max_len: int) -> int:
 def merge_tiles(num_splits: int, head_dim: int) -> tuple[int, int]:
     """``(BLOCK_S, BLOCK_D)`` of the split-KV merge: all splits and the whole head at once."""
     return pow2(num_splits), pow2(head_dim)
+
+
+# =========================================================================== quantized KV
+# Tiles of kernels/quant_write.py (kernels/quant_decode.py uses decode_tiles).
+
+__all__ += ["quant_write_tiles"]
+
+
+def quant_write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, BLOCK_D)`` of a quantizing append: tokens x heads x the whole head
+    (``BLOCK_D = next_pow2(head_dim)``, at least 16 so an NVFP4 head splits into blocks of
+    16). Interpreted: as :func:`write_tiles`. Compiled: half its budget (about 1024
+    elements), as each element keeps its fp32 value, its code and a share of a block's
+    amax and scale live at once; untuned, no GPU has measured it yet."""
+    block_d = max(pow2(head_dim), 16)
+    heads = pow2(num_heads)
+    if _interpreted():
+        block_h, budget = heads, 2**17
+    else:
+        block_h, budget = min(heads, max(1, 256 // block_d)), 1024
+    block_t = max(1, min(pow2(num_tokens), budget // (block_h * block_d)))
+    return block_t, block_h, block_d

@@ -13,6 +13,8 @@ import sys
 from pagedkv_lib.verify import cli
 
 from .decode import paged_decode_attention
+from .quant_decode import paged_decode_attention_quant
+from .quant_write import append_paged_kv_quant
 from .write import append_paged_kv
 
 __all__ = ["main"]
@@ -20,6 +22,8 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     defaults = {"append_fn": append_paged_kv, "decode_fn": paged_decode_attention}
+    # --- quantized pools: the quant family runs on the suite's FP8/NVFP4 kernels too
+    defaults |= {"quant_append_fn": append_paged_kv_quant, "quant_decode_fn": paged_decode_attention_quant}
     return cli.main(argv, defaults=defaults, prog="python -m kernels.verify")
 
 

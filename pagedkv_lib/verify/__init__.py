@@ -71,3 +71,22 @@ __all__ = [
     "check_int64_offsets",
     "check_large_pool",
 ]
+
+# --- quantized pools (pagedkv_lib/verify/quant_checks.py)
+from .quant_checks import (  # noqa: E402
+    QUANT_CHECKS,
+    check_quant_scales,
+    quant_append_case,
+    quant_append_grid,
+    quant_decode_case,
+    quant_decode_grid,
+)
+
+__all__ += [
+    "QUANT_CHECKS",
+    "quant_append_grid",
+    "quant_append_case",
+    "quant_decode_grid",
+    "quant_decode_case",
+    "check_quant_scales",
+]

@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
     parser.add_argument(
         "--hypothesis", type=non_negative_int, default=10, metavar="N", help="generated cases per op (default 10)"
     )
-    parser.add_argument("--fault", action="append", default=[], choices=sorted(F.FAULTS), help="switch a fault on")
+    parser.add_argument(
+        "--fault", action="append", default=[], choices=sorted([*F.FAULTS, *F.QUANT_FAULTS]), help="switch a fault on"
+    )
     args = parser.parse_args(argv)
     if args.reference:
         fns = {"append_fn": reference.append_paged_kv, "decode_fn": reference.paged_decode_attention}

@@ -11,12 +11,13 @@ from .. import reference
 from .append_checks import append_case, append_grid
 from .decode_checks import decode_case, decode_grid
 from .generated import generated_cases
+from .quant_checks import QUANT_CHECKS, run_quant, run_quant_case
 from .report import CaseResult, Report
 from .scenarios import SCENARIOS
 
 __all__ = ["run", "run_case", "callable_path", "resolve_callable", "CHECKS"]
 
-CHECKS = ("append", "decode", *SCENARIOS)
+CHECKS = ("append", "decode", *SCENARIOS, *QUANT_CHECKS)
 
 
 def resolve_callable(spec):
@@ -82,6 +83,8 @@ def run(
     full: bool = False,
     hypothesis_examples: int = 0,
     checks: tuple[str, ...] | None = None,
+    quant_append_fn=None,
+    quant_decode_fn=None,
 ) -> Report:
     """Run the case grid and the scenarios; return a :class:`Report`.
 
@@ -94,6 +97,12 @@ def run(
     :data:`pagedkv_lib.faults.FAULTS` to switch on. ``full``: the larger grid (head dim
     256, page size 64, 300 tokens). ``hypothesis_examples``: generated cases per
     operation. ``checks``: a subset of :data:`CHECKS`.
+
+    ``quant_append_fn`` / ``quant_decode_fn``: callables with the signatures of
+    ``kernels.append_paged_kv_quant`` and ``kernels.paged_decode_attention_quant`` (or
+    their import paths); when either is given the quantized family runs too
+    (:mod:`.quant_checks`: ``quant_append``, ``quant_decode``, ``quant_scales``), with
+    the faults of :data:`pagedkv_lib.faults.QUANT_FAULTS`.
     """
     append_fn, decode_fn, faults, fns = _prepare(append_fn, decode_fn, faults)
     wanted = set(checks) if checks else set(CHECKS)
@@ -114,12 +123,22 @@ def run(
     for name, scenario in SCENARIOS.items():
         if name in wanted:
             report.results.append(_guarded(name, scenario, writer, reader, faults))
+    # --- quantized pools (pagedkv_lib/verify/quant_checks.py): only when a quant callable is given
+    quant_append_fn, quant_decode_fn = resolve_callable(quant_append_fn), resolve_callable(quant_decode_fn)
+    if quant_append_fn is not None or quant_decode_fn is not None:
+        report.results += run_quant(quant_append_fn, quant_decode_fn, faults, wanted, full)
+        for name, fn in (("quant_append_fn", quant_append_fn), ("quant_decode_fn", quant_decode_fn)):
+            if fn is not None:
+                fns[name] = callable_path(fn)
+    # --- end quantized pools
     for r in report.results:
         r.faults, r.fns = tuple(sorted(faults)), dict(fns)
     return report
 
 
-def run_case(check: str, case: dict, append_fn=None, decode_fn=None, faults=()) -> CaseResult:
+def run_case(
+    check: str, case: dict, append_fn=None, decode_fn=None, faults=(), quant_append_fn=None, quant_decode_fn=None
+) -> CaseResult:
     """Re-run one case of a report (grid, hypothesis or scenario), as its ``repro`` line
     prints it, on the callables given (or their import paths). The ``append`` and
     ``decode`` checks need their callable; a scenario uses the reference for a side
@@ -134,6 +153,12 @@ def run_case(check: str, case: dict, append_fn=None, decode_fn=None, faults=()) 
         writer = append_fn or reference.append_paged_kv
         reader = decode_fn or reference.paged_decode_attention
         result = _guarded(check, SCENARIOS[check], writer, reader, faults, **case)
+    elif check in QUANT_CHECKS:  # --- quantized pools (pagedkv_lib/verify/quant_checks.py)
+        quant_append_fn, quant_decode_fn = resolve_callable(quant_append_fn), resolve_callable(quant_decode_fn)
+        result = run_quant_case(check, case, quant_append_fn, quant_decode_fn, faults)
+        for name, fn in (("quant_append_fn", quant_append_fn), ("quant_decode_fn", quant_decode_fn)):
+            if fn is not None:
+                fns[name] = callable_path(fn)
     else:
         raise ValueError(f"check={check!r} unknown; choose from {', '.join(CHECKS)}")
     result.faults, result.fns = tuple(sorted(faults)), fns
