@@ -155,6 +155,12 @@ def fp8_quantize(x: torch.Tensor, scale) -> torch.Tensor:
     """
     y = x.detach().to(torch.float32)
     if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        try:
+            torch.broadcast_shapes(y.shape, scale.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"scale has shape {tuple(scale.shape)}, which does not broadcast to x {tuple(y.shape)}"
+            ) from None
         s = scale.to(torch.float32)
         y = torch.where(s > 0, y / torch.where(s > 0, s, 1.0), y)
     else:
