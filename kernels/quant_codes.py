@@ -33,6 +33,14 @@ def finite_abs(x):
 
 
 @triton.jit
+def _with_sign(value, sign):
+    """``value`` (>= 0) with its sign bit set where ``sign`` is 1. A bit operation, not
+    ``-value``: Triton 3.6's interpreter negates as ``0 - value``, which turns -0.0 into
+    +0.0 (code 0x80 must read back as -0.0, as the reference's does)."""
+    return (value.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fp8_encode(y):
     """E4M3 codes (int32, 0..255) of fp32 ``y``: nearest-even, saturating at +-448, NaN ->
     0x7F; the sign of +-0 is kept."""
@@ -63,7 +71,7 @@ def fp8_decode(code):
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
     value = tl.where(mag == 127, float("nan"), value)
-    return tl.where((c & 128) != 0, -value, value)
+    return _with_sign(value, (c >> 7) & 1)
 
 
 @triton.jit
@@ -95,4 +103,4 @@ def e2m1_decode(code):
     # In half units: mantissa for exponent 0 (0 or 0.5), else (2 + mantissa) << (exponent - 1).
     halves = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
     value = halves.to(tl.float32) * 0.5
-    return tl.where((c & 8) != 0, -value, value)
+    return _with_sign(value, (c >> 3) & 1)
