@@ -71,6 +71,7 @@ __all__ = [
     "nvfp4_dequantize",
     "nvfp4_error_bound",
     "global_scale_for",
+    "relative_rms_error",
 ]
 
 FP8_MAX = 448.0
@@ -341,3 +342,10 @@ def global_scale_for(x: torch.Tensor, kv_dtype: str) -> float:
     if amax == 0:
         return 1.0
     return check_global_scale("global scale", amax / (FP8_MAX if kv_dtype == "fp8" else 6 * FP8_MAX))
+
+
+def relative_rms_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """``rms(got - exact) / rms(exact)`` in float64: the error of a format relative to the
+    size of the values it stores."""
+    got, exact = got.detach().cpu().double(), exact.detach().cpu().double()
+    return float((got - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())

@@ -158,6 +158,16 @@ class QuantizedKVPool:
             return quant.fp8_dequantize(self.data, self.scales)
         return quant.fp8_decode(self.data) * self.global_scale.view(1, 2, 1, 1, 1)
 
+    def read_slots(self, slots, kv: int) -> torch.Tensor:
+        """Dequantized K (``kv=0``) or V (``kv=1``) of flat slots ``slots [n]`` (``page *
+        page_size + row``, each in the pool), float32 ``[n, num_kv_heads, head_dim]``."""
+        slots = torch.as_tensor(slots).long().cpu()
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.num_slots):
+            raise ValueError(f"slots must lie in [0, {self.num_slots}), got {slots.min()}..{slots.max()}")
+        page, row = slots // self.page_size, slots % self.page_size
+        values = self.dequantize().cpu()
+        return values[page, kv, row] if self.layout == "NHD" else values[page, kv, :, row]
+
     def rows(self, page: int, kv: int) -> torch.Tensor:
         """Dequantized view of one page's K (``kv=0``) or V (``kv=1``) as float32
         ``[page_size, num_kv_heads, head_dim]`` (a copy, whatever the layout)."""

@@ -104,15 +104,36 @@ def quant_append_grid(full: bool = False) -> list[dict]:
 
 
 def _pool_differences(got: QuantizedKVPool, expected: QuantizedKVPool) -> list[str]:
+    """One line per pool tensor whose bits differ: how many elements, and the first one
+    named by page, K/V, row, head and byte (codes) or scale group, with both values."""
     notes = []
     for name in ("data", "scales"):
         a, b = getattr(got, name), getattr(expected, name)
         if a is None:
             continue
-        count, where = first_difference(a.cpu(), b, got.layout)
-        if count:
-            notes.append(f"{count} {'codes' if name == 'data' else 'scales'} differ, first at {where}")
+        a = a.cpu()
+        count, _ = first_difference(a, b)
+        if not count:
+            continue
+        page, kv, i, j, last = (int(x) for x in torch.nonzero(_bits(a) != _bits(b))[0])
+        row, head = (i, j) if got.layout == "NHD" else (j, i)
+        what = {"data": "codes", "scales": "scales"}[name]
+        unit = "byte" if name == "data" else "scale"
+        if name == "data" and got.kv_dtype == "nvfp4":
+            unit = f"byte {last} (features {2 * last}, {2 * last + 1}), code"
+        else:
+            unit = f"{unit} {last}"
+        value = (lambda t: f"0x{int(t):02x}") if a.dtype == torch.uint8 else (lambda t: f"{float(t)!r}")
+        at = (page, kv, i, j, last)
+        notes.append(
+            f"{count} {what} differ, first at page {page}, {'KV'[kv]}, row {row}, head {head}, {unit} "
+            f"{value(a[at])} instead of {value(b[at])}"
+        )
     return notes
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
 
 
 def quant_append_case(quant_append_fn, case: dict) -> CaseResult:
