@@ -329,8 +329,7 @@ def test_kernel_mutant_quantizing_with_the_unrounded_block_scale_fails_quant_app
 
 
 def test_kernel_mutant_sharing_one_global_scale_fails_quant_scales(tmp_path):
+    # (The unmutated kernel passes this check in test_quant_verify.)
     bad = mutant(quant_write, "gs = tl.load(gscale_ptr + kv)", "gs = tl.load(gscale_ptr + 1)", tmp_path)
-    ok = verify.check_quant_scales(kernels.append_paged_kv_quant, kernels.paged_decode_attention_quant, set())
-    assert ok.passed, ok.detail
     result = verify.check_quant_scales(bad.append_paged_kv_quant, kernels.paged_decode_attention_quant, set())
     assert not result.passed and "nvfp4 K" in result.detail

@@ -25,9 +25,9 @@ def test_every_quantized_fault_has_a_check_and_the_original_table_is_unchanged()
     assert faults.check_faults({"shared_kv_scale", "past_len_zero"}) == {"shared_kv_scale", "past_len_zero"}
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_quantized_family_passes_on_correct_code(impl):
-    report = run(impl)
+def test_quantized_family_passes_on_the_suites_kernels():
+    # (The references pass by construction: they are what the grid compares with.)
+    report = run("kernels")
     assert report.passed, str(report)
     assert {r.check for r in report.results if r.passed} == set(verify.QUANT_CHECKS)
     assert sum(r.check == "quant_append" for r in report.results) >= 9
