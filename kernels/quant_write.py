@@ -297,7 +297,7 @@ def check_pool_launch(pool) -> None:
     for name, t in written:
         check_no_self_overlap(name, t)
         check_in_storage(name, t)
-    check_no_overlap("pool.global_scale", pool.global_scale, "pool.data", pool.data)
+    check_no_overlap("pool.global_scale", pool.global_scale, "cache", pool.data)
 
 
 def _check_inputs(k, v, pool, q) -> None:
@@ -312,7 +312,9 @@ def _check_inputs(k, v, pool, q) -> None:
         check_device("q", q)
         check_kernel_dtype("q", q)
         check_no_self_overlap("q", q)
-        check_no_overlap("q", q, "cache", pool.data)
+        for t in (pool.data, pool.scales, pool.global_scale):
+            if t is not None:
+                check_no_overlap("q", q, "cache", t)
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,23 @@ def test_rope_then_quantize_equals_quantizing_the_rotation_the_write_kernel_stor
     assert differ < 0.01, f"{differ:.2%} of the RoPE'd codes differ from the float64 rotation's"
 
 
+def test_csr_entry_point_stores_the_same_rope_codes_as_the_slot_entry_point():
+    gen = torch.Generator().manual_seed(9)
+    k, v = torch.randn(7, 2, 64, generator=gen).bfloat16(), torch.randn(7, 2, 64, generator=gen).bfloat16()
+    batch, pos = torch.tensor([0, 0, 1, -1, 1, 0, 1]), torch.tensor([300, 301, 5, 0, 6, 302, 7])
+    indices, indptr = torch.tensor([2, 5, 0, 1, 3, 4]), torch.tensor([0, 3, 6])  # 3 ring pages of 4 rows each
+    window = RingWindow(9, 1, 4)  # request 0 has wrapped its ring many times
+    slots = formats.csr_slot_mapping(batch, pos, indices, indptr, 4, window, 6)
+    by_slot, by_csr = make_pool("nvfp4", 6, 4, 2, 64), make_pool("nvfp4", 6, 4, 2, 64)
+    kernels.append_paged_kv_quant(
+        k.to(DEV), v.to(DEV), by_slot, slots.to(DEV), rope="gptj", positions=pos.clamp(min=0).to(DEV)
+    )
+    args = (t.to(DEV) for t in (batch, pos, indices, indptr))
+    kernels.append_paged_kv_quant_csr(k.to(DEV), v.to(DEV), by_csr, *args, window=window, rope="gptj")
+    assert_same_pool(by_csr, by_slot)
+    assert by_csr.data.count_nonzero() > 0
+
+
 def test_append_with_zero_v_tail_in_a_poisoned_pool_leaves_no_nan_to_read():
     gen = torch.Generator().manual_seed(7)
     for fmt in FORMATS:
