@@ -109,3 +109,38 @@ __all__ += [
     "run_mla_decode",
     "MLADecodePlan",
 ]
+
+# --- quantized pools (FP8 / NVFP4): kernels/quant_write.py, kernels/quant_decode.py
+from .quant_decode import (  # noqa: E402
+    QuantDecodePlan,
+    paged_decode_attention_quant,
+    paged_decode_attention_quant_csr,
+    plan_decode_quant,
+    plan_decode_quant_csr,
+    run_decode_quant,
+)
+from .quant_write import (  # noqa: E402
+    QuantAppendPlan,
+    append_paged_kv_quant,
+    append_paged_kv_quant_csr,
+    plan_append_quant,
+    plan_append_quant_csr,
+    run_append_quant,
+    zero_paged_v_tail_quant,
+)
+
+__all__ += [
+    "append_paged_kv_quant",
+    "append_paged_kv_quant_csr",
+    "zero_paged_v_tail_quant",
+    "plan_append_quant",
+    "plan_append_quant_csr",
+    "run_append_quant",
+    "QuantAppendPlan",
+    "paged_decode_attention_quant",
+    "paged_decode_attention_quant_csr",
+    "plan_decode_quant",
+    "plan_decode_quant_csr",
+    "run_decode_quant",
+    "QuantDecodePlan",
+]

@@ -156,3 +156,25 @@ def head_matvec_tiles(batch: int, in_dim: int, out_dim: int) -> tuple[int, int, 
         block_b, block_o, budget = min(pow2(batch), 4), min(pow2(out_dim), 128), 1 << 13
     block_i = max(16, min(pow2(in_dim), budget // (block_b * block_o)))
     return block_b, 1 << (block_i.bit_length() - 1), block_o
+
+
+# =========================================================================== quantized KV
+# Tiles of kernels/quant_write.py (kernels/quant_decode.py uses decode_tiles).
+
+__all__ += ["quant_write_tiles"]
+
+
+def quant_write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, BLOCK_D)`` of a quantizing append: tokens x heads x the whole head
+    (``BLOCK_D = next_pow2(head_dim)``, at least 16 so an NVFP4 head splits into blocks of
+    16). Interpreted: as :func:`write_tiles`. Compiled: half its budget (about 1024
+    elements), as each element keeps its fp32 value, its code and a share of a block's
+    amax and scale live at once; untuned, no GPU has measured it yet."""
+    block_d = max(pow2(head_dim), 16)
+    heads = pow2(num_heads)
+    if _interpreted():
+        block_h, budget = heads, 2**17
+    else:
+        block_h, budget = min(heads, max(1, 256 // block_d)), 1024
+    block_t = max(1, min(pow2(num_tokens), budget // (block_h * block_d)))
+    return block_t, block_h, block_d

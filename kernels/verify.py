@@ -2,7 +2,7 @@
 
 The harness itself (:mod:`pagedkv_lib.verify`) sits below the kernels and never imports
 them; this thin command line lives on the kernels' side and hands it the suite's
-append, decode, prefill and MLA kernels. Options as ``python -m pagedkv_lib.verify`` (``--full``,
+append, decode, prefill, MLA and quantized kernels. Options as ``python -m pagedkv_lib.verify`` (``--full``,
 ``--hypothesis N``, ``--fault NAME``, ``--reference``); exits 1 when a check fails.
 """
 
@@ -15,6 +15,8 @@ from pagedkv_lib.verify import cli
 from .decode import paged_decode_attention
 from .mla import append_paged_mla_kv, mla_decode_attention
 from .prefill import paged_prefill_attention
+from .quant_decode import paged_decode_attention_quant
+from .quant_write import append_paged_kv_quant
 from .write import append_paged_kv
 
 __all__ = ["main"]
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_fn": paged_prefill_attention,
         "mla_append_fn": append_paged_mla_kv,
         "mla_decode_fn": mla_decode_attention,
+        "quant_append_fn": append_paged_kv_quant,
+        "quant_decode_fn": paged_decode_attention_quant,
     }
     return cli.main(argv, defaults=defaults, prog="python -m kernels.verify")
 

@@ -151,3 +151,56 @@ def chunk_local_mask(prefill_fn):
         return prefill_fn(q, cache, qo_indptr, block_tables, q_lens, *args, **kwargs)
 
     return prefill
+
+
+# =========================================================================== quantized KV
+# Two silent bugs of quantized pools (pagedkv_lib.quant), in the one table of faults.
+
+FAULTS |= {
+    "nvfp4_unrounded_scale": "NVFP4 codes are computed from the unrounded block scale sf, but fp8(sf) is stored "
+    "and read: writer and reader disagree by sf8 / sf (up to 6 %)",
+    "shared_kv_scale": "one global scale for K and V (V's): K, whose range is wider after RoPE, saturates at the "
+    "format's largest value",
+}
+
+__all__ += ["nvfp4_quantize_unrounded_scale", "unrounded_block_scale", "shared_kv_scale"]
+
+
+def nvfp4_quantize_unrounded_scale(x, global_scale):
+    """:func:`pagedkv_lib.quant.nvfp4_quantize` with the bug: ``q_scale = 1 / (sf *
+    global_scale)`` from the unrounded ``sf``, while the stored block scale is still
+    ``fp8(sf)``."""
+    from .quant import nvfp4_quantize
+
+    return nvfp4_quantize(x, global_scale, round_scale=False)
+
+
+def unrounded_block_scale(quant_append_fn):
+    """Wrap a quantized append (slot-mapping form, ``fn(k, v, pool, slot_mapping, ...)``)
+    so that the NVFP4 rows it writes hold the codes of a writer with the bug of
+    :func:`nvfp4_quantize_unrounded_scale`: the append runs, then its rows are
+    re-quantized that way (K rotated by the reference RoPE when ``rope`` is given)."""
+    from .quant_reference import write_rows
+    from .reference import rope_reference
+
+    def append(k, v, pool, slot_mapping, *args, **kwargs):
+        quant_append_fn(k, v, pool, slot_mapping, *args, **kwargs)
+        if pool.kv_dtype != "nvfp4":
+            return
+        slots = torch.as_tensor(slot_mapping).cpu().long()
+        keep = slots >= 0
+        page, row = slots[keep] // pool.page_size, slots[keep] % pool.page_size
+        k_rows = k.cpu()[keep]
+        if kwargs.get("rope"):
+            k_rows = rope_reference(
+                k_rows, kwargs["positions"].cpu()[keep], kwargs.get("rope_theta", 1e4), kwargs["rope"]
+            )
+        for kv, x in ((0, k_rows.float()), (1, v.cpu()[keep].float())):
+            write_rows(pool, kv, page, row, x, quantizer=nvfp4_quantize_unrounded_scale)
+
+    return append
+
+
+def shared_kv_scale(k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The global scales a writer with the bug uses: V's for both K and V."""
+    return v_scale, v_scale

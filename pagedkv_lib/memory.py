@@ -273,3 +273,23 @@ def max_tokens(
         return budget_bytes // per_token
     page = _positive_int("page_size", page_size)
     return budget_bytes // (per_token * page) * page
+
+
+# =========================================================================== quantized pools
+# FP8 with one scale per token and head (pagedkv_lib.quant_pool, scale_mode="token")
+# stores a float32 scale beside every K and V vector: 4 bytes per vector on top of the
+# codes, whatever head_dim is, which a per-element scale_group cannot express.
+
+
+@dataclass(frozen=True)
+class _VectorScaledKVDtype(KVDtype):
+    """A format that also stores ``vector_scale_bytes`` per vector (not per group)."""
+
+    vector_scale_bytes: int = 0
+
+    def vector_bytes(self, n: int) -> int:
+        return super().vector_bytes(n) + self.vector_scale_bytes
+
+
+_FP8_PER_TOKEN = _VectorScaledKVDtype("fp8_per_token", 8, vector_scale_bytes=4)
+_DTYPES["fp8_per_token"] = _FP8_PER_TOKEN

@@ -108,3 +108,22 @@ __all__ += [
     "mla_decode_case",
     "deepseek_v2_case",
 ]
+
+# --- quantized pools (pagedkv_lib/verify/quant_checks.py)
+from .quant_checks import (  # noqa: E402
+    QUANT_CHECKS,
+    check_quant_scales,
+    quant_append_case,
+    quant_append_grid,
+    quant_decode_case,
+    quant_decode_grid,
+)
+
+__all__ += [
+    "QUANT_CHECKS",
+    "quant_append_grid",
+    "quant_append_case",
+    "quant_decode_grid",
+    "quant_decode_case",
+    "check_quant_scales",
+]

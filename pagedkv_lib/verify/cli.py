@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .. import faults as F
-from .. import reference, runtime
+from .. import quant_reference, reference, runtime
 from .runner import FN_ARGS, run
 
 __all__ = ["main", "non_negative_int"]
@@ -23,11 +23,15 @@ _HELP = {
     "prefill_fn": "your prefill attention, ragged queries (kernels.paged_prefill_attention)",
     "mla_append_fn": "your MLA latent append (kernels.append_paged_mla_kv)",
     "mla_decode_fn": "your MLA absorbed decode (kernels.mla_decode_attention)",
+    "quant_append_fn": "your FP8/NVFP4 append (kernels.append_paged_kv_quant)",
+    "quant_decode_fn": "your FP8/NVFP4 decode (kernels.paged_decode_attention_quant)",
 }
 REFERENCES = {
     "append_fn": reference.append_paged_kv,
     "decode_fn": reference.paged_decode_attention,
     "prefill_fn": reference.paged_prefill_attention,
+    "quant_append_fn": quant_reference.append_paged_kv_quant,
+    "quant_decode_fn": quant_reference.paged_decode_attention_quant,
 }
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import faults as F
-from .. import reference
+from .. import quant_reference, reference
 from .append_checks import append_case, append_grid
 from .contract import Contract, contract_of
 from .decode_checks import decode_case, decode_grid
@@ -18,6 +18,7 @@ from .grid import accepts
 from .isolation import can_isolate, run_isolated
 from .mla_checks import mla_append_case, mla_append_grid, mla_decode_case, mla_decode_grid
 from .prefill_checks import prefill_case, prefill_grid
+from .quant_checks import check_quant_scales, quant_append_case, quant_append_grid, quant_decode_case, quant_decode_grid
 from .report import CaseResult, Report
 from .scenarios import SCENARIO_NEEDS, SCENARIOS
 
@@ -46,17 +47,29 @@ FAMILIES = {
         Family("prefill", "prefill_fn", prefill_grid, prefill_case),
         Family("mla_append", "mla_append_fn", mla_append_grid, mla_append_case),
         Family("mla_decode", "mla_decode_fn", mla_decode_grid, mla_decode_case),
+        Family("quant_append", "quant_append_fn", quant_append_grid, quant_append_case),
+        Family("quant_decode", "quant_decode_fn", quant_decode_grid, quant_decode_case),
     )
 }
-# The scenarios drive the bookkeeping through an append and a decode.
-SCENARIO_ARGS = ("append_fn", "decode_fn")
-SCENARIO_REFERENCES = {"append_fn": reference.append_paged_kv, "decode_fn": reference.paged_decode_attention}
-FN_ARGS = tuple(dict.fromkeys([f.fn_arg for f in FAMILIES.values()] + list(SCENARIO_ARGS)))
-CHECKS = (*FAMILIES, *SCENARIOS)
+# Scenarios drive a writer and a reader together: the callables under test, or the
+# reference for a side that is not given.
+ALL_SCENARIOS = {**SCENARIOS, "quant_scales": check_quant_scales}
+SCENARIO_SIDES = {name: ("append_fn", "decode_fn") for name in SCENARIOS} | {
+    "quant_scales": ("quant_append_fn", "quant_decode_fn")
+}
+REFERENCES = {
+    "append_fn": reference.append_paged_kv,
+    "decode_fn": reference.paged_decode_attention,
+    "quant_append_fn": quant_reference.append_paged_kv_quant,
+    "quant_decode_fn": quant_reference.paged_decode_attention_quant,
+}
+FN_ARGS = tuple(dict.fromkeys(f.fn_arg for f in FAMILIES.values()))
+CHECKS = (*FAMILIES, *ALL_SCENARIOS)
 # A fault that lives in the callable under test is a wrapper around it.
 FAULT_WRAPPERS = {
     "minus_one_as_index": ("append_fn", F.minus_one_as_index),
     "chunk_local_mask": ("prefill_fn", F.chunk_local_mask),
+    "nvfp4_unrounded_scale": ("quant_append_fn", F.unrounded_block_scale),
 }
 
 
@@ -152,14 +165,15 @@ class _Session:
         return self.execute(check, case, lambda: family.case(fn, case))
 
     def scenario(self, name: str, **case) -> CaseResult:
-        writer = self.fns.get("append_fn", SCENARIO_REFERENCES["append_fn"])
-        reader = self.fns.get("decode_fn", SCENARIO_REFERENCES["decode_fn"])
+        sides = SCENARIO_SIDES[name]
+        writer, reader = (self.fns.get(arg, REFERENCES[arg]) for arg in sides)
         needs = SCENARIO_NEEDS.get(name, {})
-        for arg in SCENARIO_ARGS:
+        for arg in sides:
             reason = self.contracts[arg].outside(needs) if arg in self.contracts else None
             if reason:
                 return self._stamp(CaseResult(name, case, None, outside=f"{arg} does not declare {reason}"))
-        return self.execute(name, case, lambda: _guarded(name, SCENARIOS[name], writer, reader, self.faults, **case))
+        scenario = ALL_SCENARIOS[name]
+        return self.execute(name, case, lambda: _guarded(name, scenario, writer, reader, self.faults, **case))
 
     def generated(self, check: str, examples: int) -> list[CaseResult]:
         arg = FAMILIES[check].fn_arg
@@ -176,6 +190,8 @@ def run(
     *,
     mla_append_fn=None,
     mla_decode_fn=None,
+    quant_append_fn=None,
+    quant_decode_fn=None,
     faults=(),
     full: bool = False,
     hypothesis_examples: int = 0,
@@ -197,10 +213,12 @@ def run(
     * ``prefill_fn``: that of ``kernels.paged_prefill_attention`` (``fn(q, cache,
       qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``);
     * ``mla_append_fn`` / ``mla_decode_fn``: those of ``kernels.append_paged_mla_kv`` and
-      ``kernels.mla_decode_attention`` (:mod:`.mla_checks`).
+      ``kernels.mla_decode_attention`` (:mod:`.mla_checks`);
+    * ``quant_append_fn`` / ``quant_decode_fn``: those of ``kernels.append_paged_kv_quant``
+      and ``kernels.paged_decode_attention_quant`` (:mod:`.quant_checks`).
 
-    The scenarios run when ``append_fn`` or ``decode_fn`` is given, with the reference
-    for a side that is not. ``contracts``: ``{"append_fn": Contract(...), ...}``,
+    A scenario runs when one of its two sides is given (``append_fn``/``decode_fn``,
+    or the quantized pair for ``quant_scales``), with the reference for the other. ``contracts``: ``{"append_fn": Contract(...), ...}``,
     overriding what the callables declare with :func:`pagedkv_lib.verify.contract`;
     cases outside a contract are reported as such, never as passes or failures.
     ``isolate``: run every check in a child process, so that a crash or a hang (past
@@ -212,6 +230,7 @@ def run(
     """
     fns = {"append_fn": append_fn, "decode_fn": decode_fn, "prefill_fn": prefill_fn}
     fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
+    fns |= {"quant_append_fn": quant_append_fn, "quant_decode_fn": quant_decode_fn}
     session = _Session(fns, faults, contracts, isolate, timeout_s)
     wanted = set(checks) if checks else set(CHECKS)
     unknown = wanted - set(CHECKS)
@@ -223,8 +242,9 @@ def run(
             report.results += [session.case(check, c) for c in family.grid(full)]
             if hypothesis_examples and family.generated:
                 report.results += session.generated(check, hypothesis_examples)
-    if any(arg in session.fns for arg in SCENARIO_ARGS):
-        report.results += [session.scenario(name) for name in SCENARIOS if name in wanted]
+    for name, sides in SCENARIO_SIDES.items():
+        if name in wanted and any(arg in session.fns for arg in sides):
+            report.results.append(session.scenario(name))
     return report
 
 
@@ -242,6 +262,6 @@ def run_case(check: str, case: dict, faults=(), contracts=None, isolate: bool | 
         if arg not in session.fns:
             raise ValueError(f"run_case({check!r}, ...) needs {arg}: a callable or 'module:function'")
         return session.case(check, case)
-    if check in SCENARIOS:
+    if check in ALL_SCENARIOS:
         return session.scenario(check, **case)
     raise ValueError(f"check={check!r} unknown; choose from {', '.join(CHECKS)}")

@@ -1,0 +1,572 @@
+"""The quantizing write kernel: append K and V into a FP8 or NVFP4 pool, in place.
+
+The quantized twin of :mod:`kernels.write`, with the same two entry points
+(:func:`append_paged_kv_quant` with vLLM's ``slot_mapping``,
+:func:`append_paged_kv_quant_csr` with FlashInfer's request/position form), the same
+fused options (RoPE on K with Q rotated in place by extra programs; V-tail zeroing as a
+second launch) and the same addressing, reused from :mod:`kernels.write` and
+:mod:`kernels.addressing`. The pool is a :class:`pagedkv_lib.quant_pool.QuantizedKVPool`.
+
+What changes is the store. Each program holds a tile of ``BLOCK_T`` tokens x
+``BLOCK_H`` heads x the whole head in fp32 (RoPE'd first for K) and quantizes it by
+the rules of :mod:`pagedkv_lib.quant`, with the codecs of :mod:`kernels.quant_codes`:
+
+* FP8 per tensor: ``code = fp8(x / scale)`` (one byte per element: the byte offset is
+  the element offset, so the data pool is addressed with the element strides);
+* FP8 per token and head: ``scale = amax / 448`` over the head's finite values, stored
+  in the scale pool at the row's page, row and head, then as above;
+* NVFP4: the head is reshaped into blocks of 16 features; per block ``sf8 =
+  fp8(amax / (6 * gs))``, then ``code = e2m1(x / (fp8_value(sf8) * gs))`` (from the
+  *rounded* scale), the codes of features ``2j`` and ``2j + 1`` packed into byte ``j``
+  (low, high nibble) and ``sf8`` stored in the scale pool at group ``f // 16``.
+
+Codes and scales equal the reference's bit for bit (the rotation of RoPE is fp32 here
+and float64 in the reference: with RoPE the codes equal the reference quantizer's on
+this kernel's fp32 rotation, which is the rotation :mod:`kernels.write` stores).
+V-tail zeroing zeroes the V codes and scales of the unused rows, so they read back as
+0 (codes 0 and scale 0), never NaN.
+"""
+
+from __future__ import annotations
+
+from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
+
+# isort: split
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv_lib import checks, reference
+from pagedkv_lib.pool import cache_strides
+from pagedkv_lib.window import RingWindow
+
+from .addressing import ring_params, row_offset
+from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
+from .tiles import quant_write_tiles
+from .validate import (
+    check_device,
+    check_in_storage,
+    check_index_tensor,
+    check_kernel_dtype,
+    check_no_overlap,
+    check_no_self_overlap,
+)
+from .write import ROPE_CODES, _launch_v_tail, _rope_cos_sin, _rope_tile, _token_rows, _v_tail_tensors
+
+__all__ = [
+    "FORMAT_CODES",
+    "QuantAppendPlan",
+    "plan_append_quant",
+    "plan_append_quant_csr",
+    "run_append_quant",
+    "append_paged_kv_quant",
+    "append_paged_kv_quant_csr",
+    "zero_paged_v_tail_quant",
+    "check_pool_launch",
+    "pool_fingerprint",
+]
+
+# The FORMAT constexpr of the quantized kernels: (kv_dtype, scale_mode) -> code.
+FORMAT_CODES = {("fp8", "tensor"): 0, ("fp8", "token"): 1, ("nvfp4", "block"): 2}
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _load_rows(x_ptr, base, stride_h, stride_d, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, ROPE: tl.constexpr):
+    """fp32 ``[BLOCK_T, BLOCK_H, F]`` of features ``feat [F]`` of each token's heads; with
+    ``ROPE`` rotated at ``pos`` exactly as :func:`kernels.write._rope_tile` rotates them
+    (same operations in the same order: first feature of a pair ``x1 * c - x2 * s``,
+    second ``x2 * c + x1 * s``). Lanes outside ``mask_th`` or past ``head_dim`` are 0."""
+    f = feat.to(tl.int64)[None, None, :]
+    fmask = feat < head_dim
+    mask = mask_th[:, :, None] & fmask[None, None, :]
+    ptr = x_ptr + base[:, None, None] + heads.to(tl.int64)[None, :, None] * stride_h
+    x = tl.load(ptr + f * stride_d, mask=mask, other=0.0).to(tl.float32)
+    if ROPE != 0:
+        half = head_dim // 2
+        if ROPE == 1:  # GPT-NeoX: pair i is features (i, i + half)
+            first = feat < half
+            partner = tl.where(first, feat + half, feat - half)
+            pair = tl.where(first, feat, feat - half)
+        else:  # GPT-J: pair i is features (2i, 2i + 1)
+            first = (feat % 2) == 0
+            partner = tl.where(first, feat + 1, feat - 1)
+            pair = feat // 2
+        cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, fmask)
+        other = tl.load(ptr + partner.to(tl.int64)[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+        c = cos[:, None, :]
+        s = sin[:, None, :]
+        x = tl.where(first[None, None, :], x * c - other * s, x * c + other * s)
+    return x
+
+
+@triton.jit
+def _quantize_store(
+    x,
+    kv,
+    data_ptr,
+    scales_ptr,
+    gscale_ptr,
+    page,
+    row,
+    heads,
+    mask_th,
+    head_dim,
+    stride_page,
+    stride_kv,
+    stride_n,
+    stride_h,
+    stride_d,
+    sstride_page,
+    sstride_kv,
+    sstride_n,
+    sstride_h,
+    sstride_g,
+    FORMAT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Quantize the fp32 tile ``x [BLOCK_T, BLOCK_H, BLOCK_D]`` as K (``kv=0``) or V
+    (``kv=1``) and store its codes (and scales) at each token's ``(page, row)``."""
+    h = heads.to(tl.int64)[None, :, None]
+    dst = (row_offset(page, row, stride_page, stride_n) + kv * stride_kv)[:, None, None] + h * stride_h
+    sdst = (row_offset(page, row, sstride_page, sstride_n) + kv * sstride_kv)[:, None, None] + h * sstride_h
+    if FORMAT == 2:  # NVFP4: blocks of 16 features, two codes per byte, one E4M3 scale per block
+        NB: tl.constexpr = BLOCK_D // 16
+        blocks = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, 16))
+        amax = tl.max(finite_abs(blocks), axis=3)
+        has_nan = tl.max((blocks != blocks).to(tl.int32), axis=3) > 0
+        gs = tl.load(gscale_ptr + kv)
+        sf8 = fp8_encode(tl.math.div_rn(amax, gs * 6.0))
+        sf8 = tl.where(has_nan, 0x7F, sf8)
+        # The rounded scale, the one the reader multiplies by, sets the codes.
+        den = fp8_decode(sf8) * gs
+        q_scale = tl.where(
+            den > 0, tl.math.div_rn(tl.full(den.shape, 1.0, tl.float32), tl.where(den > 0, den, 1.0)), 0.0
+        )
+        codes = e2m1_encode(blocks * q_scale[:, :, :, None])
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, BLOCK_H, BLOCK_D // 2, 2)))
+        j = tl.arange(0, BLOCK_D // 2)
+        byte_mask = mask_th[:, :, None] & (j < head_dim // 2)[None, None, :]
+        tl.store(
+            data_ptr + dst + j.to(tl.int64)[None, None, :] * stride_d, (lo | (hi << 4)).to(tl.uint8), mask=byte_mask
+        )
+        g = tl.arange(0, NB)
+        scale_mask = mask_th[:, :, None] & (g < head_dim // 16)[None, None, :]
+        tl.store(scales_ptr + sdst + g.to(tl.int64)[None, None, :] * sstride_g, sf8.to(tl.uint8), mask=scale_mask)
+    else:
+        if FORMAT == 1:  # FP8, one scale per token and head: amax / 448, stored beside the row
+            scale = tl.math.div_rn(tl.max(finite_abs(x), axis=2), tl.full([BLOCK_T, BLOCK_H], 448.0, tl.float32))
+            tl.store(scales_ptr + sdst, scale[:, :, None], mask=mask_th[:, :, None])
+            # A row without a finite non-zero value has scale 0: it is encoded as it is.
+            y = tl.where(scale[:, :, None] > 0, tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, :, None]), x)
+        else:  # FP8, one scale per tensor
+            y = tl.math.div_rn(x, tl.load(gscale_ptr + kv))
+        feat = tl.arange(0, BLOCK_D)
+        mask = mask_th[:, :, None] & (feat < head_dim)[None, None, :]
+        tl.store(data_ptr + dst + feat.to(tl.int64)[None, None, :] * stride_d, fp8_encode(y).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _quant_append_kernel(
+    k_ptr,
+    v_ptr,
+    data_ptr,
+    scales_ptr,
+    gscale_ptr,
+    q_ptr,
+    slot_mapping_ptr,
+    batch_indices_ptr,
+    positions_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    inv_freq_ptr,
+    num_tokens,
+    num_kv_heads,
+    num_q_heads,
+    head_dim,
+    page_size,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_page,
+    stride_kv,
+    stride_n,
+    stride_h,
+    stride_d,
+    sstride_page,
+    sstride_kv,
+    sstride_n,
+    sstride_h,
+    sstride_g,
+    sink_tokens,
+    bubble_len,
+    cyclic_cache_len,
+    FORMAT: tl.constexpr,
+    CSR: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``: quantize and store K
+    and V; head blocks past the KV heads rotate Q (only with ``HAS_Q``)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    page, row, valid = _token_rows(
+        tokens, num_tokens, slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+        page_size, sink_tokens, bubble_len, cyclic_cache_len, CSR, HAS_WINDOW,
+    )  # fmt: skip
+    tok = tokens.to(tl.int64)
+    kv_blocks = tl.cdiv(num_kv_heads, BLOCK_H)
+    hb = tl.program_id(1)
+    if ROPE != 0:
+        pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
+    else:
+        pos = tokens  # unused without RoPE
+    if hb < kv_blocks:
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_th = valid[:, None] & (heads < num_kv_heads)[None, :]
+        feat = tl.arange(0, BLOCK_D)
+        k = _load_rows(
+            k_ptr, tok * stride_kt, stride_kh, stride_kd, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, ROPE
+        )
+        _quantize_store(
+            k, 0, data_ptr, scales_ptr, gscale_ptr, page, row, heads, mask_th, head_dim,
+            stride_page, stride_kv, stride_n, stride_h, stride_d,
+            sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g, FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+        v = _load_rows(
+            v_ptr, tok * stride_vt, stride_vh, stride_vd, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, 0
+        )
+        _quantize_store(
+            v, 1, data_ptr, scales_ptr, gscale_ptr, page, row, heads, mask_th, head_dim,
+            stride_page, stride_kv, stride_n, stride_h, stride_d,
+            sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g, FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+    elif HAS_Q:
+        pair = tl.arange(0, BLOCK_D // 2)
+        cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
+        heads = (hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
+        base = tok * stride_qt
+        _rope_tile(
+            q_ptr, base, stride_qh, stride_qd, q_ptr, base, stride_qh, stride_qd, heads, mask_th, cos, sin,
+            head_dim // 2, ROPE == 1, BLOCK_D // 2,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def pool_fingerprint(pool) -> tuple:
+    """``(format, layout, data, scales, global_scale)`` with each tensor's ``(shape, strides,
+    dtype, device)``: what a plan was checked against."""
+
+    def fp(t):
+        return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+    return (pool.kv_dtype, pool.scale_mode, pool.layout, fp(pool.data), fp(pool.scales), fp(pool.global_scale))
+
+
+def check_pool_launch(pool) -> None:
+    """Launch checks of a quantized pool: its value rules
+    (:func:`pagedkv_lib.checks.check_quant_pool`), every tensor on the kernels' device,
+    and the written ones (codes, scales) each reaching no element twice, inside their
+    storage and not overlapping each other."""
+    checks.check_quant_pool(pool)
+    check_device("pool.data", pool.data)
+    check_device("pool.global_scale", pool.global_scale)
+    written = [("pool.data", pool.data)]
+    if pool.scales is not None:
+        check_device("pool.scales", pool.scales)
+        written.append(("pool.scales", pool.scales))
+        check_no_overlap("pool.scales", pool.scales, "pool.data", pool.data)
+    for name, t in written:
+        check_no_self_overlap(name, t)
+        check_in_storage(name, t)
+    check_no_overlap("pool.global_scale", pool.global_scale, "cache", pool.data)
+
+
+def _check_inputs(k, v, pool, q) -> None:
+    """Launch checks of the tensors a quantized append reads (and ``q``, which it rotates)."""
+    for name, t in (("k", k), ("v", v)):
+        check_device(name, t)
+        check_kernel_dtype(name, t)
+        check_no_overlap(name, t, "cache", pool.data)
+        if pool.scales is not None:
+            check_no_overlap(name, t, "cache", pool.scales)
+    if q is not None:
+        check_device("q", q)
+        check_kernel_dtype("q", q)
+        check_no_self_overlap("q", q)
+        for t in (pool.data, pool.scales, pool.global_scale):
+            if t is not None:
+                check_no_overlap("q", q, "cache", t)
+
+
+@dataclass(frozen=True)
+class QuantAppendPlan:
+    """A validated quantized append, checked once and launched by :func:`run_append_quant`.
+
+    ``pool`` is the pool's :func:`pool_fingerprint`; index tensors are the caller's
+    device tensors made contiguous.
+    """
+
+    pool: tuple
+    format: int  # FORMAT_CODES value
+    num_tokens: int
+    num_kv_heads: int
+    num_q_heads: int  # 0 without q
+    head_dim: int
+    page_size: int
+    k_dtype: torch.dtype
+    v_dtype: torch.dtype
+    q_dtype: torch.dtype | None
+    slot_mapping: torch.Tensor | None
+    batch_indices: torch.Tensor | None
+    kv_indptr: torch.Tensor | None
+    kv_indices: torch.Tensor | None
+    positions: torch.Tensor | None
+    window: RingWindow | None
+    rope: str | None
+    inv_freq: torch.Tensor | None
+    v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    tiles: tuple[int, int, int]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        block_t, block_h, _ = self.tiles
+        heads = triton.cdiv(self.num_kv_heads, block_h) + triton.cdiv(self.num_q_heads, block_h)
+        return triton.cdiv(self.num_tokens, block_t), heads
+
+
+def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppendPlan:
+    num_q_heads = 0 if q is None else q.shape[1]
+    return QuantAppendPlan(
+        pool=pool_fingerprint(pool),
+        format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)],
+        num_tokens=k.shape[0],
+        num_kv_heads=pool.num_kv_heads,
+        num_q_heads=num_q_heads,
+        head_dim=pool.head_dim,
+        page_size=pool.page_size,
+        k_dtype=k.dtype,
+        v_dtype=v.dtype,
+        q_dtype=None if q is None else q.dtype,
+        window=window,
+        rope=rope,
+        inv_freq=reference.rope_inv_freq(pool.head_dim, rope_theta).to(pool.device) if rope else None,
+        v_tail=v_tail,
+        tiles=quant_write_tiles(k.shape[0], max(pool.num_kv_heads, num_q_heads), pool.head_dim),
+        **{
+            name: None if index.get(name) is None else index[name].contiguous()
+            for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
+        },
+    )
+
+
+def plan_append_quant(
+    k, v, pool, slot_mapping, *, rope=None, positions=None, rope_theta: float = 10000.0, q=None, zero_v_tail=None
+) -> QuantAppendPlan:
+    """Validate an :func:`append_paged_kv_quant` call once and return its plan (nothing is
+    written). Arguments and errors as :func:`append_paged_kv_quant`."""
+    slots = checks.check_quant_append_args(k, v, pool, slot_mapping)
+    checks.check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
+    check_pool_launch(pool)
+    _check_inputs(k, v, pool, q)
+    check_index_tensor("slot_mapping", slot_mapping, fits_int32=False)
+    if rope is not None:
+        check_index_tensor("positions", positions, fits_int32=False)
+    tail = None if zero_v_tail is None else _v_tail_tensors(pool.shape_proxy, pool.layout, zero_v_tail, slots)
+    return _plan(
+        k, v, pool, q, rope, rope_theta, None, tail, slot_mapping=slot_mapping,
+        positions=positions if rope is not None else None,
+    )  # fmt: skip
+
+
+def plan_append_quant_csr(
+    k,
+    v,
+    pool,
+    batch_indices,
+    positions,
+    kv_indices,
+    kv_indptr,
+    *,
+    window: RingWindow | None = None,
+    rope=None,
+    rope_theta: float = 10000.0,
+    q=None,
+    kv_last_page_len=None,
+) -> QuantAppendPlan:
+    """Validate an :func:`append_paged_kv_quant_csr` call once and return its plan."""
+    slots = checks.check_quant_csr_append_args(k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window)
+    checks.check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
+    check_pool_launch(pool)
+    _check_inputs(k, v, pool, q)
+    for name, t, fits in (
+        ("batch_indices", batch_indices, False),
+        ("positions", positions, False),
+        ("kv_indices", kv_indices, True),
+        ("kv_indptr", kv_indptr, True),
+    ):
+        check_index_tensor(name, t, fits_int32=fits)
+    tail = None
+    if kv_last_page_len is not None:
+        tail = _v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), slots)
+    return _plan(
+        k, v, pool, q, rope, rope_theta, window, tail, batch_indices=batch_indices, positions=positions,
+        kv_indptr=kv_indptr, kv_indices=kv_indices,
+    )  # fmt: skip
+
+
+def run_append_quant(plan: QuantAppendPlan, k, v, pool, q=None) -> None:
+    """Launch a planned quantized append (and its V-tail zeroing), in place. ``k``, ``v``,
+    ``pool`` and ``q`` may be others than planned with, of the same shapes, dtypes,
+    strides and device; anything else is a ValueError."""
+    if pool_fingerprint(pool) != plan.pool:
+        raise ValueError(f"pool is {pool_fingerprint(pool)}; the plan was made for {plan.pool}")
+    want = (plan.num_tokens, plan.num_kv_heads, plan.head_dim)
+    for name, t, dtype in (("k", k, plan.k_dtype), ("v", v, plan.v_dtype)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} of shape {want} as planned, got {getattr(t, 'shape', t)}")
+    if (q is None) != (plan.q_dtype is None):
+        raise ValueError("q must be given exactly when the plan was made with q")
+    if q is not None and (
+        tuple(q.shape) != (plan.num_tokens, plan.num_q_heads, plan.head_dim) or q.dtype != plan.q_dtype
+    ):
+        raise ValueError(f"q has shape {tuple(q.shape)} and {q.dtype}; the plan was made for another q")
+    _check_inputs(k, v, pool, q)
+    if plan.num_tokens:
+        _launch(plan, k, v, pool, q)
+    if plan.v_tail is not None:
+        _zero_tails(pool, *plan.v_tail)
+
+
+def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
+    block_t, block_h, block_d = plan.tiles
+    dummy = plan.slot_mapping if plan.slot_mapping is not None else plan.batch_indices  # never dereferenced
+    csr = plan.kv_indptr is not None
+    scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
+    sstrides = cache_strides(pool.scales, pool.layout) if pool.scales is not None else (0, 0, 0, 0, 0)
+    _quant_append_kernel[plan.grid](
+        k,
+        v,
+        pool.data,
+        scales,
+        pool.global_scale,
+        k if q is None else q,
+        dummy,
+        dummy if plan.batch_indices is None else plan.batch_indices,
+        dummy if plan.positions is None else plan.positions,
+        plan.kv_indptr if csr else dummy,
+        plan.kv_indices if csr else dummy,
+        k if plan.inv_freq is None else plan.inv_freq,
+        plan.num_tokens,
+        plan.num_kv_heads,
+        plan.num_q_heads,
+        plan.head_dim,
+        plan.page_size,
+        *k.stride(),
+        *v.stride(),
+        *((0, 0, 0) if q is None else q.stride()),
+        *cache_strides(pool.data, pool.layout),
+        *sstrides,
+        *ring_params(plan.window),
+        FORMAT=plan.format,
+        CSR=csr,
+        HAS_WINDOW=plan.window is not None,
+        ROPE=ROPE_CODES[plan.rope],
+        HAS_Q=q is not None,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+    )
+
+
+def _zero_tails(pool, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    """Zero the V tails in the codes and in the scale pool: the V-tail kernel of
+    :mod:`kernels.write` works on any 5-D pool tensor, whatever its last dimension."""
+    _launch_v_tail(pool.data, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
+    if pool.scales is not None:
+        _launch_v_tail(pool.scales, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def append_paged_kv_quant(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool,
+    slot_mapping: torch.Tensor,
+    *,
+    rope: str | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    q: torch.Tensor | None = None,
+    zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Quantize ``k, v [num_tokens, num_kv_heads, head_dim]`` (fp32/fp16/bf16, any strides)
+    into the :class:`~pagedkv_lib.quant_pool.QuantizedKVPool` ``pool`` in place (returns None).
+
+    Token ``i`` goes to flat slot ``slot_mapping[i]`` (``[num_tokens]`` int32/int64,
+    ``-1`` skipped, no slot twice): its codes, and its per-token or NVFP4 block scales,
+    at that page and row. ``rope``, ``positions``, ``rope_theta``, ``q`` and
+    ``zero_v_tail`` as :func:`kernels.write.append_paged_kv` (RoPE first, then K is
+    quantized; the tail's V codes and scales are zeroed). All tensors on
+    :func:`pagedkv_lib.runtime.device`. Raises ValueError naming the argument before
+    anything is written. The Python twin is
+    :func:`pagedkv_lib.quant_reference.append_paged_kv_quant`.
+    """
+    plan = plan_append_quant(
+        k, v, pool, slot_mapping, rope=rope, positions=positions, rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail
+    )
+    run_append_quant(plan, k, v, pool, q)
+
+
+def append_paged_kv_quant_csr(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    window: RingWindow | None = None,
+    rope: str | None = None,
+    rope_theta: float = 10000.0,
+    q: torch.Tensor | None = None,
+    kv_last_page_len: torch.Tensor | None = None,
+) -> None:
+    """:func:`append_paged_kv_quant` addressed by request and position over a CSR page
+    table, as :func:`kernels.write.append_paged_kv_csr` (the kernel computes each
+    token's page and row; ``window``; RoPE at the absolute position;
+    ``kv_last_page_len`` zeroes the V tails). Raises ValueError before any write."""
+    plan = plan_append_quant_csr(
+        k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window=window, rope=rope,
+        rope_theta=rope_theta, q=q, kv_last_page_len=kv_last_page_len,
+    )  # fmt: skip
+    run_append_quant(plan, k, v, pool, q)
+
+
+def zero_paged_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    """Zero the V codes and scales of rows ``kv_last_page_len[b] .. page_size - 1`` of
+    each request's last page, in place, so they dequantize to 0. Raises ValueError
+    naming the argument before anything is written."""
+    check_pool_launch(pool)
+    _zero_tails(pool, *_v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), None))

@@ -1,0 +1,210 @@
+"""A quantized paged KV pool: FP8 or NVFP4 codes, and the scales to read them back.
+
+:class:`QuantizedKVPool` is the quantized sibling of :class:`pagedkv_lib.pool.PagedKVPool`.
+It owns up to three tensors, each indexed by page first, then K=0/V=1, then the token
+row and the head in the pool's layout (NHD: ``[num_pages, 2, page_size, num_kv_heads,
+...]``; HND: ``[num_pages, 2, num_kv_heads, page_size, ...]``):
+
+* ``data``, uint8: the codes, ``[..., head_dim]`` for FP8 (one E4M3 byte per element,
+  so byte offsets equal element offsets) or ``[..., head_dim / 2]`` for NVFP4 (two E2M1
+  codes per byte, the even element in the low nibble);
+* ``scales``, the scale pool beside it, addressed by the same page, row and head:
+  ``None`` for FP8 with one scale per tensor, ``[..., 1]`` float32 for FP8 with one
+  scale per token and head, ``[..., head_dim / 16]`` uint8 (E4M3 bits) for NVFP4's
+  block scales;
+* ``global_scale``, float32 ``[2]``: the K and V scales of FP8 per tensor, or NVFP4's
+  global scales (unused by FP8 per token). Separate for K and V: K after RoPE and V
+  have different ranges.
+
+Every rule of the formats is in :mod:`pagedkv_lib.quant`; the appends and decodes that
+fill and read a pool are :mod:`pagedkv_lib.quant_reference` (Python) and
+``kernels.quant_write`` / ``kernels.quant_decode`` (Triton).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quant
+from .checks import check_global_scale, check_kv_format, check_nvfp4_head_dim, check_quant_pool, quant_widths
+from .pool import CacheDims, check_layout
+
+__all__ = ["QuantizedKVPool"]
+
+
+class QuantizedKVPool:
+    """A pool of ``num_pages`` pages of ``page_size`` token rows of quantized K and V.
+
+    ``kv_dtype``: ``"fp8"`` (E4M3) or ``"nvfp4"``. ``scale_mode``: for FP8 ``"tensor"``
+    (default: ``k_scale`` and ``v_scale`` divide every K and V value) or ``"token"``
+    (the append computes ``amax / 448`` per token and head and stores it in
+    ``scales``); for NVFP4 ``"block"`` (the only mode: ``k_scale`` and ``v_scale`` are
+    the global scales, block scales go to ``scales``). Codes and scales start at 0
+    (every row reads back as 0). Raises ValueError for non-positive sizes, an unknown
+    format or layout, an NVFP4 ``head_dim`` that is not a multiple of 16, or a scale
+    that is not a positive finite fp32 number.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: str = "fp8",
+        layout: str = "NHD",
+        device: torch.device | str = "cpu",
+        *,
+        scale_mode: str | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"QuantizedKVPool: {name}={value!r} must be a positive int")
+        self.kv_dtype, self.scale_mode = check_kv_format(kv_dtype, scale_mode)
+        if self.kv_dtype == "nvfp4":
+            check_nvfp4_head_dim(head_dim)
+        self.layout = check_layout(layout)
+        self.page_size, self.num_kv_heads, self.head_dim = page_size, num_kv_heads, head_dim
+        inner = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
+        width, groups = quant_widths(self.kv_dtype, self.scale_mode, head_dim)
+        self.data = torch.zeros((num_pages, 2, *inner, width), dtype=torch.uint8, device=device)
+        self.scales = None
+        if groups:
+            dtype = torch.float32 if self.scale_mode == "token" else torch.uint8
+            self.scales = torch.zeros((num_pages, 2, *inner, groups), dtype=dtype, device=device)
+        self.global_scale = torch.ones(2, dtype=torch.float32, device=device)
+        self.set_global_scales(k_scale, v_scale)
+
+    # ----------------------------------------------------------------- shape
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """Token rows in the pool: ``num_pages * page_size``."""
+        return self.num_pages * self.page_size
+
+    @property
+    def dims(self) -> CacheDims:
+        """Logical ``(num_pages, page_size, num_kv_heads, head_dim)``."""
+        return CacheDims(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def shape_proxy(self) -> torch.Tensor:
+        """A meta tensor (no storage) of the logical pool shape ``[num_pages, 2, ...,
+        head_dim]`` in this layout, for the shape-only rules of :mod:`pagedkv_lib.checks`."""
+        return torch.empty((*self.data.shape[:4], self.head_dim), device="meta")
+
+    # ----------------------------------------------------------------- scales
+
+    @property
+    def k_scale(self) -> float:
+        return float(self.global_scale[0])
+
+    @property
+    def v_scale(self) -> float:
+        return float(self.global_scale[1])
+
+    def set_global_scales(self, k_scale: float, v_scale: float) -> None:
+        """Set the K and V per-tensor scales (FP8 per tensor, NVFP4 global); each must be a
+        positive finite fp32 number. Codes already written are *not* re-quantized."""
+        scales = [check_global_scale("k_scale", k_scale), check_global_scale("v_scale", v_scale)]
+        self.global_scale.copy_(torch.tensor(scales, dtype=torch.float32))
+
+    # ----------------------------------------------------------------- bytes
+
+    @property
+    def memory_dtype(self) -> str:
+        """The name :func:`pagedkv_lib.memory.kv_cache_bytes` knows this storage by:
+        ``"fp8"``, ``"fp8_per_token"`` or ``"nvfp4"``."""
+        if self.kv_dtype == "fp8":
+            return "fp8_per_token" if self.scale_mode == "token" else "fp8"
+        return "nvfp4"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of per-token storage: codes plus the scale pool. The two global scales
+        (8 bytes per layer, independent of the token count) are not counted, as the
+        memory formula does not count them."""
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    # ----------------------------------------------------------------- reading
+
+    def dequantize(self) -> torch.Tensor:
+        """The values the pool holds, float32 ``[num_pages, 2, ..., head_dim]`` in its
+        layout (on its device): FP8 ``fp8_value(code) * scale`` with the tensor or
+        token scale; NVFP4 ``e2m1_value(code) * fp8_value(sf8) * global_scale``."""
+        check_quant_pool(self)
+        if self.kv_dtype == "nvfp4":
+            halves = [
+                quant.nvfp4_dequantize(self.data[:, kv], self.scales[:, kv], float(self.global_scale[kv]))
+                for kv in (0, 1)
+            ]
+            return torch.stack(halves, dim=1)
+        if self.scale_mode == "token":
+            return quant.fp8_dequantize(self.data, self.scales)
+        return quant.fp8_decode(self.data) * self.global_scale.view(1, 2, 1, 1, 1)
+
+    def read_slots(self, slots, kv: int) -> torch.Tensor:
+        """Dequantized K (``kv=0``) or V (``kv=1``) of flat slots ``slots [n]`` (``page *
+        page_size + row``, each in the pool), float32 ``[n, num_kv_heads, head_dim]``."""
+        slots = torch.as_tensor(slots).long().cpu()
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.num_slots):
+            raise ValueError(f"slots must lie in [0, {self.num_slots}), got {slots.min()}..{slots.max()}")
+        page, row = slots // self.page_size, slots % self.page_size
+        values = self.dequantize().cpu()
+        return values[page, kv, row] if self.layout == "NHD" else values[page, kv, :, row]
+
+    def rows(self, page: int, kv: int) -> torch.Tensor:
+        """Dequantized view of one page's K (``kv=0``) or V (``kv=1``) as float32
+        ``[page_size, num_kv_heads, head_dim]`` (a copy, whatever the layout)."""
+        block = self.dequantize()[page, kv]
+        return block if self.layout == "NHD" else block.transpose(0, 1)
+
+    # ----------------------------------------------------------------- tests
+
+    def poison_(self) -> QuantizedKVPool:
+        """Fill every row with codes that read back as NaN (FP8 code ``0x7F``; NaN
+        scales), as freshly allocated memory may; returns the pool. A reader that lets an
+        unused row into its output then shows NaN instead of a plausible number."""
+        self.data.fill_(quant.FP8_NAN)
+        if self.scales is not None:
+            self.scales.fill_(float("nan") if self.scales.dtype == torch.float32 else quant.FP8_NAN)
+        return self
+
+    def clone(self) -> QuantizedKVPool:
+        """A deep copy (codes, scales and global scales)."""
+        twin = object.__new__(QuantizedKVPool)
+        twin.__dict__.update(self.__dict__)
+        twin.data = self.data.clone()
+        twin.scales = None if self.scales is None else self.scales.clone()
+        twin.global_scale = self.global_scale.clone()
+        return twin
+
+    def to(self, device) -> QuantizedKVPool:
+        """A copy on ``device``."""
+        twin = self.clone()
+        twin.data = twin.data.to(device)
+        twin.scales = None if twin.scales is None else twin.scales.to(device)
+        twin.global_scale = twin.global_scale.to(device)
+        return twin
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedKVPool({self.num_pages} pages x {self.page_size} rows, {self.num_kv_heads} heads x "
+            f"{self.head_dim}, {self.kv_dtype}/{self.scale_mode}, {self.layout}, k_scale={self.k_scale:.4g}, "
+            f"v_scale={self.v_scale:.4g})"
+        )

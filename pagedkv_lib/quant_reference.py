@@ -1,0 +1,197 @@
+"""Python references for quantized pools: append (quantize on the way in), V-tail
+zeroing, and decode attention over the dequantized pool.
+
+Each entry point takes the same arguments as its Triton twin in ``kernels.quant_write``
+or ``kernels.quant_decode`` and validates them with the same functions of
+:mod:`pagedkv_lib.checks` before anything is written. Codes and scales follow
+:mod:`pagedkv_lib.quant` bit for bit.
+
+Quantization acts on fp32 values: K and V are converted to fp32 (exact for
+fp16/bf16/fp32 inputs). With RoPE, K is rotated first (in float64, rounded once to
+fp32 here; the kernel rotates in fp32, so a rotated value may differ by an fp32 ulp
+and, rarely, land on the other side of a rounding boundary: RoPE'd codes are
+compared with the kernel's own rotation, see the tests) and then quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quant
+from .checks import (
+    check_csr_decode_args,
+    check_decode_args,
+    check_quant_append_args,
+    check_quant_csr_append_args,
+    check_quant_pool,
+    check_rope_args,
+    check_v_tail_args,
+)
+from .indexing import split_slot
+from .reference import paged_decode_attention, paged_decode_attention_csr, rope_reference
+from .window import RingWindow
+
+__all__ = [
+    "quantize_rows",
+    "write_rows",
+    "append_paged_kv_quant",
+    "append_paged_kv_quant_csr",
+    "zero_paged_v_tail_quant",
+    "paged_decode_attention_quant",
+    "paged_decode_attention_quant_csr",
+]
+
+
+def quantize_rows(x: torch.Tensor, pool, kv: int, quantizer=None):
+    """``(codes, scales)`` of rows ``x [n, num_kv_heads, head_dim]`` for K (``kv=0``) or V
+    (``kv=1``) of ``pool``'s format: ``codes`` uint8 ``[n, heads, data_width]``,
+    ``scales`` ``[n, heads, groups]`` (float32 per token, uint8 E4M3 bits per NVFP4
+    block) or None per tensor. ``quantizer`` replaces :func:`quant.nvfp4_quantize`
+    (the faults use it)."""
+    x = x.detach().to(torch.float32).cpu()
+    gs = float(pool.global_scale[kv])
+    if pool.kv_dtype == "nvfp4":
+        packed, sf8 = (quantizer or quant.nvfp4_quantize)(x, gs)
+        return packed, sf8.view(torch.uint8)
+    if pool.scale_mode == "token":
+        scales = quant.fp8_token_scales(x)
+        return quant.fp8_quantize(x, scales).view(torch.uint8), scales
+    return quant.fp8_quantize(x, gs).view(torch.uint8), None
+
+
+def _index(layout: str, page, kv: int, row):
+    return (page, kv, row) if layout == "NHD" else (page, kv, slice(None), row)
+
+
+def write_rows(pool, kv: int, page, row, x: torch.Tensor, quantizer=None) -> None:
+    """Quantize ``x [n, num_kv_heads, head_dim]`` (:func:`quantize_rows`) into K or V rows
+    ``row [n]`` of pages ``page [n]`` of ``pool`` (host int64 tensors, unchecked: the
+    entry points check first)."""
+    codes, scales = quantize_rows(x, pool, kv, quantizer)
+    at = _index(pool.layout, page.to(pool.device), kv, row.to(pool.device))
+    pool.data[at] = codes.to(pool.device)
+    if scales is not None:
+        pool.scales[at] = scales.to(pool.device)
+
+
+def _store(k, v, pool, slots: torch.Tensor, rope, positions, rope_theta, q) -> None:
+    """Quantize and write the tokens whose slot is not ``-1`` (K rotated first with
+    ``rope``); rotate the written tokens' rows of ``q`` in place."""
+    keep = slots >= 0
+    page, row = split_slot(slots[keep], pool.page_size)
+    k_new = k[keep.to(k.device)].cpu()
+    if rope is not None:  # rotated in float64, rounded once to fp32, then quantized
+        pos = positions[keep]
+        k_new = rope_reference(k_new, pos, rope_theta, rope).to(torch.float32)
+        if q is not None:
+            q_keep = keep.to(q.device)
+            q[q_keep] = rope_reference(q[q_keep].cpu(), pos, rope_theta, rope).to(q.dtype).to(q.device)
+    write_rows(pool, 0, page, row, k_new)
+    write_rows(pool, 1, page, row, v[keep.to(v.device)])
+
+
+def _zero_tails(pool, tails) -> None:
+    for page, first in tails:
+        at = _index(pool.layout, page, 1, slice(first, None))
+        pool.data[at] = 0
+        if pool.scales is not None:
+            pool.scales[at] = 0
+
+
+def append_paged_kv_quant(
+    k,
+    v,
+    pool,
+    slot_mapping,
+    *,
+    rope: str | None = None,
+    positions=None,
+    rope_theta: float = 10000.0,
+    q=None,
+    zero_v_tail=None,
+) -> None:
+    """Quantize ``k, v [num_tokens, num_kv_heads, head_dim]`` (any float dtype) into the
+    :class:`~pagedkv_lib.quant_pool.QuantizedKVPool` ``pool`` in place.
+
+    Token ``i`` goes to flat slot ``slot_mapping[i]`` (``-1``: skipped). Its K and V
+    codes (and per-token or block scales) are written at that page and row. ``rope``,
+    ``positions``, ``rope_theta`` and ``q`` as :func:`pagedkv_lib.reference.append_paged_kv`
+    (RoPE first, then K is quantized). ``zero_v_tail=(kv_indptr, kv_indices,
+    kv_last_page_len)`` afterwards zeroes the V codes *and* scales of every request's
+    unused last-page rows, so they read back as 0, never NaN. Arguments as
+    ``kernels.append_paged_kv_quant``; every check runs before the first write.
+    """
+    slots = check_quant_append_args(k, v, pool, slot_mapping)
+    positions = check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
+    tails = None
+    if zero_v_tail is not None:
+        tails = check_v_tail_args(pool.shape_proxy, *zero_v_tail, layout=pool.layout, written=slots)
+    _store(k, v, pool, slots, rope, positions, rope_theta, q)
+    if tails is not None:
+        _zero_tails(pool, tails)
+
+
+def append_paged_kv_quant_csr(
+    k,
+    v,
+    pool,
+    batch_indices,
+    positions,
+    kv_indices,
+    kv_indptr,
+    *,
+    window: RingWindow | None = None,
+    rope: str | None = None,
+    rope_theta: float = 10000.0,
+    q=None,
+    kv_last_page_len=None,
+) -> None:
+    """:func:`append_paged_kv_quant` addressed by request and position over a CSR page
+    table, as :func:`pagedkv_lib.reference.append_paged_kv_csr` (``window``, RoPE at the
+    absolute position, ``kv_last_page_len`` zeroes the V tails afterwards)."""
+    slots = check_quant_csr_append_args(k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window)
+    pos = check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
+    tails = None
+    if kv_last_page_len is not None:
+        tails = check_v_tail_args(pool.shape_proxy, kv_indptr, kv_indices, kv_last_page_len, pool.layout, slots)
+    _store(k, v, pool, slots, rope, pos, rope_theta, q)
+    if tails is not None:
+        _zero_tails(pool, tails)
+
+
+def zero_paged_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    """Zero the V codes and scales of rows ``kv_last_page_len[b] .. page_size - 1`` of every
+    request's last page (a CSR page table), so they dequantize to 0. Rules as
+    :func:`pagedkv_lib.reference.zero_paged_v_tail`."""
+    check_quant_pool(pool)
+    _zero_tails(pool, check_v_tail_args(pool.shape_proxy, kv_indptr, kv_indices, kv_last_page_len, pool.layout))
+
+
+def paged_decode_attention_quant(
+    q,
+    pool,
+    block_tables,
+    seq_lens,
+    scale: float | None = None,
+    window: RingWindow | None = None,
+    precision: str = "fp32",
+):
+    """Decode attention over a quantized pool: :func:`pagedkv_lib.reference.paged_decode_attention`
+    over ``pool.dequantize()`` (the fp32 values the codes stand for). ``q [batch,
+    num_q_heads, head_dim]``; result in ``q.dtype`` (float64 with ``precision="fp64"``).
+    Arguments as ``kernels.paged_decode_attention_quant`` (which takes ``num_splits``
+    instead of ``precision``)."""
+    check_quant_pool(pool)
+    check_decode_args(q, pool.shape_proxy, block_tables, seq_lens, pool.layout, window, scale)
+    values = pool.dequantize().cpu()
+    return paged_decode_attention(q, values, block_tables, seq_lens, scale, pool.layout, window, precision)
+
+
+def paged_decode_attention_quant_csr(
+    q, pool, kv_indptr, kv_indices, kv_last_page_len, scale: float | None = None, precision: str = "fp32"
+):
+    """:func:`paged_decode_attention_quant` over a CSR page table (FlashInfer's format)."""
+    check_quant_pool(pool)
+    check_csr_decode_args(q, pool.shape_proxy, kv_indptr, kv_indices, kv_last_page_len, pool.layout, scale)
+    values = pool.dequantize().cpu()
+    return paged_decode_attention_csr(q, values, kv_indptr, kv_indices, kv_last_page_len, scale, pool.layout, precision)
