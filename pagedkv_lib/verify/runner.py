@@ -218,8 +218,10 @@ def run(
       and ``kernels.paged_decode_attention_quant`` (:mod:`.quant_checks`).
 
     A scenario runs when one of its two sides is given (``append_fn``/``decode_fn``,
-    or the quantized pair for ``quant_scales``), with the reference for the other. ``contracts``: ``{"append_fn": Contract(...), ...}``,
-    overriding what the callables declare with :func:`pagedkv_lib.verify.contract`;
+    or the quantized pair for ``quant_scales``), with the reference for the other.
+
+    ``contracts``: ``{"append_fn": Contract(...), ...}``, overriding what the callables
+    declare with :func:`pagedkv_lib.verify.contract`;
     cases outside a contract are reported as such, never as passes or failures.
     ``isolate``: run every check in a child process, so that a crash or a hang (past
     ``timeout_s`` seconds) fails its case and the run goes on; the default is on
