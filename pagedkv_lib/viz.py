@@ -354,19 +354,30 @@ def row_status(got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, 
     return np.where(should, np.where(right, 1, 2), np.where(right, 0, 3))
 
 
-def plot_wrong_rows(got, expected, before, layout: str = "NHD", title: str = "which pool rows are wrong"):
+def plot_wrong_rows(
+    got, expected, before, layout: str = "NHD", title: str = "which pool rows are wrong", slot_mapping=None
+):
     """The pool after a write, K rows and V rows side by side, each row coloured by
     :func:`row_status`: untouched, written right, wrong or missing, changed though it
-    should be untouched. Returns the figure."""
+    should be untouched. With ``slot_mapping`` each row a token should be written to is
+    labelled with that token's index. Returns the figure."""
     status = row_status(got, expected, before, layout)
-    pages = status.shape[0]
-    fig, axes = plt.subplots(1, 2, figsize=(min(2.0 + 0.8 * pages, 11.0), 1.1 + 0.32 * status.shape[2]))
+    pages, page_size = status.shape[0], status.shape[2]
+    text = None
+    if slot_mapping is not None:
+        text = [["" for _ in range(page_size)] for _ in range(pages)]
+        for t, slot in enumerate(torch.as_tensor(slot_mapping).tolist()):
+            if slot >= 0:
+                text[slot // page_size][slot % page_size] = f"t{t}"
+    fig, axes = plt.subplots(1, 2, figsize=(min(2.0 + 0.8 * pages, 11.0), 1.1 + 0.32 * page_size))
     for kv, ax in enumerate(axes):
         colours = [[_ROW_STATUS[int(s)][1] for s in page] for page in status[:, kv]]
-        _pool_grid(ax, colours, None, f"{'KV'[kv]} rows")
+        _pool_grid(ax, colours, text, f"{'KV'[kv]} rows")
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c) for _, c in _ROW_STATUS.values()]
-    axes[1].legend(handles, [n for n, _ in _ROW_STATUS.values()], fontsize=7, loc="upper left",
-                   bbox_to_anchor=(1.0, 1.0), frameon=False)  # fmt: skip
+    names = [n for n, _ in _ROW_STATUS.values()] + (["tN: the row of token N"] if text else [])
+    if text:
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="white"))
+    axes[1].legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
