@@ -47,8 +47,11 @@ def _error_hint(error: BaseException) -> str:
             "Triton's interpreter refuses a mask built as `scalar_condition & tile`. Fold the scalar test "
             "into a bound instead, e.g. `heads < tl.where(slot >= 0, num_heads, 0)`, or compare a tile."
         )
-    if "arange" in text and "power of 2" in text:
-        return "tl.arange needs a power of two: use the BLOCK_ size you are given and mask the lanes past the end."
+    if "arange" in text and ("power of 2" in text or "constexpr" in text):
+        return (
+            "tl.arange takes a compile-time power of two: use the BLOCK_ size you are given (a tl.constexpr) "
+            "and mask the lanes past the end."
+        )
     if isinstance(error, IndexError):
         return "an index ran past the end of a list: check the padding value -1 and the last (partly filled) page."
     return ""

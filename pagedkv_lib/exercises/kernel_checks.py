@@ -20,7 +20,7 @@ import torch
 from .. import reference, runtime
 from ..pool import PagedKVPool, cache_dims
 from ..verify import TOLERANCES, append_case, append_grid, decode_case, decode_grid, long_decode_cases
-from ..verify.compare import DTYPES, compare, rand
+from ..verify.compare import DTYPES, _bits, compare, rand
 from ..verify.decode_checks import decode_inputs
 from .cases import Case, Mismatch, run_cases
 from .result import LearnerError, call, show
@@ -45,10 +45,6 @@ def _save(fig, name: str) -> Path:
     fig.savefig(path)
     plt.close(fig)  # shown by the result itself, not again by the notebook's inline backend
     return path
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _nhd(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -133,13 +129,17 @@ def _diagnose_append(got, expected, before, k, v, slots, layout: str, name: str)
         bad = [kv for kv in (0, 1) if status[page, kv, row] == 2]
         if bad:
             kv = bad[0]
-            detail = (f"token {t} has slot {slot_list[t]} = page {page} x {ps} + row {row}; that {'KV'[kv]} row "
-                      f"holds {_row_owner(got_n[page, kv, row], bef_n[page, kv, row], k, v)}")  # fmt: skip
+            detail = (
+                f"token {t} has slot {slot_list[t]} = page {page} x {ps} + row {row}; that {'KV'[kv]} row "
+                f"holds {_row_owner(got_n[page, kv, row], bef_n[page, kv, row], k, v)}"
+            )
             if landed[t] is not None and landed[t] != (page, row):
                 detail += f"; token {t}'s K was written to page {landed[t][0]}, row {landed[t][1]}"
             if kv == 0 and landed[t] == (page, row):
-                heads_ok = [torch.equal(_bits(got_n[page, 0, row, h]), _bits(exp_n[page, 0, row, h]))
-                            for h in range(got_n.shape[3])]  # fmt: skip
+                heads_ok = [
+                    torch.equal(_bits(got_n[page, 0, row, h]), _bits(exp_n[page, 0, row, h]))
+                    for h in range(got_n.shape[3])
+                ]
                 if not all(heads_ok):
                     hint = "head 0 is right, later heads are not: add h * stride_h (and h * stride_kh for k)."
             if kv == 1 and (status[:, 0] != 2).all():
@@ -600,7 +600,7 @@ def _decode_label(case: dict) -> str:
     return ", ".join(words)
 
 
-def _decode_hint(case: dict) -> str:
+def _decode_hint(case: dict, block_n: int) -> str:
     hints = []
     if case["head_dim"] & (case["head_dim"] - 1):
         hints.append(f"head_dim {case['head_dim']}: mask d < head_dim.")
@@ -612,7 +612,7 @@ def _decode_hint(case: dict) -> str:
         hints.append("Unused rows hold NaN: load masked lanes as 0 and give them score -inf.")
     if case["layout"] == "HND":
         hints.append("HND: use the strides as given.")
-    if max(case["seq_lens"]) > 32:
+    if max(case["seq_lens"]) > block_n:
         hints.append("More than one tile: rescale l and acc by 2**(m_old - m_new) when the max grows.")
     return " ".join(hints)
 
@@ -685,7 +685,7 @@ def check_decode_kernel(decode, block_n: int = 32):
                 f"conformance grid case {i} of {len(grid)}: {_decode_label(case)}",
                 lambda case=case: _decode_run(decode, case, "decode_kernel", block_n),
                 [("case", show(case))],
-                _decode_hint(case),
+                _decode_hint(case, block_n),
             )
         )
     return run_cases(
