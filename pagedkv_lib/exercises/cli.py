@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("build", help="rebuild the exercise notebooks from exercises/src")
     args = parser.parse_args(argv)
     folder = args.dir or default_dir()
+    if args.command != "list" and not (folder / "src").is_dir():
+        parser.error(f"no exercises folder at {folder} (it lives in a source checkout); give it with --dir")
     if args.command == "list":
         for e in EXERCISES.values():
             print(f"{e.stem:<18} {e.title}: {e.teaches}")
