@@ -1,294 +1,538 @@
 # %% [markdown]
-# # 06 · The Triton write kernel: appending K and V to the paged pool
+# # 06 · The Triton write kernel, built step by step
 #
-# Every forward pass ends its attention layers' input side the same way: the new
-# tokens' keys and values are stored into the paged pool, each at the slot the
-# scheduler gave it, before attention reads them back. That store is the kernel here.
+# Every forward pass stores the new tokens' keys and values into the paged pool before
+# attention reads them back. This notebook writes that store as a Triton kernel, in the
+# page, in three steps, and checks each step against the Python reference:
 #
-# It does notebook 03's index arithmetic on the GPU (or in Triton's interpreter on a
-# laptop), for two batch formats: vLLM's flat `slot_mapping`, and FlashInfer's
-# `(batch_indices, positions)` over a CSR page table, where the kernel itself looks the
-# page up. This notebook shows where the kernel puts every element, launches it on a
-# small pool after a scheduler step (occupancy before and after), compares the pool
-# with the Python reference bit for bit, shows padding tokens and the zeroed V tail of
-# a last page, checks the fused RoPE, and counts the bytes fusion saves.
+# * **(a)** one program per token, addressed by vLLM's flat `slot_mapping`; padding
+#   tokens (`-1`) are skipped;
+# * **(b)** FlashInfer's form: the kernel looks each token's page up in a CSR page table
+#   (`kv_indices[kv_indptr[b] + pos // page_size]`, row `pos % page_size`), and each
+#   program writes a 2-D tile of tokens x heads;
+# * **(c)** RoPE fused into the store: K is rotated on its way into the pool, and Q is
+#   rotated in place by extra programs of the same launch.
+#
+# Then we read the production kernel (`kernels/write.py`) and check, point by point, what
+# it adds to step (c) and why.
+#
+# **You will be able to** write a paged-KV store kernel, say where each of its elements
+# lands, and name the things a production kernel needs beyond the textbook version.
+# Prerequisites: notebook 02 (slot mapping, CSR page tables) and 03 (divmod, strides).
+# The kernels run compiled on a GPU, or in Triton's interpreter on a CPU.
 
 # %%
-import copy
-
 import torch
 
-from pagedkv_lib import KVCacheManager, PagedKVPool, formats, reference, runtime, viz
-from pagedkv_lib.indexing import locate, slot_of
+from pagedkv_lib import PagedKVPool, RingWindow, faults, formats, reference, runtime, viz
+from pagedkv_lib.pool import cache_strides
+from pagedkv_lib.verify import TOLERANCES
+from pagedkv_lib.verify.compare import bit_compare, compare
 
 print(runtime.backend_line())
 viz.use_style()
 torch.manual_seed(0)
 import matplotlib.pyplot as plt
+import triton
+import triton.language as tl
+from IPython.display import display
 
-from kernels import append_paged_kv, append_paged_kv_csr
-from kernels.tiles import write_tiles
-from pagedkv_lib.formats import csr_slot_mapping
+import kernels
+from kernels import addressing, tiles
+from kernels import write as production
 
 DEV = runtime.device()
 
 # %% [markdown]
-# ## The kernel's index arithmetic, next to notebook 03's
+# ## The batch every step writes
 #
-# Notebook 03 went position -> (block, row) -> page -> slot -> element offset. The
-# kernel runs the same steps, one tile of tokens at a time:
-#
-# * notebook 03: `page = table[p // ps]`, `row = p % ps`, then
-#   `element_offset(strides, page, kv, head, row, feat)`;
-# * kernel, slot entry: `page = slot // ps`, `row = slot % ps` (the caller did the
-#   table lookup when it built the slots);
-# * kernel, CSR entry: `r = kv_token_idx(p)` (the ring window's row, else `p`), then
-#   `page = kv_indices[kv_indptr[b] + r // ps]`, `row = r % ps`;
-# * both: the same offset formula, with every index widened to **int64** before its
-#   multiply, so pools past 2**31 elements are addressed correctly.
-#
-# To see where the kernel really writes, store K values that name their own token,
-# head and feature (`1000 t + 100 h + f`, exact in fp32) into an empty HND pool, then
-# look each one up in the flat storage: its position there *is* the offset the kernel
-# computed. It must equal the library's `element_offset`.
+# One scheduler step over a pool of 9 pages of 4 rows (NHD layout, 2 KV heads of
+# `head_dim` 16, fp32). Request 0 continues a chunked prefill (positions 6-8), request 1
+# is a new 7-token prompt, request 2 decodes one token at position 9. The batch is
+# padded to 13 tokens with two `-1` tokens, as a CUDA graph captured for a fixed size
+# would pad it. The pool starts out random, so any row a kernel touches by mistake
+# shows.
 
 # %%
-PAGE_SIZE, HEADS, DIM = 5, 3, 8
-pool = PagedKVPool(6, PAGE_SIZE, HEADS, DIM, torch.float32, layout="HND")
-table = [4, 1, 5]  # the sequence's pages, in logical order
-positions = torch.arange(4, 14)  # crosses two page boundaries
-slots = formats.slot_mapping(formats.pad_block_tables([table]), torch.zeros(10, dtype=torch.long), positions, PAGE_SIZE)
-t, h, f = torch.meshgrid(torch.arange(10), torch.arange(HEADS), torch.arange(DIM), indexing="ij")
-k = (1000 * t + 100 * h + f).float()
-cache = pool.cache.to(DEV, copy=True)
-append_paged_kv(k.to(DEV), (-k).to(DEV), cache, slots.to(DEV), "HND")
-flat = cache.cpu().flatten()
-print(f"{'pos':>3} {'block':>5} {'row':>3} {'page':>4} {'slot':>4} {'offset of (K, head 2, feat 3)':>30}")
-for i, p in enumerate(positions.tolist()):
-    block, row = locate(p, PAGE_SIZE)
-    where = int(torch.nonzero(flat == 1000 * i + 203)[0])  # where the kernel put k[i, 2, 3]
-    assert where == pool.element_offset(table[block], 0, 2, row, 3) and int(slots[i]) == slot_of(
-        table[block], row, PAGE_SIZE
-    )
-    print(f"{p:>3} {block:>5} {row:>3} {table[block]:>4} {int(slots[i]):>4} {where:>30}")
-assert torch.equal(flat[flat > 0].sort().values, k.flatten()[1:].sort().values)  # every K element once, nothing else
+PAGE_SIZE, KV_HEADS, DIM = 4, 2, 16
+tables = [[5, 2, 7], [0, 6], [3, 1, 4]]  # each request's pages, in logical order
+seq_lens = torch.tensor([9, 7, 10])  # lengths after this step
+append_indptr = torch.tensor([0, 3, 10, 11])  # request b's new tokens: rows indptr[b]..indptr[b+1]-1
+kv_indptr, kv_indices, kv_last_page_len = formats.block_table_to_csr(
+    formats.pad_block_tables(tables), seq_lens, PAGE_SIZE
+)
+batch, positions = formats.get_batch_indices_positions(append_indptr, seq_lens)
+batch = torch.cat([batch, torch.tensor([-1, -1], dtype=torch.int32)])  # two padding tokens
+positions = torch.cat([positions, torch.tensor([-1, -1], dtype=torch.int32)])
+slots = formats.slot_mapping(formats.pad_block_tables(tables), batch, positions, PAGE_SIZE)
+num_tokens = len(slots)
+k = torch.randn(num_tokens, KV_HEADS, DIM)
+v = torch.randn(num_tokens, KV_HEADS, DIM)
+before = PagedKVPool(9, PAGE_SIZE, KV_HEADS, DIM, torch.float32).cache.normal_()
+expected = before.clone()
+reference.append_paged_kv(k, v, expected, slots)  # the pool every step must produce
+print("request  :", batch.tolist())
+print("position :", positions.tolist())
+print("slot     :", slots.tolist())
+print(f"kv_indptr {kv_indptr.tolist()}, kv_indices {kv_indices.tolist()}")
+assert (slots == -1).sum() == 2 and len(set(slots[slots >= 0].tolist())) == 11, "11 distinct slots, 2 padding"
 
 # %% [markdown]
-# The CSR entry gets `(batch_indices, positions)` and the page table
-# `kv_indptr` / `kv_indices` instead of slots, and does the table lookup inside the
-# kernel. Before launching, the launcher runs the same arithmetic on the host
-# (`csr_slot_mapping`) to check that every token lands on one of its own request's
-# pages: a kernel is never launched with an address it could write out of bounds.
-# Both entries must fill the pool identically.
+# ## Step (a): one program per token, addressed by `slot_mapping`
+#
+# Program `t` reads `slot = slot_mapping[t]`, splits it with notebook 03's divmod into
+# `page = slot // page_size` and `row = slot % page_size`, and copies token `t`'s
+# `[heads, head_dim]` block of K into `cache[page, 0, row]` and of V into
+# `cache[page, 1, row]`. The element offsets are the strides formula of notebook 03:
+# `page * stride_page + row * stride_n + h * stride_h + d` (this step assumes a
+# contiguous last dimension and `k`, `v` with the same strides).
+#
+# A padding token must write nothing. Its test `slot >= 0` is a scalar, the head and
+# feature lanes a tile; Triton's interpreter refuses a mask built as
+# `scalar & tile`, so the test is folded into the heads' bound: a padding token has
+# zero heads to write.
+
 
 # %%
-tables = [[4, 1], [0, 2, 5]]
-indptr, indices, last = formats.block_table_to_csr(formats.pad_block_tables(tables), [7, 13], PAGE_SIZE)
-batch = torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32)
-pos = torch.tensor([5, 6, 10, 11, 12], dtype=torch.int32)
-slots = csr_slot_mapping(batch, pos, indices, indptr, PAGE_SIZE)
-assert torch.equal(slots, formats.slot_mapping(formats.pad_block_tables(tables), batch, pos, PAGE_SIZE))
-print(f"kv_indptr {indptr.tolist()}, kv_indices {indices.tolist()}")
-for b, p, s in zip(batch.tolist(), pos.tolist(), slots.tolist()):
-    j = int(indptr[b]) + p // PAGE_SIZE
-    print(f"request {b} position {p:2d}: kv_indices[{j}] = page {int(indices[j])}, row {p % PAGE_SIZE} -> slot {s}")
-kv = [torch.randn(5, HEADS, DIM) for _ in range(2)]
-by_slot, by_csr = pool.cache.to(DEV, copy=True), pool.cache.to(DEV, copy=True)
-append_paged_kv(*(x.to(DEV) for x in kv), by_slot, slots.to(DEV), "HND")
-append_paged_kv_csr(*(x.to(DEV) for x in kv), by_csr, *(x.to(DEV) for x in (batch, pos, indices, indptr)), "HND")
-assert torch.equal(by_slot, by_csr)
-print("slot entry and CSR entry wrote identical pools")
+@triton.jit
+def append_a(
+    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
+    num_heads, page_size,
+    stride_kt, stride_kh,  # k and v: [num_tokens, num_heads, HEAD_DIM], same strides
+    stride_page, stride_kv, stride_n, stride_h,  # the pool's strides (elements)
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)  # this program's token
+    slot = tl.load(slot_mapping_ptr + t)
+    page = slot // page_size
+    row = slot % page_size
+    h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]: every head ...
+    d = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]: ... every feature
+    mask = h < tl.where(slot >= 0, num_heads, 0)  # padding (-1): no head is written
+    src = t * stride_kt + h * stride_kh + d
+    dst = page * stride_page + row * stride_n + h * stride_h + d
+    tl.store(cache_ptr + dst, tl.load(k_ptr + src, mask=mask), mask=mask)  # K
+    tl.store(cache_ptr + stride_kv + dst, tl.load(v_ptr + src, mask=mask), mask=mask)  # V
+
+
+def launch_a(k, v, cache, slot_mapping):
+    assert k.stride() == v.stride() and k.stride(2) == 1 and cache.stride(4) == 1, "step (a) takes dense rows"
+    stride_page, stride_kv, stride_n, stride_h, _ = cache_strides(cache, "NHD")
+    num_heads, head_dim = k.shape[1], k.shape[2]
+    append_a[(k.shape[0],)](  # the grid: one program per token
+        k, v, cache, slot_mapping, num_heads, cache.shape[2], k.stride(0), k.stride(1),
+        stride_page, stride_kv, stride_n, stride_h,
+        BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+    )  # fmt: skip
+
 
 # %% [markdown]
-# ## The grid: from one token to a long prefill
-#
-# One program writes a tile of `BLOCK_T` tokens x `BLOCK_H` heads x the whole head
-# (`head_dim` rounded up to a power of two and masked, so 80 or 96 work). The grid is
-# `(ceil(tokens / BLOCK_T), ceil(heads / BLOCK_H))`: it grows with the token count, so a
-# prefill fills every SM and a single decode token still gets a program per head
-# block. Compiled, tiles hold about 2048 elements. The interpreter pays per operation,
-# not per element, so there the launcher takes all heads and hundreds of tokens per
-# program.
+# The check: launch on a copy of the random pool and compare with the reference's pool
+# **bit for bit**. A copy never leaves the storage dtype, so "close" would hide a bug.
 
 # %%
-# NBVAL_IGNORE_OUTPUT  (the tiles differ between the interpreter and a GPU)
-print(runtime.BACKEND.name, "tiles:")
-for n in (1, 45, 2048, 32768):
-    block_t, block_h, block_d = write_tiles(n, 8, 128)
-    grid = (-(-n // block_t), -(-8 // block_h))
-    print(f"{n:>6} tokens, 8 heads x 128: tile {block_t} x {block_h} x {block_d}, grid {grid}")
-    assert grid[0] * block_t >= n > (grid[0] - 1) * block_t and grid[1] * block_h >= 8 and block_d >= 128
+cache = before.to(DEV, copy=True)
+launch_a(k.to(DEV), v.to(DEV), cache, slots.to(DEV))
+same, _, detail = bit_compare(cache, expected)
+print("step (a) equals the reference bit for bit:", same)
+assert same, f"step (a) differs from reference.append_paged_kv: {detail}"
 
 # %% [markdown]
-# ## A live launch after one scheduler step
-#
-# A pool of 16 pages of 4 rows. Requests A (10 tokens) and B (5) are running; this step
-# admits C with a 9-token prompt (prefill) and A and B decode one token each. The
-# manager hands out the slots; the batch is padded to 13 tokens with `-1` (a CUDA
-# graph captured for a fixed size does that), and the kernel skips those.
+# Where did each program write? Every row of the pool below is labelled with the token
+# (program id) that wrote it. The rows of one request are scattered over the pages its
+# table names, and the two padding programs wrote nothing.
 
 # %%
-PAGE_SIZE, HEADS, DIM = 4, 2, 16
-mgr = KVCacheManager(16, PAGE_SIZE)
-pool = PagedKVPool(16, PAGE_SIZE, HEADS, DIM, torch.float32)
-for seq, n in (("A", 10), ("B", 5)):
-    mgr.add_sequence(seq)
-    old = mgr.append_tokens(seq, n)
-    reference.append_paged_kv(torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM), pool.cache, old)
-before, cache_before = copy.deepcopy(mgr), pool.cache.clone()
-mgr.add_sequence("C")
-step = mgr.append_tokens("C", 9) + mgr.append_tokens("A", 1) + mgr.append_tokens("B", 1)
-slots = torch.tensor(step + [-1, -1])
-k, v = torch.randn(13, HEADS, DIM), torch.randn(13, HEADS, DIM)
-cache = cache_before.to(DEV, copy=True)
-append_paged_kv(k.to(DEV), v.to(DEV), cache, slots.to(DEV))
+writer = torch.full((9, PAGE_SIZE), -1)
+for t, s in enumerate(slots.tolist()):
+    if s >= 0:
+        writer[s // PAGE_SIZE, s % PAGE_SIZE] = t
+fig = viz.plot_access_pattern(writer, "step (a): the pool row each program writes (K and V)", label="token = program")
+plt.show()
+changed = (cache.cpu() != before).any(-1).any(-1).any(1)  # [pages, rows]: did any K/V element change?
+assert torch.equal(changed, writer >= 0), "a program wrote a row outside its slot, or a slot was not written"
+
+# %% [markdown]
+# ## Step (b): the CSR page table, looked up inside the kernel
+#
+# FlashInfer's `append_paged_kv_cache` takes no slots. Each token comes as its request
+# `b = batch_indices[t]` and position `pos = positions[t]`, and the kernel finds the page
+# itself: request `b` owns pages `kv_indices[kv_indptr[b] : kv_indptr[b + 1]]`, so
+#
+# $$\text{page} = \texttt{kv\_indices}[\texttt{kv\_indptr}[b] + \lfloor pos / P \rfloor], \qquad
+#   \text{row} = pos \bmod P .$$
+#
+# One program now writes a tile of `BLOCK_T` tokens x `BLOCK_H` heads x the whole head,
+# and the grid is 2-D: `(cdiv(num_tokens, BLOCK_T), cdiv(num_heads, BLOCK_H))`. Lanes
+# past the last token and padding tokens (`-1` in either index) are masked; a masked
+# load of an index returns `other`, so no table entry is read for them.
+
+
+# %%
+@triton.jit
+def append_b(
+    k_ptr, v_ptr, cache_ptr, batch_ptr, pos_ptr, kv_indptr_ptr, kv_indices_ptr,
+    num_tokens, num_heads, page_size,
+    stride_kt, stride_kh, stride_page, stride_kv, stride_n, stride_h,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] heads
+    b = tl.load(batch_ptr + t, mask=t < num_tokens, other=-1)
+    pos = tl.load(pos_ptr + t, mask=t < num_tokens, other=-1)
+    valid = (b >= 0) & (pos >= 0)
+    first = tl.load(kv_indptr_ptr + b, mask=valid, other=0)  # request b's first entry in kv_indices
+    page = tl.load(kv_indices_ptr + first + pos // page_size, mask=valid, other=0)
+    row = pos % page_size
+    t3, h3 = t[:, None, None], h[None, :, None]  # broadcast to [BLOCK_T, BLOCK_H, HEAD_DIM]
+    d3 = tl.arange(0, HEAD_DIM)[None, None, :]
+    mask = valid[:, None, None] & (h3 < num_heads)
+    src = t3 * stride_kt + h3 * stride_kh + d3
+    dst = (page * stride_page + row * stride_n)[:, None, None] + h3 * stride_h + d3
+    tl.store(cache_ptr + dst, tl.load(k_ptr + src, mask=mask), mask=mask)
+    tl.store(cache_ptr + stride_kv + dst, tl.load(v_ptr + src, mask=mask), mask=mask)
+
+
+def launch_b(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, block_t=4, block_h=1):
+    assert k.stride() == v.stride() and k.stride(2) == 1 and cache.stride(4) == 1, "step (b) takes dense rows"
+    stride_page, stride_kv, stride_n, stride_h, _ = cache_strides(cache, "NHD")
+    grid = (triton.cdiv(k.shape[0], block_t), triton.cdiv(k.shape[1], block_h))
+    append_b[grid](
+        k, v, cache, batch_indices, positions, kv_indptr, kv_indices, k.shape[0], k.shape[1], cache.shape[2],
+        k.stride(0), k.stride(1), stride_page, stride_kv, stride_n, stride_h,
+        BLOCK_T=block_t, BLOCK_H=block_h, HEAD_DIM=k.shape[2],
+    )  # fmt: skip
+    return grid
+
+
+# %% [markdown]
+# Tiles of 4 tokens x 1 head give a grid of 4 x 2 programs for 13 tokens and 2 heads.
+# The pool must again equal the reference bit for bit, here
+# `reference.append_paged_kv_csr` (the CSR twin), and the same pool as step (a).
+
+# %%
+csr_args = [x.to(DEV) for x in (batch, positions, kv_indices, kv_indptr)]
+cache = before.to(DEV, copy=True)
+grid = launch_b(k.to(DEV), v.to(DEV), cache, *csr_args)
+expected_csr = before.clone()
+reference.append_paged_kv_csr(k, v, expected_csr, batch, positions, kv_indices, kv_indptr)
+same, _, detail = bit_compare(cache, expected_csr)
+print(f"grid {grid}: step (b) equals the reference bit for bit:", same)
+assert same, f"step (b) differs from reference.append_paged_kv_csr: {detail}"
+assert torch.equal(expected_csr, expected), "the CSR form and the slot form must fill the same rows"
+for t in (0, 3, 10):
+    b, p = int(batch[t]), int(positions[t])
+    j = int(kv_indptr[b]) + p // PAGE_SIZE
+    print(f"token {t:2d}: request {b}, position {p} -> kv_indices[{j}] = page {int(kv_indices[j])}, "
+          f"row {p % PAGE_SIZE} (slot {int(slots[t])})")  # fmt: skip
+
+# %% [markdown]
+# ## Step (c): RoPE fused into the store, Q in the same launch
+#
+# Rotary embeddings turn feature pair `i` of a query or key at position `pos` by the
+# angle `pos * inv_freq[i]`, `inv_freq[i] = theta^(-2i / head_dim)`. In GPT-NeoX's
+# layout (Llama's) pair `i` is features `(i, i + head_dim/2)`:
+#
+# $$x'_i = x_i\cos\phi - x_{i+D/2}\sin\phi, \qquad x'_{i+D/2} = x_{i+D/2}\cos\phi + x_i\sin\phi .$$
+#
+# Rotating K on its way into the pool saves a pass that would read and write K once
+# more. Q must be rotated too, so the grid gets extra head blocks: blocks below
+# `cdiv(num_kv_heads, BLOCK_H)` store K and V, the rest rotate Q in place (each lane
+# loads both features of its pair before storing either, so the in-place update cannot
+# race). The math is fp32 after loading; the angle is formed in fp32.
+
+
+# %%
+@triton.jit
+def append_c(
+    k_ptr, v_ptr, q_ptr, cache_ptr, batch_ptr, pos_ptr, kv_indptr_ptr, kv_indices_ptr, inv_freq_ptr,
+    num_tokens, num_kv_heads, num_q_heads, page_size,
+    stride_kt, stride_kh, stride_qt, stride_qh, stride_page, stride_kv, stride_n, stride_h,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = tl.load(batch_ptr + t, mask=t < num_tokens, other=-1)
+    pos = tl.load(pos_ptr + t, mask=t < num_tokens, other=-1)
+    valid = (b >= 0) & (pos >= 0)
+    i = tl.arange(0, HEAD_DIM // 2)  # pair i: features i and i + HEAD_DIM / 2
+    angle = pos.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + i)[None, :]  # [BLOCK_T, HEAD_DIM // 2]
+    cos = tl.cos(angle)[:, None, :]
+    sin = tl.sin(angle)[:, None, :]
+    t3, i3 = t[:, None, None], i[None, None, :]
+    kv_blocks = tl.cdiv(num_kv_heads, BLOCK_H)
+    hb = tl.program_id(1)
+    if hb < kv_blocks:  # K (rotated) and V into the pool, addressed as in step (b)
+        h3 = (hb * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
+        mask = valid[:, None, None] & (h3 < num_kv_heads)
+        first = tl.load(kv_indptr_ptr + b, mask=valid, other=0)
+        page = tl.load(kv_indices_ptr + first + pos // page_size, mask=valid, other=0)
+        dst = (page * stride_page + (pos % page_size) * stride_n)[:, None, None] + h3 * stride_h
+        src = t3 * stride_kt + h3 * stride_kh
+        k1 = tl.load(k_ptr + src + i3, mask=mask).to(tl.float32)
+        k2 = tl.load(k_ptr + src + i3 + (HEAD_DIM // 2), mask=mask).to(tl.float32)
+        out_ty = cache_ptr.dtype.element_ty
+        tl.store(cache_ptr + dst + i3, (k1 * cos - k2 * sin).to(out_ty), mask=mask)
+        tl.store(cache_ptr + dst + i3 + (HEAD_DIM // 2), (k2 * cos + k1 * sin).to(out_ty), mask=mask)
+        d3 = tl.arange(0, HEAD_DIM)[None, None, :]
+        tl.store(cache_ptr + stride_kv + dst + d3, tl.load(v_ptr + src + d3, mask=mask), mask=mask)
+    else:  # the extra head blocks rotate Q in place
+        h3 = ((hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
+        mask = valid[:, None, None] & (h3 < num_q_heads)
+        src = t3 * stride_qt + h3 * stride_qh
+        q1 = tl.load(q_ptr + src + i3, mask=mask).to(tl.float32)
+        q2 = tl.load(q_ptr + src + i3 + (HEAD_DIM // 2), mask=mask).to(tl.float32)
+        tl.store(q_ptr + src + i3, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + src + i3 + (HEAD_DIM // 2), (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_c(k, v, q, cache, batch_indices, positions, kv_indices, kv_indptr, theta=10000.0, block_t=8, block_h=2):
+    assert k.stride() == v.stride() and k.stride(2) == q.stride(2) == cache.stride(4) == 1, "dense rows"
+    stride_page, stride_kv, stride_n, stride_h, _ = cache_strides(cache, "NHD")
+    inv_freq = reference.rope_inv_freq(k.shape[2], theta).to(device=k.device, dtype=torch.float32)
+    grid = (triton.cdiv(k.shape[0], block_t), triton.cdiv(k.shape[1], block_h) + triton.cdiv(q.shape[1], block_h))
+    append_c[grid](
+        k, v, q, cache, batch_indices, positions, kv_indptr, kv_indices, inv_freq,
+        k.shape[0], k.shape[1], q.shape[1], cache.shape[2],
+        k.stride(0), k.stride(1), q.stride(0), q.stride(1), stride_page, stride_kv, stride_n, stride_h,
+        BLOCK_T=block_t, BLOCK_H=block_h, HEAD_DIM=k.shape[2],
+    )  # fmt: skip
+    return grid
+
+
+# %% [markdown]
+# The reference rotates in float64 and rounds once to the pool's dtype, so a kernel
+# that computes in fp32 can differ in the last bits of K and Q. What must hold:
+# **V and every row that is not written equal the reference bit for bit**; rotated K and
+# Q lie within the harness's fp32 tolerance `1e-5 + 1e-6 |ref|` (`verify.TOLERANCES`) of
+# the float64 rotation. Here the positions are below 10, so the angle formed in fp32 is
+# off by less than `10 * 2**-24` radians. Query rows of padding tokens stay as they were.
+
+# %%
+q = torch.randn(num_tokens, 2 * KV_HEADS, DIM)  # GQA: 4 query heads share 2 KV heads
+cache, q_dev = before.to(DEV, copy=True), q.to(DEV, copy=True)
+grid = launch_c(k.to(DEV), v.to(DEV), q_dev, cache, *csr_args)
+cache, q_dev = cache.cpu(), q_dev.cpu()
+valid = slots >= 0
+k64 = before[:, 0].double()  # the float64 truth: rotated K in the written rows, the old rows elsewhere
+k64[slots[valid] // PAGE_SIZE, slots[valid] % PAGE_SIZE] = reference.rope_reference(k[valid], positions[valid])
+q64 = q.double()
+q64[valid] = reference.rope_reference(q[valid], positions[valid])
+k_check = compare(cache[:, 0], k64, *TOLERANCES[torch.float32])
+q_check = compare(q_dev, q64, *TOLERANCES[torch.float32])
+v_same = torch.equal(cache[:, 1], expected[:, 1])  # V is the same copy as in steps (a) and (b)
+print(f"grid {grid} (axis 1: {triton.cdiv(KV_HEADS, 2)} K/V head block + {triton.cdiv(2 * KV_HEADS, 2)} Q head blocks)")
+print(f"V bit for bit: {v_same}; K within tolerance: {k_check.passed} (max |err| {k_check.max_abs:.1e}); "
+      f"Q within tolerance: {q_check.passed} (max |err| {q_check.max_abs:.1e})")  # fmt: skip
+assert v_same, "step (c) must copy V exactly"
+written = (expected != before).any(-1).any(-1)  # [pages, 2, rows]: the rows this step writes
+assert torch.equal(cache[~written], before[~written]), "step (c) changed a row it should not write"
+assert k_check.passed, f"rotated K is off: max |err| {k_check.max_abs:.2e} at {k_check.worst}"
+assert q_check.passed, f"rotated Q is off: max |err| {q_check.max_abs:.2e} at {q_check.worst}"
+assert torch.equal(q_dev[-2:], q[-2:]), "the padding tokens' query rows must be left as they were"
+
+# %% [markdown]
+# ## The production kernel, and what it adds
+#
+# `kernels/write.py` holds the kernel the suite ships (`kernels.append_paged_kv` and
+# `kernels.append_paged_kv_csr` launch it). Here is its core as the module holds it
+# today, and the helper that turns a tile of tokens into `(page, row, valid)`: the slot
+# form of step (a) and the CSR form of step (b) are both in it, chosen by a constexpr.
+
+# %%
+# NBVAL_IGNORE_OUTPUT  (shows the module's current source; shown, not compared)
+display(viz.source_code(production._append_kernel))
+display(viz.source_code(production._token_rows))
+
+# %% [markdown]
+# Read against step (c), it adds six things. Each is checked below.
+#
+# 1. **int64 offsets.** Steps (b) and (c) multiply an int32 page id by an int32 stride.
+#    Past 2**31 elements (a 4.6 GB fp16 pool is enough) that product wraps silently,
+#    and the store lands in another page. Production widens every index to int64
+#    *before* it multiplies, in one shared function, `kernels/addressing.py:
+#    row_offset`, which every kernel of the suite calls.
+# 2. **Masks for any head_dim.** Our steps use `tl.arange(0, HEAD_DIM)`, and Triton
+#    ranges must be powers of two. Production takes `BLOCK_D = next_pow2(head_dim)`
+#    lanes and masks `feat < head_dim` (and `pair < head_dim / 2` for RoPE), so 80 or
+#    96 work. It also takes any strides for `k`, `v`, `q` and the pool, so views and
+#    the HND layout need no copy.
+# 3. **Tiles sized per backend.** `kernels/tiles.py: write_tiles` picks about 2048
+#    elements per program compiled (so even a short prefill spreads over every SM) and
+#    about 2**17 in the interpreter, which pays per executed operation, not per element.
+# 4. **Launch checks.** Before anything is launched, the value rules shared with the
+#    reference (`pagedkv_lib/checks.py`: slot inside the pool, no slot twice, shapes,
+#    dtypes) and the launch checks (`kernels/validate.py`: device, int32 index ranges,
+#    memory overlap, addresses inside the storage) run. Our steps would write wherever a
+#    bad slot points.
+# 5. **V-tail zeroing.** A reader that loads whole pages multiplies the unused rows of a
+#    last page by probability 0, and `0 * NaN = NaN`. `zero_v_tail=` zeroes those V rows
+#    in a second small launch.
+# 6. **Ring windows.** With a `RingWindow` the CSR form stores position `pos` at row
+#    `kv_token_idx(pos)` (sinks, bubble, ring: notebook 04), through
+#    `kernels/addressing.py: kv_token_idx`.
+#
+# And one numeric detail: the RoPE angle `pos * inv_freq` is formed and reduced to
+# `[-pi, pi]` in fp64, because in fp32 its error grows with the position.
+
+# %%
+display(viz.source_code(addressing.row_offset))
+strides = (2 * 16 * 8 * 128, 16 * 8 * 128, 8 * 128, 128, 1)  # a [70000, 2, 16, 8, 128] pool, 2.3e9 elements
+where = (69_999, 1, 7, 15, 127)  # last page, V, head 7, row 15, feature 127
+exact = sum(i * s for i, s in zip((where[0], where[1], where[3], where[2], where[4]), strides))
+wrapped = int(faults.element_offset_int32(strides, *where))
+print(f"offset of the pool's last element: {exact:,} exact, {wrapped:,} in int32")
+assert exact > 2**31 - 1 and wrapped == exact - 2**32, "int32 arithmetic wraps by exactly 2**32"
+
+# %% [markdown]
+# Head dim 80 and a non-contiguous `k`: step (a) cannot even be traced (`tl.arange(0,
+# 80)`), production writes it bit for bit.
+
+# %%
+k80 = torch.randn(KV_HEADS, num_tokens, 80).transpose(0, 1)  # a strided view, as a projection's split gives
+v80 = torch.randn(num_tokens, KV_HEADS, 80)
+pool80 = PagedKVPool(9, PAGE_SIZE, KV_HEADS, 80, torch.float32, layout="HND").cache.normal_()
+want80 = pool80.clone()
+reference.append_paged_kv(k80, v80, want80, slots, "HND")
+got80 = pool80.to(DEV, copy=True)
+kernels.append_paged_kv(k80.to(DEV), v80.to(DEV), got80, slots.to(DEV), "HND")
+try:
+    launch_a(k80.contiguous().to(DEV), v80.to(DEV), pool80.to(DEV, copy=True), slots.to(DEV))
+    step_a_ran = True
+except Exception:  # Triton refuses a range of 80 lanes while tracing (the message varies by version)
+    step_a_ran = False
+print("production, head_dim 80, HND, strided k: bit for bit:", bit_compare(got80, want80, "HND")[0])
+print("step (a) with head_dim 80 ran:", step_a_ran)
+assert bit_compare(got80, want80, "HND")[0] and not step_a_ran, "production masks head dims; step (a) cannot"
+
+# %%
+# NBVAL_IGNORE_OUTPUT  (tile sizes differ between the interpreter and a GPU)
+for n in (1, 13, 2048, 32768):
+    block_t, block_h, block_d = tiles.write_tiles(n, 8, 128)
+    grid = (triton.cdiv(n, block_t), triton.cdiv(8, block_h))
+    print(f"{runtime.BACKEND.name}: {n:>5} tokens x 8 heads x 128: tile {block_t} x {block_h} x {block_d}, grid {grid}")
+    assert grid[0] * block_t >= n and grid[1] * block_h >= 8 and block_d >= 128, "the grid must cover every token"
+
+# %% [markdown]
+# A slot outside the pool: production refuses before launching, with a message that
+# names the argument, and the pool is untouched.
+
+# %%
+bad = slots.clone()
+bad[3] = 9 * PAGE_SIZE  # one past the last slot
+cache = before.to(DEV, copy=True)
+try:
+    kernels.append_paged_kv(k.to(DEV), v.to(DEV), cache, bad.to(DEV))
+    message = None
+except ValueError as err:
+    message = str(err)
+print("ValueError:", message)
+assert message is not None and "slot_mapping[3]" in message, "a slot outside the pool must be refused by name"
+assert torch.equal(cache.cpu(), before), "nothing may be written when a check fails"
+
+# %% [markdown]
+# The V tail: a NaN-filled pool, this step's write with `zero_v_tail=`. Every last
+# page's rows past `kv_last_page_len` hold zeros in V afterwards; K there stays NaN,
+# which is harmless, since a reader masks the scores of those rows.
+
+# %%
+nan_pool = torch.full_like(before, float("nan"))
+cache = nan_pool.to(DEV, copy=True)
+tail = tuple(x.to(DEV) for x in (kv_indptr, kv_indices, kv_last_page_len))
+kernels.append_paged_kv(k.to(DEV), v.to(DEV), cache, slots.to(DEV), zero_v_tail=tail)
+want = nan_pool.clone()
+reference.append_paged_kv(k, v, want, slots, zero_v_tail=(kv_indptr, kv_indices, kv_last_page_len))
 cache = cache.cpu()
-print("slots of this step:", slots.tolist())
-fig = viz.plot_occupancy_steps([before, mgr], ["before the step", "after: C prefilled, A and B +1"], columns=8)
-plt.show()
+zeroed = (cache[:, 1] == 0).all(-1).all(-1)  # [pages, rows]
+for b in range(3):
+    page = int(kv_indices[kv_indptr[b + 1] - 1])
+    print(f"request {b}: last page {page} holds {int(kv_last_page_len[b])} rows; V rows zeroed: "
+          f"{torch.nonzero(zeroed[page]).flatten().tolist()}")  # fmt: skip
+assert bit_compare(cache, want)[0], "the V tail must be zeroed exactly as the reference does (NaN elsewhere)"
+assert int(zeroed.sum()) == int((PAGE_SIZE - kv_last_page_len).sum()), "exactly the unused rows are zeroed"
 
 # %% [markdown]
-# The picture above is bookkeeping. The pool itself must agree: the rows holding data
-# (a non-zero K) per page are exactly the filled rows the manager reports.
+# A ring window (notebook 04): 6 tokens of attention, 2 sinks, pages of 4, so the sinks
+# take rows 0-1, rows 2-3 are the bubble and the ring is rows 4-7. Three requests
+# write one token each; the production CSR kernel maps each position through
+# `kv_token_idx` and must fill the pool exactly as the reference does.
 
 # %%
-holds = (cache[:, 0] != 0).any(dim=-1).any(dim=-1)  # [pages, rows]
-_, rows_filled = viz.occupancy(mgr)
-assert torch.equal(holds.sum(1), torch.as_tensor(rows_filled))
-fig = viz.plot_heatmap(holds.int().T, "rows of the pool holding K after the step", "page", "row in page", cmap="Greys")
-plt.show()
+window = RingWindow(max_attention_window=6, sink_tokens=2, tokens_per_block=4)
+w_batch, w_pos = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 6, 13], dtype=torch.int32)
+w_indptr, w_indices = torch.tensor([0, 2, 4, 6], dtype=torch.int32), torch.tensor([5, 2, 0, 6, 3, 1], dtype=torch.int32)
+k1, v1 = torch.randn(3, KV_HEADS, DIM), torch.randn(3, KV_HEADS, DIM)
+cache = before.to(DEV, copy=True)
+w_args = (w_batch, w_pos, w_indices, w_indptr)
+kernels.append_paged_kv_csr(k1.to(DEV), v1.to(DEV), cache, *(x.to(DEV) for x in w_args), window=window)
+want = before.clone()
+reference.append_paged_kv_csr(k1, v1, want, *w_args, window=window)
+for b, p in zip(w_batch.tolist(), w_pos.tolist()):
+    r = window.kv_token_idx(p)
+    print(f"request {b}, position {p:2d} -> ring row {r} -> page {int(w_indices[w_indptr[b] + r // 4])}, row {r % 4}")
+assert bit_compare(cache, want)[0], "the ring-window write must equal the reference bit for bit"
 
 # %% [markdown]
-# ## Bit for bit against the reference
-#
-# The same write through `pagedkv_lib.reference.append_paged_kv` (vectorized torch).
-# The copy path loads and stores in the cache dtype, never through fp32, so the
-# difference must be exactly zero everywhere, not just small.
+# Finally the RoPE angle. At position 131071 (a 128K context) an angle formed in fp32
+# is off by up to `131071 * 2**-24`, about 8e-3 radians: step (c) misses the tolerance
+# by orders of magnitude, while production, which reduces the angle in fp64, stays
+# inside it.
 
 # %%
-want = cache_before.clone()
-reference.append_paged_kv(k, v, want, slots)
-diff = (cache - want).abs().amax(dim=(-1, -2))  # [pages, K/V, rows]
-fig = viz.plot_heatmap(
-    torch.cat([diff[:, 0], diff[:, 1]], dim=1).T, "|kernel - reference|, max per row (K rows then V rows)", "page",
-    "row (0-3 K, 4-7 V)", label="abs difference",
-)  # fmt: skip
-plt.show()
-assert torch.equal(cache, want)
-print("max |kernel - reference|:", float(diff.max()))
+far = torch.tensor([0, 100, 4095, 30000, 131071], dtype=torch.int32)
+kf, vf, qf = torch.randn(5, 1, 64), torch.randn(5, 1, 64), torch.randn(5, 2, 64)
+truth_k, truth_q = reference.rope_reference(kf, far), reference.rope_reference(qf, far)
+# One request whose single page has 131072 rows, so a token's row is its position.
+one_request = [x.to(DEV) for x in (torch.zeros(5, dtype=torch.int32), far, torch.tensor([0]), torch.tensor([0, 1]))]
+errors = {}
+for name in ("step (c)", "production"):
+    cache, q_run = torch.zeros(1, 2, 131072, 1, 64, device=DEV), qf.to(DEV, copy=True)
+    if name == "step (c)":
+        launch_c(kf.to(DEV), vf.to(DEV), q_run, cache, *one_request)
+    else:
+        kernels.append_paged_kv_csr(kf.to(DEV), vf.to(DEV), cache, *one_request, rope="neox", q=q_run)
+    k_err = (cache.cpu()[0, 0, far.long()].double() - truth_k).abs().max()
+    errors[name] = max(float(k_err), float((q_run.cpu().double() - truth_q).abs().max()))
+    print(f"{name:>10}: max |K, Q - float64 RoPE| = {errors[name]:.1e}")
+assert errors["step (c)"] > 1e-4 and errors["production"] < 1e-5, "the fp64 angle is what keeps long positions exact"
 
 # %% [markdown]
-# ## Padding slots and the V tail
-#
-# After a prefill, the last page of each request is usually only partly filled. A
-# read kernel that loads whole pages computes `p * V` for the unused rows with `p = 0`;
-# if such a row holds NaN (never-written memory), `0 * NaN = NaN` poisons the output.
-# With `zero_v_tail=(kv_indptr, kv_indices, kv_last_page_len)` the write zeroes V rows
-# `last .. page_size - 1` of every last page. K is left alone: a reader replaces the
-# scores of rows past the end, so what K holds there never matters.
-#
-# Below, a NaN-poisoned pool, a prefill of two requests (6 and 9 tokens) padded with
-# three `-1` tokens. Map of V: NaN (untouched), zeroed tail, written.
-
-# %%
-lens, tables = [6, 9], [[3, 0], [5, 1, 6]]
-indptr, indices, last = formats.block_table_to_csr(formats.pad_block_tables(tables), lens, PAGE_SIZE)
-batch, pos = formats.get_batch_indices_positions(torch.tensor([0, 6, 15]), torch.tensor(lens))
-slots = torch.cat([formats.slot_mapping(formats.pad_block_tables(tables), batch, pos, PAGE_SIZE), torch.full((3,), -1)])
-poisoned = torch.full((8, 2, PAGE_SIZE, HEADS, DIM), float("nan"))
-k, v = torch.randn(18, HEADS, DIM), torch.randn(18, HEADS, DIM)
-cache = poisoned.to(DEV, copy=True)
-append_paged_kv(
-    k.to(DEV), v.to(DEV), cache, slots.to(DEV), zero_v_tail=tuple(x.to(DEV) for x in (indptr, indices, last))
-)
-cache = cache.cpu()
-v_rows = cache[:, 1]
-status = torch.where(v_rows.isnan().all(-1).all(-1), 0, torch.where((v_rows == 0).all(-1).all(-1), 1, 2))
-for b, n_last in enumerate(last.tolist()):
-    print(f"request {b}: last page {int(indices[indptr[b + 1] - 1])} holds {n_last} rows, V rows {n_last}..3 zeroed")
-fig = viz.plot_heatmap(
-    status.T,
-    "V rows: 0 NaN (untouched), 1 zeroed tail, 2 written",
-    "page",
-    "row in page",
-    cmap="viridis",
-    annotate=True,
-)
-plt.show()
-want = poisoned.clone()
-reference.append_paged_kv(k, v, want, slots, zero_v_tail=(indptr, indices, last))
-assert torch.equal(cache.nan_to_num(7.0), want.nan_to_num(7.0))  # NaN where the reference has NaN, else equal
-assert (status == 1).sum() == (PAGE_SIZE - last).sum() and cache[0, 0, 2:].isnan().all()  # K tail untouched
-
-# %% [markdown]
-# ## Fused RoPE, with Q in the same launch
-#
-# With `rope="neox"` (or `"gptj"`) the kernel stores K rotated by its position and
-# rotates Q in place in the same launch (extra programs of the same grid). The math is
-# fp32, but the angle `position * theta^(-2i/d)` is formed and reduced to `[-pi, pi]`
-# in fp64 first: in fp32 its rounding error grows with the position and would exceed
-# the fp32 tolerance long before a 32K context.
-
-# %%
-n, dim = 6, 64
-positions = torch.tensor([0, 1, 100, 4095, 30000, 131071])
-k, v, q = torch.randn(n, 1, dim), torch.randn(n, 1, dim), torch.randn(n, 4, dim)
-cache, q_dev = torch.zeros(2, 2, PAGE_SIZE, 1, dim, device=DEV), q.to(DEV, copy=True)
-append_paged_kv(
-    k.to(DEV), v.to(DEV), cache, torch.arange(n, device=DEV), rope="neox", positions=positions.to(DEV), q=q_dev
-)
-k_err = (cache.cpu()[:, 0].reshape(-1, 1, dim)[:n].double() - reference.rope_reference(k, positions)).abs().max()
-q_err = (q_dev.cpu().double() - reference.rope_reference(q, positions)).abs().max()
-inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-exact = torch.cos(positions[:, None].double() * inv_freq)
-naive = torch.cos(positions[:, None].float() * inv_freq.float())  # the angle formed in fp32
-naive_err = (naive.double() - exact).abs().max()
-print("kernel K and Q within 1e-5 of the float64 reference:", bool(k_err < 1e-5 and q_err < 1e-5))
-print("an angle formed in fp32 is off by more than 1e-4 in cos at these positions:", bool(naive_err > 1e-4))
-assert k_err < 1e-5 and q_err < 1e-5 and naive_err > 1e-4
-
-# %% [markdown]
-# ## The fusion argument, in bytes
-#
-# One prefill of 8192 tokens for a Llama-3-8B-shaped layer (32 query heads, 8 KV heads,
-# head dim 128, bf16). Done as separate passes: the QKV bias add reads and writes Q,
-# K, V; RoPE reads and writes Q and K; the store reads K and V and writes them into the
-# pool. This kernel fuses RoPE into the store; a kernel that also took the bias would
-# read Q, K, V once and write Q and the pool once.
-
-# %%
-tokens, q_heads, kv_heads, head_dim, itemsize = 8192, 32, 8, 128, 2
-q_b = tokens * q_heads * head_dim * itemsize
-k_b = v_b = tokens * kv_heads * head_dim * itemsize
-passes = {
-    "bias + RoPE + store, separate": 2 * (q_b + k_b + v_b) + 2 * (q_b + k_b) + 2 * (k_b + v_b),
-    "bias, then RoPE+store (this kernel)": 2 * (q_b + k_b + v_b) + 2 * (q_b + k_b + v_b),
-    "bias + RoPE + store, one kernel": 2 * (q_b + k_b + v_b),
-}
-for name, nbytes in passes.items():
-    print(f"{name:38s} {nbytes / 2**20:7.0f} MiB")
-saved = 1 - passes["bias, then RoPE+store (this kernel)"] / passes["bias + RoPE + store, separate"]
-print(f"fusing RoPE into the store saves {saved:.0%} (K's round trip); taking the bias too saves "
-      f"{1 - passes['bias + RoPE + store, one kernel'] / passes['bias + RoPE + store, separate']:.0%}")  # fmt: skip
-assert passes["bias + RoPE + store, separate"] - passes["bias, then RoPE+store (this kernel)"] == 2 * k_b
-fig = viz.bar_plot(
-    list(passes), [b / 2**20 for b in passes.values()], "bytes moved per layer, 8192-token prefill", "MiB"
-)
-plt.show()
-
-# %% [markdown]
-# Q is rotated in place in the same launch, which moves as many bytes as a separate
-# RoPE pass over Q but saves a launch; at decode, where a step writes a handful of
-# tokens, launches rather than bytes are what the fusion saves.
-#
 # ## What was verified
 #
 # | claim | check |
 # |---|---|
-# | the kernel writes every element at the library's `element_offset` | per-token assert, every element once |
-# | the CSR entry's in-kernel table lookup equals `formats.slot_mapping` | host twin assert, identical pools |
-# | a scheduler step's write fills exactly the rows the manager reports | occupancy assert |
-# | the write equals the torch reference bit for bit, padding skipped | `torch.equal`, zero diff heatmap |
-# | V tails are zeroed, K tails and never-written rows untouched | NaN-aware equality with the reference |
-# | fused RoPE on K and Q within 1e-5 of float64, up to position 131071 | assert (an fp32 angle: > 1e-4) |
-# | fusing RoPE into the store saves exactly K's round trip | byte-count assert |
+# | step (a): one program per token by `slot_mapping`, padding skipped | bit for bit; each row is its slot's |
+# | step (b): CSR lookup in the kernel, 2-D tiles, equals the CSR reference | bit for bit; same pool as (a) |
+# | step (c): K rotated into the pool, Q rotated in the same launch | V bit for bit; K, Q within tolerance |
+# | int32 offsets wrap past 2**31 elements; production widens to int64 | the wrap is exactly 2**32 |
+# | production handles head_dim 80, HND and strided `k`; step (a) cannot | bit for bit; step (a) refused |
+# | a slot outside the pool is refused by name, nothing written | `ValueError`, pool unchanged |
+# | `zero_v_tail` zeroes exactly the unused V rows of every last page | bit for bit with the reference |
+# | ring-window positions land on `kv_token_idx` rows | bit for bit with the reference |
+# | an fp32 RoPE angle fails at position 131071; production's fp64 angle does not | > 1e-4 vs < 1e-5 |
+#
+# ## Try this
+#
+# * In step (a), replace `row = slot % page_size` by `row = slot // page_size` and rerun
+#   the check: which rows does the picture show written now? (Exercise 06 in
+#   `exercises/` asks you to write step (a) yourself, with a checker that draws the rows
+#   you got wrong.)
+# * Launch step (b) with `block_t=16, block_h=2`: one program for the whole batch. Does
+#   the result change? What would change on a GPU?
+# * In step (c), pair features `(2i, 2i + 1)` instead of `(i, i + D/2)` (GPT-J's
+#   layout) and compare with `reference.append_paged_kv_csr(..., rope="gptj")`.
+# * Give step (c) a position of 5000 in the first check: how large is the error, and how
+#   does it compare with `5000 * 2**-24`?
+#
+# ## The same store in real systems
+#
+# * vLLM: `csrc/cache_kernels.cu`, `reshape_and_cache_flash_kernel` (one thread block
+#   per token, addressed by `slot_mapping`, `-1` skipped: step (a)).
+# * FlashInfer: `flashinfer/page.py`, `append_paged_kv_cache` (`batch_indices`,
+#   `positions` over `kv_indptr` / `kv_indices`: step (b)); the kernel is
+#   `AppendPagedKVCacheKernel` in `include/flashinfer/page.cuh`.
+# * TensorRT-LLM: `cpp/tensorrt_llm/kernels/unfusedAttentionKernels/unfusedAttentionKernels_2_template.h`,
+#   `applyBiasRopeUpdateKVCache` (bias, RoPE and the store in one kernel, with branches
+#   for the paged `KVBlockArray` of `cpp/tensorrt_llm/kernels/kvCacheUtils.h` and its
+#   sink/bubble ring: step (c) plus the ring window).
+# * nano-vllm: `nanovllm/layers/attention.py`, `store_kvcache_kernel` (a Triton store of
+#   a whole `[heads * head_dim]` row per token by `slot_mapping`).

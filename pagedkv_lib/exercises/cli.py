@@ -1,0 +1,97 @@
+"""``python -m pagedkv_lib.exercises``: what an instructor runs before class.
+
+* ``check --solutions``: every solution passes its check (exit 0), else exit 1;
+* ``check --stubs``: every stub, as committed, fails its check with the checker's
+  message, not a traceback (exit 0), else exit 1;
+* ``list``: the exercises in order;
+* ``build``: rebuild ``exercises/NN_name.ipynb`` from ``exercises/src`` (developers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .. import runtime
+from .catalog import EXERCISES, get
+from .files import build_notebook, default_dir, load_solution, load_stub
+
+__all__ = ["main", "check_folder"]
+
+
+def _functions(exercise, namespace: dict) -> list:
+    missing = [n for n in exercise.functions if not callable(namespace.get(n))]
+    if missing:
+        raise ValueError(f"{exercise.stem} defines no {', '.join(missing)}")
+    return [namespace[n] for n in exercise.functions]
+
+
+def check_folder(which: str, names: list[str] | None = None, folder: Path | None = None, out=None) -> bool:
+    """Check every solution (``which="solutions"``) or stub (``"stubs"``) of the named
+    exercises (all by default), printing one block per exercise; True when every
+    solution passed, or every stub failed with a checker message."""
+    folder, out = folder or default_dir(), out or sys.stdout
+    exercises = [get(n) for n in names] if names else list(EXERCISES.values())
+    ok = True
+    for exercise in exercises:
+        start = time.perf_counter()
+        try:
+            space = load_solution(exercise, folder) if which == "solutions" else load_stub(exercise, folder)
+            result = exercise.checker(*_functions(exercise, space))
+        except Exception:  # a traceback here is what --stubs promises never to show a learner
+            ok = False
+            print(f"ERROR {exercise.stem}: the check itself raised\n{traceback.format_exc()}", file=out)
+            continue
+        seconds = time.perf_counter() - start
+        good = result.passed if which == "solutions" else (not result.passed and result.failure is not None)
+        ok &= good
+        verdict = "ok" if good else ("SHOULD PASS" if which == "solutions" else "SHOULD FAIL")
+        print(f"[{verdict}] {exercise.stem} ({which[:-1]}), {seconds:.1f} s\n{result.message}\n", file=out)
+    return ok
+
+
+def _build(folder: Path) -> None:
+    for source in sorted((folder / "src").glob("[0-9][0-9]_*.py")):
+        target = folder / f"{source.stem}.ipynb"
+        target.write_text(json.dumps(build_notebook(source), indent=1, ensure_ascii=False) + "\n")
+        print(f"built {target}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedkv_lib.exercises",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="the exercises folder (default: the checkout's)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_check = sub.add_parser("check", help="check the solutions or the stubs")
+    group = p_check.add_mutually_exclusive_group(required=True)
+    group.add_argument("--solutions", action="store_true", help="every solution must pass")
+    group.add_argument("--stubs", action="store_true", help="every stub must fail with the checker's message")
+    p_check.add_argument("names", nargs="*", help="exercise names or numbers (default: all)")
+    sub.add_parser("list", help="list the exercises")
+    sub.add_parser("build", help="rebuild the exercise notebooks from exercises/src")
+    args = parser.parse_args(argv)
+    folder = args.dir or default_dir()
+    if args.command != "list" and not (folder / "src").is_dir():
+        parser.error(f"no exercises folder at {folder} (it lives in a source checkout); give it with --dir")
+    if args.command == "list":
+        for e in EXERCISES.values():
+            print(f"{e.stem:<18} {e.title}: {e.teaches}")
+        return 0
+    if args.command == "build":
+        _build(folder)
+        return 0
+    try:
+        names = [get(n).name for n in args.names]
+    except ValueError as err:
+        parser.error(str(err))
+    print(runtime.backend_line() + "\n")
+    ok = check_folder("solutions" if args.solutions else "stubs", names, folder)
+    print("all as expected" if ok else "NOT as expected: see above")
+    return 0 if ok else 1

@@ -1,0 +1,137 @@
+"""The workshop exercises: every solution passes, every stub fails with the checker's
+message, planted bugs are reported with their case and a hint, and the notebooks a
+learner opens are built from their sources, without outputs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv_lib.exercises import EXERCISES, check
+from pagedkv_lib.exercises.cli import main
+from pagedkv_lib.exercises.files import build_notebook, default_dir, load_solution, notebook_cells, parse_percent
+
+FOLDER = default_dir()
+
+
+def test_instructor_command_every_solution_passes(capsys):
+    assert main(["check", "--solutions"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.count("[ok]") == len(EXERCISES) and "PASS decode_kernel" in out
+
+
+def test_instructor_command_every_stub_fails_with_the_checkers_message_not_a_traceback():
+    # A fresh process, as an instructor runs it; it also shows that importing the checker
+    # brings in neither triton nor kernels (a learner's kernel imports triton itself).
+    code = (
+        "import sys, pagedkv_lib.exercises; assert not {'triton', 'kernels'} & set(sys.modules); "
+        "from pagedkv_lib.exercises.cli import main; sys.exit(main(['check', '--stubs']))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=FOLDER.parent)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr
+    assert out.count("[ok]") == len(EXERCISES) and "Traceback" not in out + run.stderr
+    for e in EXERCISES.values():
+        assert f"FAIL {e.name}, case 1 of " in out, f"the stub of {e.stem} must fail on its first case"
+    assert out.count("the stub is not filled in yet") == 5  # the five Python stubs raise NotImplementedError
+    assert "your kernel wrote nothing" in out and out.count("your kernel stored nothing") == 2  # the three kernels
+
+
+def test_planted_offset_bug_in_slot_mapping_is_reported_with_its_case_and_a_hint():
+    space = load_solution(EXERCISES["slot_mapping"], replace=("pos % page_size", "pos // page_size"))
+    result = check("slot_mapping", space["locate"], space["locate_pow2"], space["slot_mapping"])
+    assert not result.passed
+    message = str(result)
+    assert "case 1 of 11: locate with pages of 16" in message
+    assert "positions = [0, 1, 15, 16, 35, 1000]" in message and "page_size = 16" in message
+    assert "expected: [(0, 0), (0, 1), (0, 15)" in message and "got: [(0, 0), (0, 0), (0, 0)" in message
+    assert "first wrong: position 1: expected (0, 1), got (0, 0)" in message
+    assert "hint: the offset inside a page is the remainder pos % page_size" in message
+
+
+def test_planted_offset_bug_in_the_append_kernel_is_reported_with_a_picture_of_the_wrong_rows():
+    space = load_solution(EXERCISES["append_kernel"], replace=("slot % page_size", "slot // page_size"))
+    result = check("append_kernel", space["append"])
+    assert not result.passed and result.failure.case == 1
+    message = str(result)
+    assert "slot_mapping = [5, 0, 13, 2]" in message
+    assert "token 1 has slot 0 = page 0 x 4 + row 0; that K row holds token 3's K" in message
+    assert "hint: the row inside the page is slot % page_size" in message
+    picture = result.failure.picture
+    assert picture is not None and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(picture) in message
+
+
+# A bug a learner is likely to make, planted in a solution: the check must fail and its
+# hint must name the mistake. (Each guards a promise of the checker; kernels cost ~1 s.)
+PLANTED = [
+    ("kv_bytes", "2 * num_layers", "num_layers", "K and V are both cached"),
+    ("kv_bytes", "-(-n // page_size) * page_size", "n // page_size * page_size", "round each sequence *up*"),
+    ("slot_mapping", "if pos == -1:", "if pos == -2:", "position -1 marks padding"),
+    ("cow_append", "and allocator.refcount(block_table[-1]) > 1", "and False", "Copy-on-write: allocate a page"),
+    ("cow_append", "allocator.decref(shared)", "pass", "decref it"),
+    ("ring_window", "sink_tokens + bubble +", "sink_tokens +", "leave the bubble empty"),
+    ("prefix_cache", "parent = block_hash(parent,", "parent = block_hash(None,", "with its parent's hash"),
+    ("prefix_cache", "hits -= 1", "pass", "at least one token must be computed"),
+    ("merge_kernel", 'tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))', "tl.exp2(lse)", "subtract the largest"),
+    ("merge_kernel", "part = tl.where(w[:, None] > 0, part, 0.0)", "pass", "0 * NaN = NaN"),
+    ("decode_kernel", "alpha = tl.exp2(m_i - m_new)", "alpha = 1.0", "rescale l and acc"),
+    ("decode_kernel", 's = tl.where(valid, tl.sum(q[None, :] * k, axis=1), float("-inf"))',
+     "s = tl.sum(q[None, :] * k, axis=1)", "set their scores to -inf"),
+]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: the planted overflow, 0 * NaN
+@pytest.mark.parametrize("name, old, new, hint", PLANTED, ids=[f"{p[0]}-{i}" for i, p in enumerate(PLANTED)])
+def test_a_planted_bug_fails_the_check_with_a_hint_that_names_it(name, old, new, hint):
+    exercise = EXERCISES[name]
+    space = load_solution(exercise, replace=(old, new))
+    result = check(name, *(space[f] for f in exercise.functions))
+    assert not result.passed, f"the check of {name} let a bug through: {old!r} -> {new!r}"
+    assert hint in result.message, result.message
+
+
+def test_every_exercise_has_a_source_a_notebook_and_a_solution():
+    for e in EXERCISES.values():
+        assert (FOLDER / "src" / f"{e.stem}.py").is_file(), e.stem
+        assert (FOLDER / f"{e.stem}.ipynb").is_file(), e.stem
+        assert (FOLDER / "solutions" / f"{e.stem}.py").is_file(), e.stem
+    assert sorted(p.stem for p in (FOLDER / "src").glob("*.py")) == sorted(e.stem for e in EXERCISES.values())
+
+
+@pytest.mark.parametrize("stem", [e.stem for e in EXERCISES.values()])
+def test_exercise_notebook_matches_its_source_and_shows_no_answer(stem):
+    nb = json.loads((FOLDER / f"{stem}.ipynb").read_text())
+    assert nb == build_notebook(FOLDER / "src" / f"{stem}.py"), "run `python -m pagedkv_lib.exercises build`"
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(not c["outputs"] and c["execution_count"] is None for c in code), "commit exercises without outputs"
+
+
+@pytest.mark.parametrize("exercise", list(EXERCISES.values()), ids=list(EXERCISES))
+def test_exercise_notebook_ends_with_the_one_call_that_checks_it(exercise):
+    code = [src for kind, src in notebook_cells(FOLDER / f"{exercise.stem}.ipynb") if kind == "code"]
+    assert code[-1].strip() == f'check("{exercise.name}", {", ".join(exercise.functions)})'
+    assert sum("check(" in src for src in code[:-1]) == 0, "exactly one check call"
+    solution = parse_percent("# %%\n" + (FOLDER / "solutions" / f"{exercise.stem}.py").read_text())[0][1]
+    for name in exercise.functions:
+        assert f"def {name}(" in solution, f"the solution of {exercise.stem} defines no {name}"
+
+
+def test_check_refuses_an_unknown_exercise_and_the_wrong_functions():
+    with pytest.raises(ValueError, match="no exercise 'slots'"):
+        check("slots", print)
+    with pytest.raises(ValueError, match="takes the functions locate, locate_pow2, slot_mapping"):
+        check("slot_mapping", print)
+
+
+def test_an_exception_in_the_learners_code_becomes_a_message_with_where_it_was_raised():
+    def fragmentation(seq_lens, page_size):
+        return 1 - sum(seq_lens) / sum(-(-n // page_size) * page_size for n in seq_lens)  # 0 / 0 when empty
+
+    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):
+        return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+    result = check("kv_bytes", bytes_per_token, fragmentation)
+    assert not result.passed and result.failure.label == "fragmentation of an empty batch allocates nothing"
+    assert "fragmentation raised ZeroDivisionError" in result.message
+    assert "raised at: test_exercises.py, line" in result.message and "do not divide by zero" in result.message
