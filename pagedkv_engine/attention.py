@@ -27,7 +27,7 @@ import torch
 
 from pagedkv_lib import reference
 
-__all__ = ["ATTENTION_PATHS", "HFRope", "TorchAttention", "TritonAttention", "make_attention"]
+__all__ = ["ATTENTION_PATHS", "HFRope", "TorchAttention", "TritonAttention", "LastWriterWins", "make_attention"]
 
 ATTENTION_PATHS = ("torch", "triton")
 
@@ -111,6 +111,36 @@ class TritonAttention:
     def decode(self, q, cache, block_tables, seq_lens) -> torch.Tensor:
         """As :meth:`TorchAttention.decode`, in the Triton decode kernel."""
         return self.kernels.paged_decode_attention(q, cache, block_tables, seq_lens, layout=self.layout)
+
+
+class LastWriterWins:
+    """A backend whose writes let the later of two tokens with the same slot win, as a
+    GPU race between them usually ends, instead of refusing the duplicate slot as the
+    suite's write functions do. Only the planted ``no_copy_on_write`` fault needs it
+    (two forked samples then write one shared row in the same step): the write is split
+    into two ordered writes, each with distinct slots."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def write(self, q, k, v, cache, slot_mapping, positions) -> None:
+        slots = slot_mapping.tolist()
+        last = {slot: i for i, slot in enumerate(slots)}
+        early = [i for i, slot in enumerate(slots) if last[slot] != i]
+        if not early:
+            return self.inner.write(q, k, v, cache, slot_mapping, positions)
+        for rows in (early, [i for i in range(len(slots)) if i not in early]):
+            idx = torch.tensor(rows, dtype=torch.long, device=q.device)
+            part = q[idx].contiguous()
+            self.inner.write(part, k[idx].contiguous(), v[idx].contiguous(), cache, slot_mapping[idx], positions[idx])
+            q[idx] = part
+
+    def prefill(self, *args, **kwargs):
+        return self.inner.prefill(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self.inner.decode(*args, **kwargs)
 
 
 def make_attention(path: str, head_dim: int, rope_theta: float):

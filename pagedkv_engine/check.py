@@ -98,6 +98,7 @@ class Verdict:
     hf_token: int | None = None
     gap: float | None = None
     reason: str = ""
+    diffs: list[float] = field(default_factory=list)  # max |dlogit| of every compared token
 
     def line(self, tokenizer=None) -> str:
         def tok(t):
@@ -133,6 +134,11 @@ class CheckReport:
         return max((v.max_diff for v in self.verdicts), default=0.0)
 
     @property
+    def diffs(self) -> list[float]:
+        """Max |logit difference| of every compared token, all sequences."""
+        return [d for v in self.verdicts for d in v.diffs]
+
+    @property
     def first_failure(self) -> Verdict | None:
         """The mismatch that happened first in the run (lowest engine step)."""
         bad = [v for v in self.verdicts if v.status == "mismatch"]
@@ -154,12 +160,13 @@ class CheckReport:
 def compare_sequence(seq_id, engine_tokens, engine_logits, engine_steps, ref: Reference, tol: float) -> Verdict:
     """Compare one sequence's generated tokens and logits with transformers' (see the module docstring)."""
     steps = min(len(engine_tokens), len(ref.tokens))
-    max_diff = 0.0
+    max_diff, diffs = 0.0, []
     for t in range(steps):
         d = float((engine_logits[t] - ref.logits[t]).abs().max())
         top2 = torch.topk(ref.logits[t], 2).values
         gap = float(top2[0] - top2[1])
         max_diff = max(max_diff, d)
+        diffs.append(d)
         mine, theirs = engine_tokens[t], ref.tokens[t]
         status, reason = None, ""
         if d > tol:
@@ -169,7 +176,7 @@ def compare_sequence(seq_id, engine_tokens, engine_logits, engine_steps, ref: Re
         elif mine != theirs:
             status, reason = "mismatch", f"different tokens, max |dlogit| {d:.3g} <= tol, top-2 gap {gap:.3g}"
         if status:
-            return Verdict(seq_id, status, t, max_diff, t, engine_steps[t], mine, theirs, gap, reason)
+            return Verdict(seq_id, status, t, max_diff, t, engine_steps[t], mine, theirs, gap, reason, diffs)
     if len(engine_tokens) != len(ref.tokens):
 
         def at(xs):

@@ -27,7 +27,7 @@ from pagedkv_lib import KVCacheManager, PagedKVPool
 from pagedkv_lib.faults import NoCopyOnWriteManager
 from pagedkv_lib.formats import pad_block_tables
 
-from .attention import make_attention
+from .attention import LastWriterWins, make_attention
 from .model import LlamaModel, StepInput
 from .scheduler import SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
 
@@ -36,19 +36,25 @@ __all__ = ["ENGINE_FAULTS", "Engine", "EngineStats", "StepRecord"]
 # Planted bugs for the end-to-end check (tests and notebook 12 switch them on by name).
 ENGINE_FAULTS = {
     "decode_rope_off_by_one": "decode steps pass position seq_len instead of seq_len - 1 to the write kernel's RoPE",
-    "no_copy_on_write": "forks share pages but a write into a shared page is not preceded by a copy",
+    "no_copy_on_write": (
+        "forks share pages but a write into a shared page is not preceded by a copy; two samples then write "
+        "one row in the same step, which the suite's writes refuse (duplicate slot) and a GPU races on: "
+        "the race is emulated, the later sample's K/V win"
+    ),
 }
 
 
 @dataclass
 class StepRecord:
-    """What one step did: its block tables (after scheduling), sequence lengths (tokens
-    with K/V once the step ran), tokens by kind, page copies, admissions with their
-    prefix-cache hits (tokens) and preemptions."""
+    """What one step did: the live sequences' block tables (after scheduling), ``lens``
+    (tokens each table spans: a prompt's pages are reserved at admission) and
+    ``computed`` (tokens with K/V in the pool once the step ran), tokens by kind, page
+    copies, admissions with their prefix-cache hits (tokens) and preemptions."""
 
     step: int
     tables: dict[str, list[int]]
     lens: dict[str, int]
+    computed: dict[str, int]
     num_prefill_tokens: int
     num_decode_tokens: int
     copies: list[tuple[int, int, int]]
@@ -126,6 +132,8 @@ class Engine:
         if isinstance(attention, str):
             rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
             attention = make_attention(attention, head_dim, rope["rope_theta"])
+        if "no_copy_on_write" in self.faults:
+            attention = LastWriterWins(attention)
         device = "cpu"
         if attention.name == "triton":
             from pagedkv_lib import runtime
@@ -268,7 +276,8 @@ class Engine:
         record = StepRecord(
             step=self._step,
             tables={s: self.manager.block_table(s) for s in live},
-            lens={s: self.sequences[s].num_computed for s in live},
+            lens={s: self.manager.seq_len(s) for s in live},
+            computed={s: self.sequences[s].num_computed for s in live},
             num_prefill_tokens=sum(len(c.token_ids) for c in plan.prefills),
             num_decode_tokens=len(plan.decodes),
             copies=list(copies),
