@@ -194,8 +194,9 @@ def compare_sequence(seq_id, engine_tokens, engine_logits, engine_steps, ref: Re
             at(ref.tokens),
             None,
             reason,
+            diffs,
         )
-    return Verdict(seq_id, "equal", steps, max_diff)
+    return Verdict(seq_id, "equal", steps, max_diff, diffs=diffs)
 
 
 def _gaps(logits: torch.Tensor) -> list[float]:

@@ -48,7 +48,7 @@ def plot_pool_timeline(engine, title: str = "pool pages over the run, coloured b
     for col, record in enumerate(engine.history):
         count, request = _pages(record, num_pages)
         grid[:, col] = [_SHARED if c > 1 else index[r] if c else _FREE for c, r in zip(count, request)]
-    palette = ["white", _SHARED_COLOUR] + [colours[r] for r in colours]
+    palette = [_SHARED_COLOUR, "white"] + [colours[r] for r in colours]  # index = grid + 2
     fig, ax = plt.subplots(figsize=(7.2, 3.6))
     ax.imshow(
         grid + 2,
@@ -72,7 +72,8 @@ def plot_pool_timeline(engine, title: str = "pool pages over the run, coloured b
                 color=colours[seq_id.split(".")[0]],
                 annotation_clip=False,
             )
-    ax.set(title=title, xlabel="engine step", ylabel="page id")
+    ax.set(xlabel="engine step", ylabel="page id")
+    ax.set_title(title, pad=12)
     ax.grid(False)
     handles = [Patch(color=colours[r], label=r) for r in colours] + [Patch(color=_SHARED_COLOUR, label="shared")]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
@@ -89,6 +90,7 @@ def _draw_snapshot(ax, engine, record, title: str, columns: int) -> None:
         for j, page in enumerate(table):
             rows[page] = max(rows[page], min(ps, record.computed[seq_id] - j * ps))
     copied = {dst for _src, dst, _rows in record.copies}
+    hits = {p for seq_id, cached in record.admitted.items() for p in record.tables.get(seq_id, [])[: cached // ps]}
     nrows = -(-n // columns)
     for page in range(n):
         r, c = divmod(page, columns)
@@ -111,6 +113,8 @@ def _draw_snapshot(ax, engine, record, title: str, columns: int) -> None:
             )
         if page in copied:
             ax.add_patch(Rectangle((c, y), 0.92, 0.92, fill=False, edgecolor="black", linewidth=2))
+        if page in hits:
+            ax.add_patch(Rectangle((c, y), 0.92, 0.92, fill=False, edgecolor="black", linewidth=1.5, linestyle="--"))
         ax.text(c + 0.46, y + 0.46, str(page), ha="center", va="center", fontsize=7)
     ax.set(xlim=(0, columns), ylim=(0, nrows))
     ax.set_title(title, fontsize=9)
@@ -120,8 +124,9 @@ def _draw_snapshot(ax, engine, record, title: str, columns: int) -> None:
 
 def plot_pool_steps(engine, steps: list[int], titles: list[str], columns: int = 10):
     """The pool at several steps, side by side: each page filled to the share of its rows
-    holding K/V, coloured by request; shared pages hatched grey; pages written by a
-    copy-on-write copy in that step outlined in black."""
+    holding K/V (pale: reserved, not yet written), coloured by request; shared pages
+    hatched grey; outlined in black: pages written by a copy-on-write copy in that step
+    (solid) or found in the prefix cache by an admission in that step (dashed)."""
     colours = request_colours(engine)
     nrows = -(-engine.manager.num_blocks // columns)
     fig, axes = plt.subplots(1, len(steps), figsize=(2.9 * len(steps) + 0.9, 0.5 * nrows + 0.9), squeeze=False)

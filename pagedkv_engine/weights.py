@@ -144,9 +144,16 @@ def load() -> Loaded:
     disk cache (converting the GGUF file the first time). The engine reads its weights
     from this model object, so engine and oracle share every tensor."""
     from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     start = time.perf_counter()
     path, converted = ensure_cache()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-second load needs no bar (and notebooks store it)
+    try:
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return Loaded(model, tokenizer, path, converted, time.perf_counter() - start)
