@@ -118,16 +118,16 @@ class LlamaModel:
             k = F.linear(h, layer["k"]).view(n, self.num_kv_heads, self.head_dim)
             v = F.linear(h, layer["v"]).view(n, self.num_kv_heads, self.head_dim)
             self.attention.write(q, k, v, cache, step.slot_mapping, step.positions)
-            parts = []
+            parts = []  # the references return CPU tensors: bring each part to x's device
             if p:
-                parts.append(
-                    self.attention.prefill(
-                        q[:p], cache, step.qo_indptr, step.prefill_block_tables, step.prefill_seq_lens
-                    )
+                out = self.attention.prefill(
+                    q[:p], cache, step.qo_indptr, step.prefill_block_tables, step.prefill_seq_lens
                 )
+                parts.append(out.to(x.device))
             if n > p:
-                parts.append(self.attention.decode(q[p:], cache, step.decode_block_tables, step.decode_seq_lens))
-            o = torch.cat(parts).to(x.device) if len(parts) > 1 else parts[0].to(x.device)
+                out = self.attention.decode(q[p:], cache, step.decode_block_tables, step.decode_seq_lens)
+                parts.append(out.to(x.device))
+            o = torch.cat(parts) if len(parts) > 1 else parts[0]
             x = x + F.linear(o.reshape(n, -1), layer["o"])
             h = rms_norm(x, layer["post_norm"], self.eps)
             x = x + F.linear(F.silu(F.linear(h, layer["gate"])) * F.linear(h, layer["up"]), layer["down"])

