@@ -123,6 +123,11 @@ class Engine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Engine: {name}={value!r} must be a positive int")
+        if max_num_seqs > max_num_batched_tokens:
+            raise ValueError(
+                f"Engine: max_num_seqs={max_num_seqs} > max_num_batched_tokens={max_num_batched_tokens}: "
+                "every running sequence must be able to decode in one step"
+            )
         self.faults = frozenset(faults)
         unknown = sorted(self.faults - ENGINE_FAULTS.keys())
         if unknown:
@@ -189,6 +194,8 @@ class Engine:
                 f"n={params.n}, page_size={self.page_size}) but the pool has num_pages={self.manager.num_blocks}"
             )
         request_id = request_id or f"r{self._num_requests}"
+        if "." in request_id:
+            raise ValueError(f"request_id={request_id!r} must not contain '.' (samples are named <request_id>.<i>)")
         if request_id in self.sequences or any(s.request_id == request_id for s in self.sequences.values()):
             raise ValueError(f"request_id={request_id!r} is already used")
         self._num_requests += 1

@@ -189,18 +189,31 @@ class Scheduler:
                 break
             seq = self.waiting[0]
             try:
-                admission = self.manager.admit(seq.seq_id, seq.token_ids)
+                cached, slots = self._admit(seq)
             except OutOfBlocksError:
                 break  # wait for pages to be freed; never skip ahead of the queue
             self.waiting.popleft()
             seq.status, seq.prefilling = Status.RUNNING, True
-            seq.num_computed = admission.num_cached_tokens
-            seq.num_cached_tokens += admission.num_cached_tokens
-            seq.pending_slots = list(admission.slots)
+            seq.num_computed = cached
+            seq.num_cached_tokens += cached
+            seq.pending_slots = slots
             self.running.append(seq)
-            out.admitted[seq.seq_id] = admission.num_cached_tokens
+            out.admitted[seq.seq_id] = cached
             budget -= self._prefill_chunk(seq, budget, out)
         return out
+
+    def _admit(self, seq: Sequence) -> tuple[int, list[int]]:
+        """Reserve pages for all of ``seq``'s tokens: ``(tokens found in the prefix cache,
+        slots of the others)``. All or nothing: OutOfBlocksError leaves the manager as it was."""
+        if self.manager.prefix_cache is not None:
+            admission = self.manager.admit(seq.seq_id, seq.token_ids)
+            return admission.num_cached_tokens, list(admission.slots)
+        self.manager.add_sequence(seq.seq_id)
+        try:
+            return 0, self.manager.append_tokens(seq.seq_id, len(seq.token_ids), seq.token_ids)
+        except OutOfBlocksError:
+            self.manager.free_sequence(seq.seq_id)
+            raise
 
     def _append_or_preempt(self, seq: Sequence, queue: list[Sequence], out: Schedule) -> int | None:
         """A slot for ``seq``'s next token, preempting the newest decoding sequences not yet

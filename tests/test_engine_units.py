@@ -150,6 +150,16 @@ def test_batch_with_chunks_prefix_hits_preemption_and_fork_matches_transformers(
 # --------------------------------------------------------------------------- scheduler stories
 
 
+def test_without_prefix_cache_every_prompt_is_computed(tiny):
+    engine = Engine(tiny, "torch", num_pages=16, page_size=8, prefix_cache=False, record_logits=True)
+    shared = prompts([16], seed=8)[0]
+    engine.run(
+        {0: [(shared + [5], SamplingParams(max_new_tokens=3))], 2: [(shared + [6], SamplingParams(max_new_tokens=3))]}
+    )
+    assert engine.stats.prefix_hit_tokens == 0 and engine.stats.computed_prefill_tokens == 34
+    assert check_engine(engine, tiny, tol=TOL).ok
+
+
 def test_decode_preempts_the_newest_decoding_sequence_and_recomputes_it(tiny):
     # Three 7-token prompts take one 8-row page each of 4. Their second decode (position
     # 8) needs a new page each: r0 takes the last free one, r1 finds none and preempts
