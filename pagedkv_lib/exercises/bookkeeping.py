@@ -474,10 +474,12 @@ def _chain(tokens: list[int], page_size: int) -> list[int]:
 
 
 def _cached_tokens(cached_prompts, prompt, page_size) -> int:
-    """The reference: admit the cached prompts, then the new one, in a KVCacheManager."""
+    """The reference: admit the cached prompts and commit them (as if their K/V were
+    written), then admit the new one, in a KVCacheManager."""
     manager = KVCacheManager(64, page_size, prefix_cache=True)
     for i, p in enumerate(cached_prompts):
         manager.admit(f"cached-{i}", p)
+        manager.commit(f"cached-{i}")
     return manager.admit("new", prompt).num_cached_tokens
 
 

@@ -30,19 +30,19 @@ __all__ = ["append_grid", "append_inputs", "append_case", "locate_write_error"]
 
 
 def append_grid(full: bool = False) -> list[dict]:
-    """Append cases: layouts x dtypes, cycling head dims, page sizes, token counts,
-    padding slots and non-contiguous K/V."""
+    """Append cases: layouts x dtypes x token counts, cycling head dims, page sizes,
+    padding slots and non-contiguous K/V (18 cases; a plain write costs little)."""
     values = {
         "layout": ["NHD", "HND"],
         "dtype": ["fp32", "fp16", "bf16"],
+        "num_tokens": [0, 1, 45] + ([300] if full else []),
         "head_dim": [64, 80, 128],
         "page_size": [1, 5, 16],
-        "num_tokens": [0, 1, 45] + ([300] if full else []),
         "num_kv_heads": [2, 1],
         "padding": [0, 3],
         "noncontiguous": [False, True],
     }
-    cases = cover(values, outer=3 if full else 2)
+    cases = cover(values, outer=4 if full else 3)
     for c in cases:
         c["padding"] = min(c["padding"], c["num_tokens"])
     return cases

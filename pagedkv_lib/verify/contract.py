@@ -83,6 +83,17 @@ class Contract:
         if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
             raise ValueError(f"min_seq_len={self.min_seq_len!r} must be an int >= 0")
 
+    def project(self, case: dict) -> dict:
+        """``case`` with the optional features this contract leaves out switched off
+        (non-contiguous K/V made contiguous, padding slots dropped), so that the rest of
+        the case (its dims, dtype, lengths) is still checked rather than skipped."""
+        out = dict(case)
+        if not self.strided_kv and out.get("noncontiguous"):
+            out["noncontiguous"] = False
+        if not self.padding and out.get("padding"):
+            out["padding"] = 0
+        return out
+
     def outside(self, case: dict) -> str | None:
         """Why ``case`` (a grid, generated or scenario case) lies outside this contract,
         or None when the kernel declared everything it needs."""

@@ -155,12 +155,13 @@ def decode_case(decode_fn, case: dict, contract: Contract | None = None) -> Case
         return CaseResult("decode", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
     result = compare(out, expected, atol, rtol)
     ok, detail = result.passed, result.detail
-    if not ok and result.worst is not None and not detail:
+    if not ok and result.worst is not None:
         b, h = result.worst[:2]
-        detail = (
-            f"first beyond tolerance: sequence {b} (length {int(lens[b])}), query head {h}, "
-            f"|err| = {result.tol_ratio:.3g} x (atol + rtol |ref|)"
-        )
+        where = f"sequence {b} (length {int(lens[b])}), query head {h}"
+        if detail:  # non-finite outputs: where the first one is
+            detail = f"{detail}, the first at {where}"
+        else:
+            detail = f"first beyond tolerance: {where}, |err| = {result.tol_ratio:.3g} x (atol + rtol |ref|)"
     dims = (cache.shape[0], case["page_size"], case["num_kv_heads"], case["head_dim"])
     after = {"cache": to_paged(native, contract.cache_layout, layout, *dims).cpu()}
     after.update({name: t.cpu() for name, t in inputs.items()})

@@ -10,14 +10,20 @@ __all__ = ["cover", "accepts"]
 
 def cover(values: dict[str, list], extra: list[dict] = (), outer: int = 2) -> list[dict]:
     """Cases in which every value of every parameter occurs: the product of the first
-    ``outer`` parameters, the others cycling through their values; then ``extra``."""
+    ``outer`` parameters, the others cycling through their values; then ``extra``.
+
+    Parameter ``j`` of the rest takes value ``(i + r * (j + 1)) % len`` in case ``i``,
+    where ``r`` counts the rounds of the innermost crossed parameter: each round shifts
+    every cycle by a different step, so a cycled parameter is not locked to the values
+    of a crossed one (or of another cycled one) with as many values."""
     items = list(values.items())
     crossed, rest = items[:outer], items[outer:]
+    inner = len(crossed[-1][1]) if crossed else 1
     cases = []
     for i, combo in enumerate(itertools.product(*(vs for _, vs in crossed))):
         case = {k: v for (k, _), v in zip(crossed, combo)}
         for j, (k, vs) in enumerate(rest):
-            case[k] = vs[(i + j) % len(vs)]
+            case[k] = vs[(i + (i // inner) * (j + 1)) % len(vs)]
         cases.append(case)
     return cases + [dict(c) for c in extra]
 

@@ -157,6 +157,7 @@ class _Session:
         """One grid (or generated) case of family ``check``."""
         family = FAMILIES[check]
         fn, declared = self.fns[family.fn_arg], self.contracts[family.fn_arg]
+        case = declared.project(case)
         reason = declared.outside(case)
         if reason:
             return self._stamp(CaseResult(check, case, None, outside=reason))

@@ -1,0 +1,26 @@
+"""pagedkv_engine: serve a real language model on the suite's paged KV cache.
+
+A small engine (nano-vllm sized) that sits above :mod:`pagedkv_lib` (allocator, block
+tables, prefix cache, copy-on-write forks, pools) and :mod:`kernels` (the Triton
+write with fused RoPE and the paged decode): its own Llama forward over the weights
+transformers loads, a scheduler with continuous batching, chunked prefill, prefix
+caching, preemption by recompute and parallel sampling by fork, and an oracle that
+holds every generated token to transformers' own ``generate``.
+
+Modules, in reading order: :mod:`~pagedkv_engine.weights` (the model file and its disk
+cache), :mod:`~pagedkv_engine.attention` (the two attention paths),
+:mod:`~pagedkv_engine.model` (the forward), :mod:`~pagedkv_engine.scheduler`,
+:mod:`~pagedkv_engine.engine`, :mod:`~pagedkv_engine.check` (the oracle),
+:mod:`~pagedkv_engine.memory` (caches before paging), :mod:`~pagedkv_engine.plots`.
+Command line: ``python -m pagedkv_engine --help``.
+
+Importing this package imports neither transformers nor triton; ``attention="triton"``
+imports :mod:`kernels` (which picks the Triton backend first).
+"""
+
+from pagedkv_lib import runtime  # noqa: F401  (chooses the Triton backend before anything imports triton)
+
+from .engine import ENGINE_FAULTS, Engine, EngineStats, StepRecord  # noqa: E402
+from .scheduler import SamplingParams, Sequence  # noqa: E402
+
+__all__ = ["ENGINE_FAULTS", "Engine", "EngineStats", "StepRecord", "SamplingParams", "Sequence"]

@@ -1,0 +1,135 @@
+"""A Llama forward pass over a paged KV cache: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+The weights are transformers' own tensors (read from its ``LlamaForCausalLM``, not
+copied on the CPU), and every operation outside attention follows transformers' op
+order (``modeling_llama.py``), so the fp32 logits of the two implementations differ
+only by the attention arithmetic and by matrix products over a different number of
+rows.
+
+One forward call serves a whole engine step: a flat batch of ``num_tokens`` tokens
+from several sequences, prefill chunks first (``num_prefill_tokens`` rows, ragged by
+``qo_indptr``), then one token per decoding sequence. Per layer: project Q, K, V; the
+backend's ``write`` rotates Q and K and stores K, V in the layer's pool; ``prefill``
+and ``decode`` attend over the pool through the block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["StepInput", "LlamaModel"]
+
+
+@dataclass
+class StepInput:
+    """The tensors of one engine step (all int64 unless noted, on the model's device).
+
+    * ``input_ids, positions, slot_mapping [num_tokens]``: prefill rows first, then decodes;
+    * ``qo_indptr [num_prefill + 1]``, ``prefill_block_tables [num_prefill, max_blocks]``
+      (int32, ``-1`` padded), ``prefill_seq_lens [num_prefill]`` (KV length including
+      the chunk) for the prefill part;
+    * ``decode_block_tables [num_decode, max_blocks]``, ``decode_seq_lens [num_decode]``;
+    * ``logit_rows [num_logits]``: rows whose next-token logits are wanted.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    qo_indptr: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_seq_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    logit_rows: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm.forward`` for fp32 input, op for op."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+class LlamaModel:
+    """Llama over paged pools, with weights taken from a transformers ``LlamaForCausalLM``.
+
+    ``attention`` is a backend from :mod:`pagedkv_engine.attention`. The model holds no
+    KV itself: :meth:`forward` gets one pool tensor per layer.
+    """
+
+    def __init__(self, hf_model, attention, device: torch.device | str = "cpu") -> None:
+        cfg = hf_model.config
+        self.config = cfg
+        self.attention = attention
+        self.device = torch.device(device)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_q_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.vocab_size = cfg.vocab_size
+        self.dtype = torch.float32
+        if cfg.hidden_act != "silu" or getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            raise ValueError("LlamaModel supports the SmolLM2/Llama variant: SiLU, no biases")
+        rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type={rope['rope_type']!r} is not supported (only the default RoPE)")
+        self.rope_theta = float(rope["rope_theta"])
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(self.device)
+
+        m = hf_model.model
+        self.embed = w(m.embed_tokens.weight)
+        self.norm = w(m.norm.weight)
+        self.lm_head = w(hf_model.lm_head.weight)
+        self.layers = [
+            {
+                "input_norm": w(layer.input_layernorm.weight),
+                "q": w(layer.self_attn.q_proj.weight),
+                "k": w(layer.self_attn.k_proj.weight),
+                "v": w(layer.self_attn.v_proj.weight),
+                "o": w(layer.self_attn.o_proj.weight),
+                "post_norm": w(layer.post_attention_layernorm.weight),
+                "gate": w(layer.mlp.gate_proj.weight),
+                "up": w(layer.mlp.up_proj.weight),
+                "down": w(layer.mlp.down_proj.weight),
+            }
+            for layer in m.layers
+        ]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies over all layers (fp32)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, caches: list[torch.Tensor]) -> torch.Tensor:
+        """Run one step; return the logits ``[num_logits, vocab_size]`` (fp32) of
+        ``step.logit_rows``. Writes every token's K and V into ``caches[layer]``."""
+        n, p = step.input_ids.numel(), step.num_prefill_tokens
+        x = F.embedding(step.input_ids, self.embed)
+        for layer, cache in zip(self.layers, caches):
+            h = rms_norm(x, layer["input_norm"], self.eps)
+            q = F.linear(h, layer["q"]).view(n, self.num_q_heads, self.head_dim)
+            k = F.linear(h, layer["k"]).view(n, self.num_kv_heads, self.head_dim)
+            v = F.linear(h, layer["v"]).view(n, self.num_kv_heads, self.head_dim)
+            self.attention.write(q, k, v, cache, step.slot_mapping, step.positions)
+            parts = []  # the references return CPU tensors: bring each part to x's device
+            if p:
+                out = self.attention.prefill(
+                    q[:p], cache, step.qo_indptr, step.prefill_block_tables, step.prefill_seq_lens
+                )
+                parts.append(out.to(x.device))
+            if n > p:
+                out = self.attention.decode(q[p:], cache, step.decode_block_tables, step.decode_seq_lens)
+                parts.append(out.to(x.device))
+            o = torch.cat(parts) if len(parts) > 1 else parts[0]
+            x = x + F.linear(o.reshape(n, -1), layer["o"])
+            h = rms_norm(x, layer["post_norm"], self.eps)
+            x = x + F.linear(F.silu(F.linear(h, layer["gate"])) * F.linear(h, layer["up"]), layer["down"])
+        x = rms_norm(x[step.logit_rows], self.norm, self.eps)
+        return F.linear(x, self.lm_head)
