@@ -17,6 +17,10 @@
 # of the result.
 
 # %%
+from pagedkv_lib import runtime
+
+runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
+
 import math
 
 import torch
