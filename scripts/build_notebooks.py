@@ -65,7 +65,8 @@ def build(source: Path) -> nbformat.NotebookNode:
     )
     for i, cell in enumerate(nb.cells):
         cell["id"] = f"cell-{i:02d}"  # stable ids keep diffs small
-        cell["metadata"] = {k: v for k, v in cell.get("metadata", {}).items() if k == "tags"}
+        # Cell metadata exactly as jupytext reads it: tags, plus its own round-trip notes
+        # (``lines_to_next_cell``), which it writes back into the .ipynb on every save.
     nbformat.validate(nb)
     return nb
 
@@ -79,9 +80,9 @@ def _jupytext_filters() -> dict:
     return {k: config[k] for k in ("cell_metadata_filter", "notebook_metadata_filter") if k in config}
 
 
-def source_cells(source: Path) -> list[tuple[str, str, list[str]]]:
-    """``[(cell_type, source, tags), ...]`` of a percent-format source, as jupytext reads it."""
-    return [(c["cell_type"], c["source"], list(c["metadata"].get("tags", []))) for c in build(source).cells]
+def source_cells(source: Path) -> list[tuple[str, str, dict]]:
+    """``[(cell_type, source, metadata), ...]`` of a percent-format source, as jupytext reads it."""
+    return [(c["cell_type"], c["source"], dict(c["metadata"])) for c in build(source).cells]
 
 
 # --------------------------------------------------------------------------- executing

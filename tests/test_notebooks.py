@@ -43,7 +43,7 @@ def test_every_notebook_has_a_source_and_back():
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_matches_its_source_and_was_executed(name):
     nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
-    cells = [(c["cell_type"], "".join(c["source"]), c["metadata"].get("tags", [])) for c in nb["cells"]]
+    cells = [(c["cell_type"], "".join(c["source"]), c["metadata"]) for c in nb["cells"]]
     assert cells == source_cells(SOURCES / f"{name}.py"), f"run `make refresh NAMES={name}`"
     assert [c["id"] for c in nb["cells"]] == [f"cell-{i:02d}" for i in range(len(cells))], "cell ids must be stable"
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -63,7 +63,8 @@ def test_notebook_metadata_is_what_jupyterlab_writes(name):
     assert nb["metadata"]["kernelspec"] == KERNELSPEC
     assert set(nb["metadata"]["language_info"]) >= {"name", "version", "mimetype", "file_extension"}
     assert set(nb["metadata"]) <= {"jupytext", "kernelspec", "language_info", "widgets"}
-    assert all(set(c["metadata"]) <= {"tags"} for c in nb["cells"]), "only cell tags belong in cell metadata"
+    allowed = {"tags", "lines_to_next_cell"}  # tags, and jupytext's note of blank lines (PEP 8 around a def)
+    assert all(set(c["metadata"]) <= allowed for c in nb["cells"]), "only cell tags belong in cell metadata"
 
 
 @pytest.mark.parametrize(
