@@ -15,6 +15,7 @@
 # * predict the memory that fixed-size pages waste.
 #
 # **Before this:** Python; knowing that attention keeps a key and a value per token helps.
+#
 # **Time:** about 5 s to run, 15 minutes to read. Nothing here needs a GPU or Triton.
 
 # %%

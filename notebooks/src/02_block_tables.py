@@ -19,6 +19,7 @@
 # * convert between vLLM's padded block tables, FlashInfer's CSR page table and slot mappings.
 #
 # **Before this:** [01 · The KV-cache memory formula](01_memory_formula.ipynb).
+#
 # **Time:** about 5 s to run, 20 minutes to read. No GPU or Triton needed.
 
 # %%

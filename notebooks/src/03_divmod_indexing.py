@@ -19,6 +19,7 @@
 # * explain why chunked prefill must start each chunk at `past_len`, and what happens if not.
 #
 # **Before this:** [02 · Block tables](02_block_tables.ipynb).
+#
 # **Time:** about 5 s to run, 20 minutes to read. No GPU or Triton needed.
 
 # %%

@@ -26,6 +26,7 @@
 # * show that attention through the ring equals windowed attention, and catch a reader that disagrees.
 #
 # **Before this:** [03 · Divmod indexing](03_divmod_indexing.ipynb).
+#
 # **Time:** about 5 s to run, 20 minutes to read. No GPU or Triton needed.
 
 # %%

@@ -20,6 +20,7 @@
 #
 # **Before this:** [02 · Block tables](02_block_tables.ipynb) and
 # [03 · Divmod indexing](03_divmod_indexing.ipynb).
+#
 # **Time:** about 5 s to run, 25 minutes to read. No GPU or Triton needed.
 #
 # Cells that change the cache start from a copy of the state the previous cell left

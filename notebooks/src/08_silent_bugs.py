@@ -22,6 +22,7 @@
 # **Before this:** notebooks [03](03_divmod_indexing.ipynb), [04](04_ring_window.ipynb),
 # [05](05_cow_forking.ipynb); [06](06_triton_write.ipynb) and [07](07_triton_read.ipynb)
 # introduce the kernels tested here. Needs Triton (Linux, WSL, a container or a hosted notebook).
+#
 # **Time:** about 15 s to run on a laptop CPU, 30 minutes to read.
 
 # %%
