@@ -34,9 +34,8 @@ def _display(draw: Callable, title: str, **controls) -> None:
     from IPython.display import display
 
     class Explorer(w.interactive):
-        def __repr__(self) -> str:
-            names = ", ".join(controls)
-            return f"[{title}: controls {names}; run this cell in JupyterLab to use them]"
+        def __repr__(self) -> str:  # ipywidgets cuts this text at 110 characters
+            return f"[{title}: run this cell in JupyterLab to use it]"
 
     display(Explorer(draw, **controls))
 
@@ -110,4 +109,4 @@ def scrubber(
     slider = w.IntSlider(
         first if start is None else start, first, last, description=description, continuous_update=False
     )
-    _display(draw, f"scrubber over {description} {first}..{last}", step=slider)
+    _display(draw, f"slider over {description} {first}..{last}", step=slider)

@@ -59,7 +59,7 @@ AUTOSAVE_S = 1
 def _missing() -> str | None:
     if MODE == "off":
         return "PAGEDKV_BROWSER=off"
-    if not CHROMIUM:
+    if not CHROMIUM or not os.access(CHROMIUM, os.X_OK):
         return (
             "no Chromium found: install Debian's package (`make browser-deps` as root, or "
             "`sudo apt-get install chromium`), or set PAGEDKV_CHROMIUM to a Chromium binary"
