@@ -160,7 +160,9 @@ plt.show()
 holds = (cache[:, 0] != 0).any(dim=-1).any(dim=-1)  # [pages, rows]
 _, rows_filled = viz.occupancy(mgr)
 assert torch.equal(holds.sum(1), torch.as_tensor(rows_filled))
-fig = viz.plot_heatmap(holds.int().T, "rows of the pool holding K after the step", "page", "row in page", cmap="Greys")
+fig = viz.plot_categories(
+    holds.int().T, {0: "empty", 1: "holds K"}, "rows of the pool holding K after the step", "page", "row in page"
+)
 plt.show()
 
 # %% [markdown]
@@ -207,13 +209,13 @@ v_rows = cache[:, 1]
 status = torch.where(v_rows.isnan().all(-1).all(-1), 0, torch.where((v_rows == 0).all(-1).all(-1), 1, 2))
 for b, n_last in enumerate(last.tolist()):
     print(f"request {b}: last page {int(indices[indptr[b + 1] - 1])} holds {n_last} rows, V rows {n_last}..3 zeroed")
-fig = viz.plot_heatmap(
+fig = viz.plot_categories(
     status.T,
-    "V rows: 0 NaN (untouched), 1 zeroed tail, 2 written",
+    {0: "NaN (untouched)", 1: "zeroed tail", 2: "written"},
+    "V rows after a prefill into a NaN-poisoned pool",
     "page",
     "row in page",
-    cmap="viridis",
-    annotate=True,
+    colors=[viz.PALETTE[3], viz.PALETTE[4], viz.PALETTE[0]],
 )
 plt.show()
 want = poisoned.clone()
