@@ -59,7 +59,7 @@ run: setup
 
 lab: setup
 	@$(BIN)/jupyter trust notebooks/*.ipynb >/dev/null  # stored widget views render only in trusted notebooks
-	$(BIN)/jupyter lab --KernelManager.transport_encryption=auto notebooks/
+	$(BIN)/jupyter lab --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
 test: setup
 	$(BIN)/ruff check .
