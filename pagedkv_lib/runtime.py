@@ -16,6 +16,7 @@ Choice, in order:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ def _choose() -> Backend:
 
 def _apply(backend: Backend) -> None:
     want = "1" if backend.interpreted else "0"
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != want:
+    if sys.modules.get("triton") is not None and os.environ.get("TRITON_INTERPRET", "0") != want:
         # Kernels already decorated keep the old mode; mixing the two corrupts
         # results silently, so refuse instead.
         raise RuntimeError(
@@ -73,14 +74,46 @@ def device() -> torch.device:
     return BACKEND.device
 
 
+NO_TRITON = "no Triton: notebooks 06-08 need Linux (WSL, a container or a hosted notebook)"
+
+
+class TritonMissing(RuntimeError):
+    """Raised by :func:`require_triton` where Triton cannot be imported. In a notebook it
+    shows as its message alone (no traceback) and stops Run All at that cell."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython prints these lines instead of a traceback
+        return [f"\x1b[31m{self}\x1b[0m"]
+
+
+def triton_available() -> bool:
+    """Return whether ``import triton`` can succeed here, without importing it (importing
+    it early would fix ``TRITON_INTERPRET`` before the backend is chosen)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module set to None
+        return False
+
+
+def require_triton() -> None:
+    """Stop with :data:`NO_TRITON` as the message where Triton is missing; do nothing
+    otherwise. The first cell of every notebook that runs kernels calls it before
+    ``import kernels``, so macOS and Windows learners get a sentence, not a traceback.
+
+    Raises :class:`TritonMissing` (a ``RuntimeError``)."""
+    if not triton_available():
+        raise TritonMissing(f"{NO_TRITON}. Notebooks 01-05 run here without it.")
+
+
 def backend_line() -> str:
     """Return one line naming the backend and versions; notebooks print it and the
     nbval sanitizer masks it, since it differs between machines."""
+    if not triton_available():
+        return f"backend: {NO_TRITON}; torch {torch.__version__}"
     try:
         from importlib.metadata import version
 
         triton_version = version("triton")
-    except Exception:  # triton is optional for the pure-Python notebooks
-        triton_version = "not installed"
+    except Exception:  # installed without metadata (a source tree on the path)
+        triton_version = "unknown version"
     where = f"compiled on {torch.cuda.get_device_name()}" if BACKEND.name == "gpu" else "Triton interpreter on CPU"
     return f"backend: {BACKEND.name} ({where}); torch {torch.__version__}, triton {triton_version}"

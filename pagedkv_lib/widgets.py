@@ -1,15 +1,17 @@
 """ipywidgets explorers for JupyterLab.
 
-Each explorer only wires sliders to a pure function that returns a figure (from
+Each explorer only wires controls to a pure function that returns a figure (from
 :mod:`pagedkv_lib.viz` or a notebook-facing helper); the notebook calls that function
 directly in a checked cell first, so the static result exists even where no widget
-renders (nbval, nbconvert, a web viewer). Widget cells are marked
-``# NBVAL_IGNORE_OUTPUT`` because widget views are not reproducible text.
+runs (nbval, a web viewer). The notebook builder stores widget state, so a notebook
+opened in JupyterLab, or its HTML export, shows each explorer at its last values before
+any kernel runs. Widget cells carry the cell tag ``nbval-ignore-output``: widget views
+are not reproducible text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import matplotlib.pyplot as plt
 
@@ -23,12 +25,19 @@ def _show(fig) -> None:
     plt.close(fig)
 
 
-def _display(draw: Callable, **controls) -> None:
-    """Show ``draw`` with its controls; returns nothing, so no repr lands in the cell output."""
+def _display(draw: Callable, title: str, **controls) -> None:
+    """Show ``draw`` with its controls; returns nothing, so no repr lands in the cell output.
+
+    Where the widget cannot render (an untrusted notebook, a plain-text viewer) the
+    output's text says what it is instead of ``interactive(children=(IntSlider(...``."""
     import ipywidgets as w
     from IPython.display import display
 
-    display(w.interactive(draw, **controls))
+    class Explorer(w.interactive):
+        def __repr__(self) -> str:  # ipywidgets cuts this text at 110 characters
+            return f"[{title}: run this cell in JupyterLab to use it]"
+
+    display(Explorer(draw, **controls))
 
 
 def memory_explorer_figure(
@@ -40,12 +49,17 @@ def memory_explorer_figure(
     batch: int = 8,
 ):
     """Bytes of KV cache for a custom model against the presets, at one length and batch.
-    Returns ``(figure, bytes_of_custom_model)``."""
+    Returns ``(figure, bytes_of_custom_model)``; the custom model's bar is the orange one."""
     custom = memory.ModelSpec("custom", num_layers, max(num_kv_heads, 1), num_kv_heads, head_dim)
     specs = {"custom": custom, **memory.PRESETS}
     gib = {name: memory.kv_cache_bytes(spec, [seq_len] * batch, dtype) / 2**30 for name, spec in specs.items()}
     fig = viz.bar_plot(
-        list(gib), list(gib.values()), f"KV cache for {batch} x {seq_len} tokens, {dtype}", "GiB", "{:.1f}"
+        list(gib),
+        list(gib.values()),
+        f"KV cache for {batch} x {seq_len} tokens, {dtype}",
+        "GiB",
+        "{:.1f}",
+        colors=[viz.PALETTE[1]] + [viz.PALETTE[0]] * len(memory.PRESETS),
     )
     return fig, memory.kv_cache_bytes(custom, [seq_len] * batch, dtype)
 
@@ -63,21 +77,36 @@ def memory_explorer():
     style = {"continuous_update": False}
     _display(
         draw,
-        num_layers=w.IntSlider(32, 1, 128, **style),
-        num_kv_heads=w.IntSlider(8, 1, 128, **style),
-        head_dim=w.IntSlider(128, 32, 256, 16, **style),
-        dtype=w.Dropdown(options=["fp32", "fp16", "bf16", "fp8", "fp4"], value="fp16"),
-        seq_len=w.IntSlider(4096, 256, 131072, 256, **style),
-        batch=w.IntSlider(8, 1, 256, **style),
+        "memory explorer",
+        num_layers=w.IntSlider(32, 1, 128, description="layers", **style),
+        num_kv_heads=w.IntSlider(8, 1, 128, description="KV heads", **style),
+        head_dim=w.IntSlider(128, 32, 256, 16, description="head dim", **style),
+        dtype=w.Dropdown(options=["fp32", "fp16", "bf16", "fp8", "fp4"], value="fp16", description="dtype"),
+        seq_len=w.IntSlider(4096, 256, 131072, 256, description="tokens", **style),
+        batch=w.IntSlider(8, 1, 256, description="batch", **style),
     )
 
 
-def scrubber(figure_at: Callable[[int], object], num_steps: int, description: str = "step", start: int = 0):
-    """A slider over ``0 .. num_steps-1`` that redraws ``figure_at(step)``."""
+def scrubber(
+    figure_at: Callable[[int], object],
+    steps: int | Sequence[int],
+    description: str = "step",
+    start: int | None = None,
+):
+    """A slider over ``steps`` that redraws ``figure_at(step)``. ``steps`` is a range of
+    the values the slider shows (``range(1, 8)`` for "after step 1" .. "after step 7"),
+    or a count ``n`` for ``range(n)``; the slider's value is what ``figure_at`` gets."""
     import ipywidgets as w
+
+    values = range(steps) if isinstance(steps, int) else steps
+    if len(values) == 0 or list(values) != list(range(values[0], values[0] + len(values))):
+        raise ValueError(f"steps must be consecutive integers, got {list(values)[:5]}...")
 
     def draw(step):
         _show(figure_at(step))
 
-    slider = w.IntSlider(start, 0, max(num_steps - 1, 0), description=description, continuous_update=False)
-    _display(draw, step=slider)
+    first, last = values[0], values[-1]
+    slider = w.IntSlider(
+        first if start is None else start, first, last, description=description, continuous_update=False
+    )
+    _display(draw, f"slider over {description} {first}..{last}", step=slider)

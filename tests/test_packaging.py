@@ -11,6 +11,11 @@ def _name(requirement: str) -> str:
     return re.split(r"[\s<>=!;~\[]", requirement.strip(), maxsplit=1)[0].lower()
 
 
+def _makefile_var(name: str) -> str:
+    line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if re.match(rf"{name}\s*[:?]?=", ln))
+    return line.split("=", 1)[1].strip()
+
+
 def test_environment_yml_names_the_runtime_dependencies_of_pyproject():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     lines = (ROOT / "environment.yml").read_text().splitlines()
@@ -19,16 +24,42 @@ def test_environment_yml_names_the_runtime_dependencies_of_pyproject():
     conda_channels = [ln.strip() for ln in lines if ln.strip() == "- conda-forge"]
     assert conda_channels, "environment.yml must use the conda-forge channel"
     assert any(ln.strip().startswith("- python") for ln in lines[:pip_start])
-    runtime = [r for r in pip_reqs if not r.startswith("-e")]
-    assert sorted(map(str.strip, runtime)) == sorted(deps), "environment.yml and pyproject.toml disagree"
+    assert "  - make" in lines[:pip_start], "the README's make commands must work inside the environment"
+    runtime = [r for r in pip_reqs if not r.startswith("-")]
+    assert sorted(map(_name, runtime)) == sorted(map(_name, deps)), "environment.yml and pyproject.toml disagree"
+    others = sorted(r.strip() for r in runtime if _name(r) != "torch")
+    assert others == sorted(d for d in deps if _name(d) != "torch"), "same pins as pyproject.toml, torch aside"
+    # torch exactly as the Makefile pins it, from PyTorch's CPU index (conda-forge's own
+    # builds do not follow pip's pins; a CUDA build from PyPI is several GB)
+    assert [r for r in runtime if _name(r) == "torch"] == [_makefile_var("TORCH_SPEC")]
+    assert f"--extra-index-url {_makefile_var('TORCH_CPU_INDEX')}" in pip_reqs
+    assert pip_reqs.index(f"--extra-index-url {_makefile_var('TORCH_CPU_INDEX')}") == 0, "index options come first"
     assert any(r.startswith("-e .") for r in pip_reqs), "environment.yml must install the suite itself"
 
 
-def test_ci_runs_the_readme_test_command():
+def test_makefile_uses_the_conda_environment_instead_of_building_venv():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "ifeq ($(CONDA_DEFAULT_ENV),pagedkv)" in makefile
+    name = next(ln for ln in (ROOT / "environment.yml").read_text().splitlines() if ln.startswith("name:"))
+    assert name == "name: pagedkv"
+
+
+def test_ci_installs_the_browser_then_runs_the_readme_test_command():
+    """.ci/run: the browser test must not skip in CI, chromium comes from the project's own
+    Makefile (apt-get as root), and the last command is the README's test command."""
     readme = (ROOT / "README.md").read_text()
     ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln and not ln.startswith(("#", "set "))]
-    assert ci == ["make test"]
+    assert ci == ["export PAGEDKV_BROWSER=required", "make browser-deps", "make test"]
     assert "make test" in readme
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\nbrowser-deps:", 1)[1].split("\n\n", 1)[0]
+    assert "apt-get install -y -q chromium" in recipe, "browser-deps must install Debian's chromium"
+
+
+def test_torch_is_cpu_by_default_without_an_nvidia_gpu():
+    assert _makefile_var("TORCH_CPU_INDEX") == "https://download.pytorch.org/whl/cpu"
+    assert "nvidia-smi" in _makefile_var("HAVE_NVIDIA_GPU")
+    assert _makefile_var("TORCH_SPEC") == "torch==2.13.0"
 
 
 def test_both_packages_import_and_lib_does_not_import_triton():

@@ -12,6 +12,15 @@
 # against torch's own indexing for both pool layouts (NHD and HND), compares the
 # power-of-two shift-and-mask shortcut with the general divmod, and derives the
 # chunked-prefill rule `past_len = cache_len - chunk_len`.
+#
+# **You will learn to**
+# * turn a token position into (block, row), page, slot and element offset, by hand;
+# * read a pool's strides in both layouts, NHD and HND, and check them against torch;
+# * explain why chunked prefill must start each chunk at `past_len`, and what happens if not.
+#
+# **Before this:** [02 · Block tables](02_block_tables.ipynb).
+#
+# **Time:** about 5 s to run, 20 minutes to read. No GPU or Triton needed.
 
 # %%
 import torch
@@ -49,7 +58,8 @@ for p in range(12):
     block, row = locate(p, PAGE_SIZE)
     page = table[block]
     print(f"{p:>8} {block:>5} {row:>3} {page:>4} {slot_of(page, row, PAGE_SIZE):>4}")
-    assert (block, row) == (p // PAGE_SIZE, p % PAGE_SIZE) and block * PAGE_SIZE + row == p
+    assert (block, row) == (p // PAGE_SIZE, p % PAGE_SIZE), f"position {p}: locate gave {(block, row)}"
+    assert block * PAGE_SIZE + row == p, f"position {p}: block * page_size + row does not give it back"
 
 # %% [markdown]
 # ## Power-of-two pages: shift and mask
@@ -63,7 +73,7 @@ for p in range(12):
 positions = torch.arange(0, 1 << 20)
 for page_size in [1, 2, 4, 8, 16, 32, 64, 128, 256]:
     fast, slow = locate_pow2(positions, page_size), locate(positions, page_size)
-    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), page_size
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), f"shift/mask != divmod at {page_size}"
 try:
     locate_pow2(positions, 5)
 except ValueError as err:
@@ -101,10 +111,12 @@ for layout, pool in pools.items():
     offsets = pool.element_offset(page, kv, head, row, feat)
     index = (page, kv, row, head, feat) if layout == "NHD" else (page, kv, head, row, feat)
     # fp16 holds integers exactly up to 2048, and this pool has 960 elements.
-    assert torch.equal(flat[offsets], pool.cache[index].to(torch.int64)), layout
+    assert torch.equal(flat[offsets], pool.cache[index].to(torch.int64)), f"{layout}: element_offset != torch's"
     element = pool.cache[(1, 1, 3, 2, 4) if layout == "NHD" else (1, 1, 2, 3, 4)]  # page 1, V, row 3, head 2
     byte_gap = element.data_ptr() - pool.cache.data_ptr()
-    assert byte_gap == int(pool.element_offset(1, 1, 2, 3, 4)) * pool.cache.element_size()
+    assert byte_gap == int(pool.element_offset(1, 1, 2, 3, 4)) * pool.cache.element_size(), (
+        f"{layout}: the element's address is {byte_gap} bytes from the pool's start, not offset x itemsize"
+    )
     print(f"{layout}: all {offsets.numel()} offsets match torch; V of head 2, row 3, feat 4, page 1 is byte {byte_gap}")
 
 # %% [markdown]
@@ -127,8 +139,8 @@ for layout in ("NHD", "HND"):
     pool = PagedKVPool(4, PAGE_SIZE, heads, dim, torch.float16, layout)
     reference.append_paged_kv(k, v, pool.cache, slots, layout)
     k_back, v_back = reference.gather_paged_kv(pool.cache, tables[0], num_tokens, layout)
-    assert torch.equal(k_back, k) and torch.equal(v_back, v), layout
-    assert pool.cache[1].abs().sum() == 0  # page 1 is not in the table: untouched
+    assert torch.equal(k_back, k) and torch.equal(v_back, v), f"{layout}: gather did not return what was written"
+    assert pool.cache[1].abs().sum() == 0, f"{layout}: page 1 is not in the table, yet something wrote to it"
 
 # %% [markdown]
 # ## Chunked prefill: `past_len = cache_len - chunk_len`
@@ -154,11 +166,11 @@ for start in range(0, prompt_len, chunk):
     end = min(start + chunk, prompt_len)
     b, p = get_batch_indices_positions(torch.tensor([0, end - start]), torch.tensor([end]))
     print(f"chunk [{start}, {end}): past_len = {end} - {end - start} = {int(p[0])}")
-    assert int(p[0]) == start
+    assert int(p[0]) == start, f"chunk [{start}, {end}) should start at position {start}, not {int(p[0])}"
     reference.append_paged_kv(k[start:end], v[start:end], chunked.cache, slot_mapping(tables, b, p, PAGE_SIZE))
     reference.append_paged_kv(k[start:end], v[start:end], wrong.cache, slot_mapping(tables, b, p - start, PAGE_SIZE))
-assert torch.equal(chunked.cache, at_once.cache)
-assert not torch.equal(wrong.cache, at_once.cache)
+assert torch.equal(chunked.cache, at_once.cache), "chunked prefill wrote a different pool than one write"
+assert not torch.equal(wrong.cache, at_once.cache), "past_len = 0 should have corrupted the pool"
 k_wrong, _ = reference.gather_paged_kv(wrong.cache, tables[0], prompt_len)
 err = (k_wrong.float() - k.float()).abs().amax(dim=(1, 2))
 fig = viz.bar_plot(
@@ -169,7 +181,7 @@ fig = viz.bar_plot(
     "{:.1f}",
 )
 plt.show()
-assert (err > 0).all()
+assert (err > 0).all(), "with past_len = 0 every gathered key should be wrong"
 
 # %% [markdown]
 # With `past_len = 0` every position is wrong: rows 0-6 hold the *last* chunk's tokens
@@ -186,3 +198,21 @@ assert (err > 0).all()
 # | reference write + gather round trip is exact | both layouts, untouched page stays zero |
 # | chunked prefill with `past_len = cache_len - chunk_len` equals one write | `torch.equal` of pools |
 # | `past_len = 0` corrupts silently | pools differ; per-token error plotted |
+#
+# ## Try this
+#
+# 1. **Predict, then run:** set `PAGE_SIZE = 4` in the first cell. Which positions now
+#    cross a page boundary, and which slot does position 11 get? Check the table it prints.
+# 2. In the strides cell, which stride is largest in NHD and which in HND? Change
+#    `PagedKVPool(4, PAGE_SIZE, 3, 8, ...)` to 4 heads and predict the new strides first.
+# 3. In the chunked-prefill cell, set `chunk = 5`. Predict how many chunks there are and
+#    each one's `past_len`; the assert in the loop checks you.
+#
+# ## In real systems
+#
+# * vLLM's store kernel `reshape_and_cache_flash` (`csrc/cache_kernels.cu`) computes
+#   `block_idx = slot / block_size`, `block_offset = slot % block_size`, then the strides.
+# * FlashInfer's `paged_kv_t::get_elem_offset` (`include/flashinfer/page.cuh`) is the
+#   element-offset formula for both layouts (`QKVLayout::kNHD` / `kHND`).
+#
+# **Next:** [04 · Ring windows](04_ring_window.ipynb): sliding windows that reuse rows.

@@ -19,6 +19,15 @@
 # the ring over time, explains the extra block, and checks that attention through the
 # ring equals windowed attention over a full cache, and that a read side using the
 # absolute position does not.
+#
+# **You will learn to**
+# * compute `bubble_len`, `cyclic_cache_len` and the row of any token by hand;
+# * explain why a ring needs one more block for chunked prefill;
+# * show that attention through the ring equals windowed attention, and catch a reader that disagrees.
+#
+# **Before this:** [03 · Divmod indexing](03_divmod_indexing.ipynb).
+#
+# **Time:** about 5 s to run, 20 minutes to read. No GPU or Triton needed.
 
 # %%
 import torch
@@ -44,8 +53,9 @@ print(
     f"bubble {trt.bubble_len}, cyclic {trt.cyclic_cache_len}, 4 -> {trt.kv_token_idx(4)}, "
     f"127 -> {trt.kv_token_idx(127)}, 128 -> {trt.kv_token_idx(128)}, 3 -> {trt.kv_token_idx(3)}"
 )
-assert (trt.bubble_len, trt.cyclic_cache_len) == (60, 124)
-assert (trt.kv_token_idx(4), trt.kv_token_idx(127), trt.kv_token_idx(128), trt.kv_token_idx(3)) == (64, 187, 64, 3)
+assert (trt.bubble_len, trt.cyclic_cache_len) == (60, 124), "TensorRT-LLM's example: bubble 60, ring of 124"
+rows_seen = (trt.kv_token_idx(4), trt.kv_token_idx(127), trt.kv_token_idx(128), trt.kv_token_idx(3))
+assert rows_seen == (64, 187, 64, 3), f"tokens 4, 127, 128, 3 should sit in rows 64, 187, 64, 3; got {rows_seen}"
 
 # %% [markdown]
 # ## The ring over time
@@ -64,12 +74,18 @@ print(
 fig = viz.plot_ring_slots(window, 40)
 plt.show()
 rows = [window.kv_token_idx(t) for t in range(40)]
-assert rows[:2] == [0, 1] and rows[2] == 4 and rows[12] == 4  # bubble rows 2-3 never used
-assert all(window.kv_token_idx(t + window.cyclic_cache_len) == window.kv_token_idx(t) for t in range(2, 30))
+assert rows[:2] == [0, 1], "the two sinks stay in rows 0 and 1"
+assert rows[2] == 4 and rows[12] == 4, "the ring starts after the bubble (rows 2-3 are never used)"
+assert all(window.kv_token_idx(t + window.cyclic_cache_len) == window.kv_token_idx(t) for t in range(2, 30)), (
+    "the ring should repeat every cyclic_cache_len tokens"
+)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-widgets.scrubber(lambda t: viz.plot_ring_slots(window, 40, highlight=t), 40, "token")
+# %% [markdown]
+# Step through it: the left panel is the history up to the chosen step, the right panel
+# the cache at that step, with the row just written outlined and the token it replaced.
+
+# %% tags=["nbval-ignore-output"]
+widgets.scrubber(lambda t: viz.plot_ring_slots(window, 40, upto=t), range(40), "token", start=14)
 
 # %% [markdown]
 # The payoff: a full cache needs a page for every 4 tokens, forever; the ring stops at
@@ -86,7 +102,8 @@ fig = viz.line_plot(
     marker="",
 )
 plt.show()
-assert max(window.num_blocks(n) for n in lengths) == 4 and window.num_blocks(torch.tensor(lengths)).max() == 4
+assert max(window.num_blocks(n) for n in lengths) == 4, "the ring should never need more than 4 pages"
+assert window.num_blocks(torch.tensor(lengths)).max() == 4, "the tensor form of num_blocks disagrees"
 
 # %% [markdown]
 # ## Why one more block
@@ -116,10 +133,11 @@ for w, name in ((window, "plain ring"), (extra, "one_more_block")):
         f"{name:>15}: cyclic {w.cyclic_cache_len}, max chunk {w.max_chunk_len()}, "
         f"clobbered keys for a 4-token chunk at 30: {clobbered(w, 30, 4)}"
     )
-assert clobbered(window, 30, 4) > 0 and clobbered(extra, 30, 4) == 0
-assert window.max_chunk_len() == 1 and extra.max_chunk_len() == 4 + 1
-assert all(clobbered(extra, s, extra.max_chunk_len()) == 0 for s in range(40))
-assert clobbered(extra, 30, extra.max_chunk_len() + 1) > 0
+assert clobbered(window, 30, 4) > 0, "a plain ring should lose keys to a 4-token chunk"
+assert clobbered(extra, 30, 4) == 0, "one more block should make a 4-token chunk safe"
+assert window.max_chunk_len() == 1 and extra.max_chunk_len() == 4 + 1, "max chunk: 1 plain, B + 1 with the extra block"
+assert all(clobbered(extra, s, extra.max_chunk_len()) == 0 for s in range(40)), "a chunk of B + 1 lost a key"
+assert clobbered(extra, 30, extra.max_chunk_len() + 1) > 0, "a chunk of B + 2 should lose a key"
 
 # %% [markdown]
 # The library refuses what would corrupt: the manager will not place a chunk longer
@@ -132,7 +150,7 @@ try:
     mgr.append_tokens("s", 4)
 except ValueError as err:
     print("ValueError:", err)
-assert mgr.seq_len("s") == 0
+assert mgr.seq_len("s") == 0, "a refused chunk must leave the sequence empty"
 
 # %% [markdown]
 # ## Ring cache attention equals windowed full-cache attention
@@ -168,8 +186,9 @@ for t in range(STEPS):
     broken_err.append((wrong[0] - expected).abs().max().item())
 mgr.check_integrity()
 print(f"max error, ring read: {max(ring_err):.1e}; absolute-position read: {max(broken_err):.2f}")
-assert max(ring_err) < 1e-12
-assert max(broken_err) > 0.1 and all(e < 1e-12 for e in broken_err[:2])  # identical while only sinks exist
+assert max(ring_err) < 1e-12, f"ring attention differs from windowed attention by {max(ring_err):.1e}"
+assert max(broken_err) > 0.1, "the absolute-position reader should be wrong once the ring is used"
+assert all(e < 1e-12 for e in broken_err[:2]), "while only the sinks exist, both readers agree"
 
 # %%
 fig = viz.line_plot(
@@ -201,3 +220,20 @@ plt.show()
 # | a plain ring only takes one token per write; one more block takes `B + 1` | clobbered-key count |
 # | ring attention = windowed full-cache SDPA | max error < 1e-12 over 60 steps, GQA |
 # | reading by absolute position is wrong | error > 0.1 once the sinks are passed |
+#
+# ## Try this
+#
+# 1. **Predict, then run:** with `RingWindow(12, 4, 4)` (4 sinks, a whole block) what is
+#    the bubble? Change `window` in the "ring over time" cell and read the printed line.
+# 2. Move the scrubber to token 12. Which token did it overwrite, and why not token 0?
+# 3. In `clobbered`, try a chunk of 3 at position 30 with the plain ring. Predict: safe or not?
+#
+# ## In real systems
+#
+# * TensorRT-LLM: `KVBlockArray` in `cpp/include/tensorrt_llm/kernels/kvCacheUtils.h` holds
+#   `mSinkTokens`, `mBubbleLen`, `mCyclicCacheLen` and `mEnableOneMoreBlock`, and maps a
+#   token to its row in `getKVTokenIdx`; the attention kernels call it on both sides.
+# * vLLM handles sliding windows in `vllm/v1/core/single_type_kv_cache_manager.py`
+#   (`SlidingWindowManager`), freeing blocks that left the window instead of a ring.
+#
+# **Next:** [05 · Copy-on-write forking](05_cow_forking.ipynb): sharing pages safely.

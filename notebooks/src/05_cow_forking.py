@@ -13,8 +13,23 @@
 # divergent write, measure the memory saved, and reuse a system prompt across requests
 # through a prefix cache (which may only share a page once its K/V is written),
 # checking every claim against the reference data.
+#
+# **You will learn to**
+# * read refcounts and say which page a write must copy first, and which it need not;
+# * count the pages copy-on-write saves against copying at fork time;
+# * explain how a hash chain over full blocks lets requests share a system prompt.
+#
+# **Before this:** [02 · Block tables](02_block_tables.ipynb) and
+# [03 · Divmod indexing](03_divmod_indexing.ipynb).
+#
+# **Time:** about 5 s to run, 25 minutes to read. No GPU or Triton needed.
+#
+# Cells that change the cache start from a copy of the state the previous cell left
+# (`copy.deepcopy`), so any cell can be run again on its own.
 
 # %%
+import copy
+
 import torch
 
 from pagedkv_lib import KVCacheManager, PagedKVPool, reference, runtime, viz
@@ -58,8 +73,10 @@ for i in range(1, 4):
 samples = mgr.sequences
 history = [[mgr.refcount(p) for p in range(8)]]
 print({s: mgr.block_table(s) for s in samples}, "refcounts", history[-1][:3])
-assert mgr.num_free == free_before and history[-1][:3] == [4, 4, 4]
+assert mgr.num_free == free_before, "a fork allocated pages"
+assert history[-1][:3] == [4, 4, 4], f"pages 0-2 should be shared by 4 sequences, refcounts {history[-1][:3]}"
 mgr.check_integrity()
+after_fork = copy.deepcopy((pool, mgr, history))
 
 # %% [markdown]
 # ## The first divergent write copies the partial page, and only it
@@ -70,16 +87,20 @@ mgr.check_integrity()
 # are never written again by anyone, so they stay shared.
 
 # %%
+pool, mgr, history = copy.deepcopy(after_fork)  # start from the fork, so this cell can run again
 first = write(pool, mgr, "s1", *kv(1))
 print("copies", first, "s1 table", mgr.block_table("s1"), "refcounts", [mgr.refcount(p) for p in range(4)])
-assert first == [(2, mgr.block_table("s1")[2], 2)]
+assert first == [(2, mgr.block_table("s1")[2], 2)], f"expected one copy of page 2's 2 filled rows, got {first}"
 history.append([mgr.refcount(p) for p in range(8)])
-assert mgr.block_table("s1")[:2] == [0, 1] and mgr.block_table("s1")[2] != 2
-assert mgr.refcount(2) == 3 and mgr.refcount(mgr.block_table("s1")[2]) == 1
+assert mgr.block_table("s1")[:2] == [0, 1], "s1's full pages 0 and 1 should still be shared"
+assert mgr.block_table("s1")[2] != 2, "s1 should have moved to a private copy of page 2"
+assert mgr.refcount(2) == 3 and mgr.refcount(mgr.block_table("s1")[2]) == 1, "refcounts after the copy: 3 and 1"
 k_now, v_now = reference.gather_paged_kv(pool.cache, mgr.block_table("s0"), 10)
-assert torch.equal(k_now, prompt_k) and torch.equal(v_now, prompt_v)  # the parent is untouched
+assert torch.equal(k_now, prompt_k) and torch.equal(v_now, prompt_v), "s1's write changed the parent's prompt"
+after_first = copy.deepcopy((pool, mgr, history))
 
 # %%
+pool, mgr, history = copy.deepcopy(after_first)
 copies = []
 for step in range(6):  # everyone decodes 6 tokens (s1 already wrote its first)
     for s in samples:
@@ -87,7 +108,7 @@ for step in range(6):  # everyone decodes 6 tokens (s1 already wrote its first)
             copies += write(pool, mgr, s, *kv(1))
     history.append([mgr.refcount(p) for p in range(8)])
 print("copies after the first:", copies)
-assert len(copies) == 2  # s2, s3 copy page 2; s0, the last holder, writes it in place
+assert len(copies) == 2, f"s2 and s3 copy page 2, s0 (its last holder) writes in place: got {copies}"
 fig = viz.plot_heatmap(
     history,
     "refcount of pages 0-7 after each step",
@@ -98,11 +119,12 @@ fig = viz.plot_heatmap(
 )
 plt.show()
 k_now, v_now = reference.gather_paged_kv(pool.cache, mgr.block_table("s0"), 10)
-assert torch.equal(k_now, prompt_k) and torch.equal(v_now, prompt_v)
+assert torch.equal(k_now, prompt_k) and torch.equal(v_now, prompt_v), "the parent's prompt changed"
 for s in samples:
     k_s, _ = reference.gather_paged_kv(pool.cache, mgr.block_table(s), 10)
-    assert torch.equal(k_s, prompt_k), s
+    assert torch.equal(k_s, prompt_k), f"{s} no longer reads the prompt it was forked from"
 mgr.check_integrity()
+after_decode = copy.deepcopy((pool, mgr))
 
 # %% [markdown]
 # Every sample still reads the prompt bit-identically, and the three that diverged
@@ -110,6 +132,7 @@ mgr.check_integrity()
 # through the shared pages equals the output over a private, unshared copy of its K/V.
 
 # %%
+pool, mgr = copy.deepcopy(after_decode)
 tables = torch.tensor([mgr.block_table(s) for s in samples])
 lens = torch.tensor([mgr.seq_len(s) for s in samples])
 q = torch.randn(len(samples), 4, DIM)
@@ -120,10 +143,10 @@ for i, s in enumerate(samples):
     reference.append_paged_kv(k_s, v_s, private.cache, torch.arange(16) + 16 * i)
 private_tables = torch.arange(16).reshape(4, 4)
 private_out = reference.paged_decode_attention(q, private.cache, private_tables, lens, precision="fp64")
-assert torch.equal(shared_out, private_out)
+assert torch.equal(shared_out, private_out), "attention over shared pages differs from private copies"
 for s in samples:
     mgr.free_sequence(s)
-assert mgr.num_free == mgr.num_blocks
+assert mgr.num_free == mgr.num_blocks, f"{mgr.num_blocks - mgr.num_free} pages leaked after freeing every sample"
 mgr.check_integrity()
 
 # %% [markdown]
@@ -147,7 +170,8 @@ for n in ns:
             m.append_tokens(i, 1)
     cow_pages.append(m.num_blocks - m.num_free)
     copy_pages.append(n * -(-16 // PAGE_SIZE))
-assert cow_pages == [2 + 2 * n for n in ns] and copy_pages == [4 * n for n in ns]
+assert cow_pages == [2 + 2 * n for n in ns], f"copy-on-write should hold 2 + 2n pages: {cow_pages}"
+assert copy_pages == [4 * n for n in ns], "a full copy holds 4 pages per sample"
 fig = viz.line_plot(
     ns,
     {"copy-on-write": cow_pages, "full copy at fork": copy_pages},
@@ -241,8 +265,9 @@ for r, prompt in enumerate(requests):
     mgr.check_integrity()
 without = [sum(-(-len(p) // PAGE_SIZE) for p in requests[: r + 1]) for r in range(8)]
 print("tokens from the cache:", cached, f"block hit rate {mgr.prefix_cache.hit_rate():.2f}")
-assert cached == [0] + [24] * 7
-assert used[-1] == without[-1] - 7 * 6  # seven requests reuse the six system-prompt pages
+assert cached == [0] + [24] * 7, f"every request after the first should reuse 24 tokens: {cached}"
+assert used[-1] == without[-1] - 7 * 6, "seven requests should reuse the six system-prompt pages"
+after_prefix = copy.deepcopy(mgr)
 fig = viz.line_plot(
     list(range(1, 9)),
     {"with prefix cache": used, "without": without},
@@ -270,7 +295,7 @@ for r in (1, 7):
     alone = reference.paged_prefill_attention(
         q, solo.cache, qo_indptr, torch.arange(16)[None], seq_lens, precision="fp64"
     )
-    assert torch.equal(shared, alone), r
+    assert torch.equal(shared, alone), f"request {r}: prefill over shared pages differs from a private cache"
 print("prefill over shared pages == prefill over a private cache")
 
 # %% [markdown]
@@ -280,11 +305,13 @@ print("prefill over shared pages == prefill over a private cache")
 # allocator runs out.
 
 # %%
+mgr = copy.deepcopy(after_prefix)
 for r in range(8):
     mgr.free_sequence(r)
 print(f"free {mgr.num_free}, evictable cached {mgr.prefix_cache.num_evictable}")
-assert mgr.num_free + mgr.prefix_cache.num_evictable == mgr.num_blocks
-assert mgr.admit("late", system + [1, 2, 3]).num_cached_tokens == 24
+assert mgr.num_free + mgr.prefix_cache.num_evictable == mgr.num_blocks, "a page is neither free nor evictable"
+late = mgr.admit("late", system + [1, 2, 3])
+assert late.num_cached_tokens == 24, f"a late request should hit 24 cached tokens, got {late.num_cached_tokens}"
 mgr.check_integrity()
 
 # %% [markdown]
@@ -301,3 +328,25 @@ mgr.check_integrity()
 # | a shared 24-token system prompt is computed once for 8 requests | 24 cached tokens each, 42 pages saved |
 # | prefill over the prefix cache = prefill without sharing | `torch.equal` |
 # | freed cached blocks stay reusable until evicted | late request hits 24 tokens |
+#
+# ## Try this
+#
+# 1. **Predict, then run:** make the prompt 12 tokens (`kv(12)` and every `10` in the fork
+#    cells). The prompt now ends on a page boundary: how many copies does the first
+#    divergent write need? The assert on `first` will tell you whether you were right.
+# 2. In the memory-saved cell, generate 2 tokens instead of 6. Predict the new formula for
+#    the copy-on-write pages before running (the assert prints the counts if you are wrong).
+# 3. Give request 3 a different system prompt (change one token of `system` for `r == 3`).
+#    Predict `cached[3]`: all or nothing, or something between? Why blocks, not tokens?
+#
+# ## In real systems
+#
+# * vLLM v1 shares prompt pages through its prefix cache: `hash_block_tokens` and
+#   `KVCacheBlock.ref_cnt` in `vllm/v1/core/kv_cache_utils.py`, `BlockPool.cache_full_blocks`
+#   and `get_cached_block` in `vllm/v1/core/block_pool.py`; evictable blocks wait in the
+#   free queue. vLLM's kernel `copy_blocks` (`csrc/cache_kernels.cu`) copies pages on the GPU.
+# * SGLang keeps shared prefixes in a radix tree (`RadixCache.match_prefix` in
+#   `python/sglang/srt/mem_cache/radix_cache.py`).
+#
+# **Next:** [06 · The Triton write kernel](06_triton_write.ipynb) (needs Linux for Triton), or
+# [08 · The silent-bug zoo](08_silent_bugs.ipynb) to see what goes wrong when these rules break.

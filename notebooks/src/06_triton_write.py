@@ -22,9 +22,13 @@
 # The kernels run compiled on a GPU, or in Triton's interpreter on a CPU.
 
 # %%
+from pagedkv_lib import runtime
+
+runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
+
 import torch
 
-from pagedkv_lib import PagedKVPool, RingWindow, faults, formats, reference, runtime, viz
+from pagedkv_lib import PagedKVPool, RingWindow, faults, formats, reference, viz
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.verify import TOLERANCES
 from pagedkv_lib.verify.compare import bit_compare, compare
@@ -338,8 +342,8 @@ assert torch.equal(q_dev[-2:], q[-2:]), "the padding tokens' query rows must be 
 # today, and the helper that turns a tile of tokens into `(page, row, valid)`: the slot
 # form of step (a) and the CSR form of step (b) are both in it, chosen by a constexpr.
 
-# %%
-# NBVAL_IGNORE_OUTPUT  (shows the module's current source; shown, not compared)
+# %% tags=["nbval-ignore-output"]
+# (shows the module's current source; shown, not compared)
 display(viz.source_code(production._append_kernel))
 display(viz.source_code(production._token_rows))
 
@@ -404,8 +408,8 @@ print("production, head_dim 80, HND, strided k: bit for bit:", bit_compare(got80
 print("step (a) with head_dim 80 ran:", step_a_ran)
 assert bit_compare(got80, want80, "HND")[0] and not step_a_ran, "production masks head dims; step (a) cannot"
 
-# %%
-# NBVAL_IGNORE_OUTPUT  (tile sizes differ between the interpreter and a GPU)
+# %% tags=["nbval-ignore-output"]
+# (tile sizes differ between the interpreter and a GPU)
 for n in (1, 13, 2048, 32768):
     block_t, block_h, block_d = tiles.write_tiles(n, 8, 128)
     grid = (triton.cdiv(n, block_t), triton.cdiv(8, block_h))

@@ -21,6 +21,10 @@
 # page).
 
 # %%
+from pagedkv_lib import runtime
+
+runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
+
 import math
 import warnings
 
@@ -408,8 +412,8 @@ for splits in (1, 2, 9):
 # one split it writes the output directly), `kernels/merge.py: _merge_kernel` stage 2.
 # As the modules hold them today:
 
-# %%
-# NBVAL_IGNORE_OUTPUT  (shows the modules' current source; shown, not compared)
+# %% tags=["nbval-ignore-output"]
+# (shows the modules' current source; shown, not compared)
 display(viz.source_code(production._decode_split_kernel))
 display(viz.source_code(production_merge._merge_kernel))
 

@@ -1,0 +1,332 @@
+"""Every notebook in JupyterLab, in a real Chromium, as a learner opens it.
+
+For each ``notebooks/NN_*.ipynb`` (found by name, so new notebooks join by themselves):
+
+1. open it; every stored widget view renders from the stored state before anything runs;
+2. wait for an autosave and save once more: the ``.ipynb`` and its paired ``src/*.py``
+   must keep every byte (JupyterLab and jupytext rewrite nothing);
+3. Restart Kernel and Run All, wait for idle: no cell may have an error output;
+4. move the first control of every widget: its drawn output must change;
+5. screenshots go to ``build/browser/``, run-all seconds to ``build/browser/timings.json``.
+
+Notebooks listed under ``open_only`` in ``tests/browser_notebooks.toml`` only get steps
+1-2 (for a notebook too slow to run in CI's browser). JupyterLab serves a temporary copy
+of ``notebooks/`` (or of ``$PAGEDKV_BROWSER_NOTEBOOKS``) on 127.0.0.1 with its own
+settings, so nothing of the checkout or of the user's Jupyter set-up is touched.
+
+Needs Debian's ``chromium`` (``make browser-deps`` as root) and Playwright for Python (dev
+extra; its own browser download is not used). ``PAGEDKV_BROWSER``: ``auto`` (default)
+skips with the reason where Chromium is missing; ``required`` (CI) fails instead;
+``off`` skips. ``PAGEDKV_CHROMIUM`` names another Chromium binary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = Path(os.environ.get("PAGEDKV_BROWSER_NOTEBOOKS") or ROOT / "notebooks")
+SHOTS = ROOT / "build" / "browser"
+CONFIG = tomllib.loads((Path(__file__).with_name("browser_notebooks.toml")).read_text())
+NAMES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+MODE = os.environ.get("PAGEDKV_BROWSER", "auto").strip().lower()
+CHROMIUM = os.environ.get("PAGEDKV_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+# The flags a root CI machine without a network needs (see .ci/run); --headless comes from Playwright.
+FLAGS = [
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+] + (["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
+RUN_ALL_TIMEOUT_S = 150
+AUTOSAVE_S = 1
+
+
+def _missing() -> str | None:
+    if MODE == "off":
+        return "PAGEDKV_BROWSER=off"
+    if not CHROMIUM or not os.access(CHROMIUM, os.X_OK):
+        return (
+            "no Chromium found: install Debian's package (`make browser-deps` as root, or "
+            "`sudo apt-get install chromium`), or set PAGEDKV_CHROMIUM to a Chromium binary"
+        )
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Playwright for Python is missing: `make setup` installs the dev extra"
+    return None
+
+
+def _gate() -> None:
+    reason = _missing()
+    if reason is None:
+        return
+    if MODE == "required":
+        pytest.fail(f"PAGEDKV_BROWSER=required, but {reason}", pytrace=False)
+    pytest.skip(f"browser test skipped: {reason}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _settings(root: Path) -> Path:
+    """JupyterLab user settings for the test: autosave after 1 s, no news prompt."""
+    settings = {
+        "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosaveInterval": AUTOSAVE_S},
+        "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
+    }
+    for rel, value in settings.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+    return root
+
+
+@pytest.fixture(scope="module")
+def lab():
+    """A JupyterLab server on 127.0.0.1 over a copy of the notebooks; yields (url, folder)."""
+    _gate()
+    work = Path(tempfile.mkdtemp(prefix="pagedkv-lab-"))
+    folder = work / "notebooks"
+    shutil.copytree(NOTEBOOKS, folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(work / "config"),
+        JUPYTER_DATA_DIR=str(work / "data"),
+        JUPYTER_RUNTIME_DIR=str(work / "runtime"),
+        JUPYTER_PLATFORM_DIRS="1",
+    )
+    # Trusted, as `make lab` trusts them: untrusted outputs (widget views) are not rendered.
+    subprocess.run(
+        [sys.executable, "-m", "jupyter", "trust", *map(str, sorted(folder.glob("*.ipynb")))],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    port = _free_port()
+    log = open(work / "lab.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            f"--ServerApp.root_dir={folder}",
+            "--IdentityProvider.token=",
+            "--ServerApp.password=",
+            "--ServerApp.allow_root=True",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            f"--LabApp.user_settings_dir={_settings(work / 'settings')}",
+            f"--LabApp.workspaces_dir={work / 'workspaces'}",
+            "--KernelManager.transport_encryption=auto",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"{url}/api/status", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"JupyterLab did not start within 120 s; see {work / 'lab.log'}")
+        if proc.poll() is not None:
+            pytest.fail(f"JupyterLab exited: {(work / 'lab.log').read_text()[-2000:]}")
+        yield url, folder
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            tempfile.mkdtemp(prefix="pagedkv-chromium-"),
+            executable_path=CHROMIUM,
+            args=FLAGS,
+            headless=True,
+            viewport={"width": 1400, "height": 900},
+        )
+        yield context.new_page()
+        context.close()
+
+
+PANEL = "window.jupyterapp.shell.currentWidget"
+READY = f"""() => {{
+  const p = {PANEL};
+  return !!(p && p.context && p.context.isReady && p.content && p.content.widgets.length &&
+            p.sessionContext.session && p.sessionContext.session.kernel &&
+            p.sessionContext.session.kernel.status === 'idle');
+}}"""
+DONE = f"""() => {{
+  const p = {PANEL};
+  const k = p.sessionContext.session && p.sessionContext.session.kernel;
+  if (!k || k.status !== 'idle') return false;
+  const cells = p.content.widgets.filter(c => c.model.type === 'code');
+  const prompts = cells.map(c => c.node.querySelector('.jp-InputPrompt').textContent);
+  if (prompts.some(t => t.includes('*'))) return false;
+  const errored = cells.some(c => c.model.outputs.toJSON().some(o => o.output_type === 'error'));
+  return errored || cells.every(c => c.model.executionCount !== null);
+}}"""
+CLOSE = f"""async () => {{
+  const p = {PANEL};
+  if (p && p.sessionContext) {{ await p.sessionContext.shutdown(); p.dispose(); }}
+}}"""
+ERRORS = f"""() => {PANEL}.content.widgets
+  .filter(c => c.model.type === 'code')
+  .flatMap((c, i) => c.model.outputs.toJSON().filter(o => o.output_type === 'error')
+  .map(o => `cell ${{c.model.id}}: ${{o.ename}}: ${{o.evalue}}`))"""
+
+
+def _widget_views(path: Path) -> int:
+    nb = json.loads(path.read_text())
+    return sum(
+        "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+        for c in nb["cells"]
+        for o in c.get("outputs", [])
+    )
+
+
+def _record(name: str, seconds: float) -> None:
+    path = SHOTS / "timings.json"
+    timings = json.loads(path.read_text()) if path.exists() else {}
+    timings[name] = round(seconds, 1)
+    path.write_text(json.dumps(dict(sorted(timings.items())), indent=1) + "\n")
+
+
+WIDGET_CELLS = f"""() => {PANEL}.content.widgets
+  .map((c, i) => [i, c.model.type === 'code' && c.model.outputs.toJSON()
+    .some(o => o.data && o.data['application/vnd.jupyter.widget-view+json'])])
+  .filter(([i, has]) => has).map(([i]) => i)"""
+
+
+def _widget_in_cell(page, cell: int):
+    """Scroll cell ``cell`` into view (JupyterLab renders off-screen cells lazily) and
+    return a locator for the widget in its output."""
+    page.evaluate(
+        f"""async () => {{
+          const nb = {PANEL}.content;
+          await nb.scrollToItem({cell}, 'center');
+          nb.widgets[{cell}].node.setAttribute('data-pk-cell', '{cell}');
+        }}"""
+    )
+    widget = page.locator(f'[data-pk-cell="{cell}"] .widget-interact').last
+    widget.wait_for(state="visible", timeout=30_000)
+    return widget
+
+
+def _exercise_widget(page, widget, index: int, name: str) -> None:
+    """Move the widget's first control; its drawn output must change."""
+    output = widget.locator(".widget-output")
+
+    def drawn() -> str:
+        imgs = output.locator("img")
+        return imgs.first.get_attribute("src") if imgs.count() else output.inner_text()
+
+    before = drawn()
+    readout = widget.locator(".widget-readout").first
+    select = widget.locator("select").first
+    if readout.count():
+        old = readout.inner_text().strip()
+        readout.click()
+        page.keyboard.press("Control+A")
+        page.keyboard.type(str(int(old.replace(",", "")) + 1))
+        page.keyboard.press("Enter")
+    elif select.count():
+        options = select.locator("option").all_inner_texts()
+        current = select.input_value()
+        select.select_option(label=next(o for o in options if o != current))
+    else:
+        pytest.fail(f"{name}: widget {index} has no slider or dropdown to move")
+    deadline = time.monotonic() + 60
+    while drawn() == before:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name}: widget {index} did not redraw within 60 s after its control moved")
+        page.wait_for_timeout(250)
+    page.screenshot(path=str(SHOTS / f"{name}_widget{index}.png"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_in_jupyterlab(lab, page, name):
+    try:
+        _check_notebook(lab, page, name)
+    finally:  # shut this notebook's kernel down and close it, so it costs the next one nothing
+        page.evaluate(CLOSE)
+
+
+def _check_notebook(lab, page, name: str) -> None:
+    url, folder = lab
+    ipynb, source = folder / f"{name}.ipynb", folder / "src" / f"{name}.py"
+    originals = {p: p.read_bytes() for p in (ipynb, source) if p.exists()}
+
+    page.goto(f"{url}/lab/tree/{name}.ipynb")
+    page.wait_for_function(READY, timeout=120_000)
+    views = _widget_views(ipynb)
+    if views:  # stored widget state renders before anything runs
+        page.wait_for_function(f"() => document.querySelectorAll('.widget-interact').length >= {views}", timeout=30_000)
+    page.screenshot(path=str(SHOTS / f"{name}_opened.png"))
+
+    page.wait_for_timeout(AUTOSAVE_S * 1000 + 500)  # an autosave would have happened by now
+    page.evaluate(f"() => {PANEL}.context.save()")  # and one save more, for certain
+    page.wait_for_function(f"() => !{PANEL}.context.model.dirty", timeout=30_000)
+    changed = [p for p, data in originals.items() if p.read_bytes() != data]
+    for path in changed:  # kept for a look: diff it against the committed file
+        shutil.copy(path, SHOTS / f"{path.stem}.rewritten{path.suffix}")
+    assert not changed, (
+        f"{name}: opening and saving in JupyterLab rewrote {[p.name for p in changed]} "
+        f"(the rewritten copies are in {SHOTS}); run `make refresh NAMES={name}`"
+    )
+
+    if name in CONFIG.get("open_only", []):
+        return
+    start = time.monotonic()
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:restart-run-all'); }")
+    page.locator(".jp-Dialog .jp-mod-accept").click(timeout=30_000)
+    page.wait_for_function(DONE, timeout=RUN_ALL_TIMEOUT_S * 1000, polling=500)
+    seconds = time.monotonic() - start
+    _record(name, seconds)
+    page.screenshot(path=str(SHOTS / f"{name}_run.png"))
+    errors = page.evaluate(ERRORS)
+    assert not errors, f"{name}: Restart Kernel and Run All left errors:\n" + "\n".join(errors)
+
+    cells = page.evaluate(WIDGET_CELLS)
+    assert len(cells) == views, f"{name}: {views} stored widget views, but {len(cells)} after Run All"
+    for i, cell in enumerate(cells):
+        _exercise_widget(page, _widget_in_cell(page, cell), i, name)
+    print(f"{name}: run all in {seconds:.1f} s, {len(cells)} widget(s) responded")
