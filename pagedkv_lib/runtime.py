@@ -74,7 +74,7 @@ def device() -> torch.device:
     return BACKEND.device
 
 
-NO_TRITON = "no Triton: notebooks 06-08 need Linux (WSL, a container or a hosted notebook)"
+NO_TRITON = "no Triton: notebooks 06-12 need Linux (WSL, a container or a hosted notebook)"
 
 
 class TritonMissing(RuntimeError):
