@@ -493,14 +493,18 @@ def conformance_margins(results) -> tuple[list[str], list[float], list[bool]]:
     ``ratio`` is the pass rule itself: ``max |err| / (atol + rtol |ref|)``, at most 1 exactly
     when the case passed. Uses each result's ``tol_ratio`` where it recorded one; for a
     check whose rule has no ``rtol`` term, ``max_abs / atol``; exact checks (``atol``
-    0): 0 when equal. A result whose recorded numbers cannot give its margin by the rule
-    (it passed, yet ``max_abs / atol > 1``) gets ``nan``: plotted as "not recorded"."""
+    0): 0 when equal. A result that failed another rule within tolerance (a decode that
+    wrote the pool, a write into a guard region) is drawn as failed (``inf``). A result
+    whose recorded numbers cannot give its margin by the rule (it passed, yet
+    ``max_abs / atol > 1``) gets ``nan``: plotted as "not recorded"."""
     labels, ratios, passed = [], [], []
     for r in results:
         if r.passed is None:
             continue
         if r.tol_ratio is not None:
             ratio = r.tol_ratio
+            if not r.passed and ratio <= 1:  # failed another rule (the pool was written, a guard hit)
+                ratio = math.inf
         elif r.atol == 0:
             ratio = 0.0 if r.passed else math.inf
         else:

@@ -4,11 +4,11 @@
 # The defining hazard of a paged KV cache is that mistakes do not crash. Every wrong
 # index is still *some* valid row of the pool, so a wrong past length, a window mapping
 # used on one side only, an unzeroed V tail, a missing copy, a `-1` used as an index or
-# a stale block table all produce plausible numbers. This notebook switches each of
-# seven such bugs on, shows its symptom, and shows which check of
-# `pagedkv_lib.verify` catches it. The same harness then runs on the suite's own Triton
-# kernels, and can run on yours: it takes any callable with the signature of
-# `kernels.append_paged_kv` or `kernels.paged_decode_attention`.
+# a stale block table all produce plausible numbers. This notebook switches seven such
+# bugs on, shows each symptom, and shows which check of `pagedkv_lib.verify` catches
+# it (notebooks 09 and 10 add the faults of quantized pools and of prefill). The same
+# harness then runs on the suite's own Triton kernels, and on a kernel written for
+# another engine's interface, brought in step by step with its contract.
 #
 # Faults are switched on by name, explicitly (`faults={"past_len_zero"}`): the harness
 # swaps the one component the fault is about. Nothing is patched globally, so no fault
@@ -17,13 +17,14 @@
 # **You will learn to**
 # * recognise the symptom of seven silent paged-cache bugs, and the check that catches each;
 # * read a conformance report: pass rule, margins, and the line that replays a failing case;
-# * run the same harness on a kernel of your own.
+# * bring a kernel of your own: declare its contract and cache layout, and read where
+#   the harness says it went wrong, even when it crashes.
 #
 # **Before this:** notebooks [03](03_divmod_indexing.ipynb), [04](04_ring_window.ipynb),
 # [05](05_cow_forking.ipynb); [06](06_triton_write.ipynb) and [07](07_triton_read.ipynb)
 # introduce the kernels tested here. Needs Triton (Linux, WSL, a container or a hosted notebook).
 #
-# **Time:** about 15 s to run on a laptop CPU, 30 minutes to read.
+# **Time:** about 40 s to run on a laptop CPU, 40 minutes to read.
 
 # %%
 from pagedkv_lib import runtime
@@ -329,6 +330,110 @@ assert verify.run_case("append", broken.failures[0].case, append_fn=kernels.appe
 )
 
 # %% [markdown]
+# ## Bring your own kernel
+#
+# A kernel written for another engine takes other arguments and another cache. Here is
+# one, written in the style of nano-vllm's `store_kvcache`: one program per token, and a
+# **flat slot cache**, `k_cache, v_cache [num_slots, num_kv_heads * head_dim]`, where a
+# token's row is its slot. It expects each token's heads contiguous in `k` and `v`.
+
+# %% tags=["nbval-ignore-output"]
+# (shows the module's current source; shown, not compared)
+from kernels import engine_styles
+
+display(viz.source_code(engine_styles.store_kvcache_flat))
+
+# %% [markdown]
+# Three things bring it to the harness, in a few lines:
+#
+# 1. an **adapter** with the harness's signature, `fn(k, v, cache, slot_mapping)`, that
+#    unpacks the cache object and calls the kernel;
+# 2. a **cache layout**: `"flat"` makes the harness build every case's pool as the
+#    `(k_cache, v_cache)` pair this kernel takes (other layouts: `"kv_tuple"` for
+#    FlashInfer's and vLLM's flash layout, `"vllm_x"` for vLLM's x-packed keys);
+# 3. a **contract**: what the kernel supports. This one needs contiguous K/V
+#    (`strided_kv=False`); a case that has strided K/V is checked with contiguous K/V
+#    instead, and a case the kernel cannot take at all (a dtype, a head dim) is listed
+#    as *outside the declared contract*, neither passed nor failed.
+
+
+# %%
+@verify.contract(cache_layout="flat", strided_kv=False)
+def flat_store(k, v, cache, slot_mapping):
+    k_cache, v_cache = cache
+    engine_styles.store_kvcache_flat(k, v, k_cache, v_cache, slot_mapping)
+
+
+mine = verify.run(append_fn=flat_store, checks=("append", "chunked_prefill", "fork_cow"))
+print(mine.summary())
+assert mine.passed, f"the flat-slot store should pass inside its contract:\n{mine}"
+
+# %% [markdown]
+# The scenarios ran too: the store wrote flat pools, and the reference decode read them
+# back through an exact conversion. Now the classic bug of such a kernel: the `-1` guard
+# forgotten. A padding token's slot `-1` becomes an address one row *before* the cache.
+# Every tensor the kernel receives sits between guard bytes, so the write is seen, named
+# and located; every check runs in a child process, so even a write far enough away to
+# crash the process fails only its own case, and the run goes on.
+
+
+# %%
+@verify.contract(cache_layout="flat", strided_kv=False)
+def flat_store_without_guard(k, v, cache, slot_mapping):
+    engine_styles.store_kvcache_flat(k, v, *cache, slot_mapping, bug="no_minus_one_guard")
+
+
+unguarded = verify.run(append_fn=flat_store_without_guard, checks=("append",))
+print(unguarded.summary())
+print(unguarded.failures[0].detail)
+assert "kernel wrote before k_cache" in unguarded.failures[0].detail, "the guard regions should catch the -1 write"
+assert all(r.case["padding"] > 0 for r in unguarded.failures), "only cases with padding tokens should fail"
+
+# %% [markdown]
+# The contract can exclude whole kinds of case. A decode written for vLLM's flash layout,
+# `key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]`, whose tile is
+# one block (so `block_size` a power of two), which never sees an empty sequence and has
+# no sliding window:
+
+
+# %%
+@verify.contract(cache_layout="kv_tuple", layouts=("NHD",), page_sizes="pow2", min_seq_len=1, windows=False)
+def tuple_decode(q, cache, block_tables, seq_lens):
+    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens)
+
+
+short = [c for c in verify.decode_grid() if max(c["seq_lens"]) <= 80]  # the long cases take long here
+checked = [verify.run_case("decode", c, decode_fn=tuple_decode) for c in short]
+for r in checked:
+    print(f"{r.status:>7}  {r.outside or r.detail or ''}")
+assert not [r for r in checked if r.passed is False], "the decode should pass every case inside its contract"
+assert any(r.status == "outside" for r in checked), "some grid cases lie outside this contract"
+
+# %% [markdown]
+# ### Caveat: bf16 in Triton's interpreter
+#
+# On a CPU the kernels run in Triton's interpreter, which does bf16 arithmetic on the raw
+# bit patterns (triton-lang/triton#11584) and converts fp32 to bf16 by truncation rather
+# than rounding to nearest. The suite's kernels load bf16, convert to fp32 at once, and
+# compute in fp32, so their bf16 results stay within the bf16 tolerance; a kernel of yours
+# that computes *in* bf16 may fail bf16 cases in the interpreter and pass on a GPU (or
+# the reverse). Declare `dtypes=("fp32", "fp16")` in its contract when checking it on a
+# CPU, and check bf16 on a GPU.
+#
+# ### Where the suite's conventions match other engines', and where they differ
+#
+# | what | pagedkv | vLLM | FlashInfer | TensorRT-LLM |
+# |---|---|---|---|---|
+# | pool | one tensor `[pages, 2, ...]`, K and V interleaved per page | separate `key_cache` / `value_cache` | `(k_cache, v_cache)` or one `[pages, 2, ...]` tensor | one pool, K and V blocks by pool index |
+# | head layout | NHD or HND | NHD (flash); x-packed keys (paged attention v1/v2) | NHD or HND | HND per block |
+# | padding token | slot `-1`; batch or position `-1` (CSR) | slot `-1` | batch `-1`, position 0 in `get_batch_indices_positions(..., nnz)` | n/a |
+# | K/V rows beyond the tokens | allowed, not written | allowed (CUDA graphs), not written | n/a | n/a |
+# | CSR append argument order | `k, v, cache, batch_indices, positions, kv_indices, kv_indptr` | n/a | cache 5th: `append_key, append_value, batch_indices, positions, paged_kv_cache, ...` | n/a |
+# | V tail of a last page | zeroed only when asked (`zero_v_tail=`) | not zeroed | `kv_last_page_len` passed, not used for writing | not zeroed |
+# | request without pages | length 0, `kv_last_page_len` must be 0 | n/a | length 0 | n/a |
+# | ring window | sinks, bubble, `cyclic_cache_len` | sliding window without ring | not in the paged layout | sinks, bubble, cyclic length (`KVBlockArray`) |
+
+# %% [markdown]
 # ## What was verified
 #
 # | fault | symptom shown | caught by |
@@ -341,7 +446,9 @@ assert verify.run_case("append", broken.failures[0].case, append_fn=kernels.appe
 # | `stale_block_table` | C's query attends D's keys | `reused_page` |
 # | `int32_offset` | offsets wrap past 2**31 elements | `int64_offsets` |
 #
-# and the suite's Triton kernels pass the whole harness.
+# and the suite's Triton kernels pass the whole harness. A kernel written for another
+# engine's interface passed inside its declared contract (flat slot cache; vLLM's flash
+# layout), and its planted `-1` bug was reported with the tensor and the offset it hit.
 #
 # ## Try this
 #

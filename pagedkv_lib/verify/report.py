@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 __all__ = ["CaseResult", "Report"]
@@ -145,27 +144,12 @@ class Report:
             lines.append(f"reproduce: {r.repro}")
         return "\n".join(lines)
 
-    def plot(self, title: str = "conformance: error / tolerance per case"):
-        """Bar per checked case of its error over the tolerance by the pass rule (log
-        scale; a case fails at or above 1, drawn red). Bit-exact checks that pass are
-        drawn at 1e-8."""
-        import matplotlib.pyplot as plt
+    def plot(self, title: str = "conformance: margin by the pass rule"):
+        """One bar per checked case of ``max |err| / (atol + rtol |ref|)``, the pass rule
+        itself (:func:`pagedkv_lib.viz.plot_conformance`): a case fails at or above 1."""
+        from .. import viz
 
-        ratios, colors = [], []
-        for r in self.results:
-            if r.passed is None:
-                continue
-            ratio = r.tol_ratio if r.tol_ratio is not None else (0.0 if r.passed else math.inf)
-            ratio = 1e3 if not math.isfinite(ratio) else ratio
-            ratios.append(max(ratio, 1e-8) if r.passed else max(ratio, 1.0))
-            colors.append("tab:green" if r.passed else "tab:red")
-        fig, ax = plt.subplots()
-        ax.bar(range(len(ratios)), ratios, color=colors)
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_yscale("log")
-        ax.set(title=title, xlabel="case", ylabel="max |err| / (atol + rtol |ref|)")
-        fig.tight_layout()
-        return fig
+        return viz.plot_conformance(*viz.conformance_margins(self.results), title)
 
 
 def _short(case: dict) -> str:
