@@ -339,6 +339,8 @@ assert verify.run_case("append", broken.failures[0].case, append_fn=kernels.appe
 
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
+from IPython.display import display
+
 from kernels import engine_styles
 
 display(viz.source_code(engine_styles.store_kvcache_flat))
@@ -422,16 +424,18 @@ assert any(r.status == "outside" for r in checked), "some grid cases lie outside
 #
 # ### Where the suite's conventions match other engines', and where they differ
 #
-# | what | pagedkv | vLLM | FlashInfer | TensorRT-LLM |
-# |---|---|---|---|---|
-# | pool | one tensor `[pages, 2, ...]`, K and V interleaved per page | separate `key_cache` / `value_cache` | `(k_cache, v_cache)` or one `[pages, 2, ...]` tensor | one pool, K and V blocks by pool index |
-# | head layout | NHD or HND | NHD (flash); x-packed keys (paged attention v1/v2) | NHD or HND | HND per block |
-# | padding token | slot `-1`; batch or position `-1` (CSR) | slot `-1` | batch `-1`, position 0 in `get_batch_indices_positions(..., nnz)` | n/a |
-# | K/V rows beyond the tokens | allowed, not written | allowed (CUDA graphs), not written | n/a | n/a |
-# | CSR append argument order | `k, v, cache, batch_indices, positions, kv_indices, kv_indptr` | n/a | cache 5th: `append_key, append_value, batch_indices, positions, paged_kv_cache, ...` | n/a |
-# | V tail of a last page | zeroed only when asked (`zero_v_tail=`) | not zeroed | `kv_last_page_len` passed, not used for writing | not zeroed |
-# | request without pages | length 0, `kv_last_page_len` must be 0 | n/a | length 0 | n/a |
-# | ring window | sinks, bubble, `cyclic_cache_len` | sliding window without ring | not in the paged layout | sinks, bubble, cyclic length (`KVBlockArray`) |
+# | what | pagedkv | others |
+# |---|---|---|
+# | pool | one tensor, K and V per page | vLLM: `key_cache`, `value_cache`; FlashInfer: a tuple or one tensor |
+# | head layout | NHD or HND | vLLM: NHD, or x-packed keys; FlashInfer: NHD or HND; TRT-LLM: HND |
+# | padding token | slot `-1`; batch or position `-1` | vLLM: slot `-1`; FlashInfer: batch `-1`, position 0 |
+# | K/V rows beyond the tokens | allowed, not written | vLLM: the same (CUDA-graph padding) |
+# | CSR append | cache is the 3rd argument | FlashInfer: cache is the 5th |
+# | V tail of a last page | zeroed only with `zero_v_tail=` | FlashInfer takes `kv_last_page_len` but never zeroes |
+# | request without pages | length 0, `kv_last_page_len` 0 | FlashInfer: length 0 |
+# | ring window | sinks, bubble, cyclic length | TRT-LLM: the same (`KVBlockArray`); vLLM: no ring |
+#
+# The README has the same table with a column per engine.
 
 # %% [markdown]
 # ## What was verified
