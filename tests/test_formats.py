@@ -278,3 +278,13 @@ def test_csr_slot_mapping_names_the_kv_indices_entry_of_a_page_outside_the_pool(
         csr_slot_mapping(
             torch.tensor([0]), torch.tensor([5]), torch.tensor([2, 25]), torch.tensor([0, 2]), 4, num_pages=6
         )
+
+
+def test_batch_indices_positions_pads_to_nnz_like_flashinfer():
+    """FlashInfer sizes the output by ``nnz`` (a padded batch): the tail is padding,
+    request -1 at position 0, which the CSR append skips."""
+    batch, pos = get_batch_indices_positions([0, 2, 3], [5, 1], nnz=6)
+    assert batch.tolist() == [0, 0, 1, -1, -1, -1]
+    assert pos.tolist() == [3, 4, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"nnz=2 must be an int >= the 3 appended tokens"):
+        get_batch_indices_positions([0, 2, 3], [5, 1], nnz=2)
