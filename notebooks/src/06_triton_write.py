@@ -153,9 +153,9 @@ def launch_a(k, v, cache, slot_mapping):
 # **bit for bit**. A copy never leaves the storage dtype, so "close" would hide a bug.
 
 # %%
-cache = before.to(DEV, copy=True)
-launch_a(k.to(DEV), v.to(DEV), cache, slots.to(DEV))
-same, _, detail = bit_compare(cache, expected)
+cache_a = before.to(DEV, copy=True)  # step (a)'s pool, which the next cell pictures
+launch_a(k.to(DEV), v.to(DEV), cache_a, slots.to(DEV))
+same, _, detail = bit_compare(cache_a, expected)
 print("step (a) equals the reference bit for bit:", same)
 assert same, f"step (a) differs from reference.append_paged_kv: {detail}"
 
@@ -171,7 +171,7 @@ for t, s in enumerate(slots.tolist()):
         writer[s // PAGE_SIZE, s % PAGE_SIZE] = t
 fig = viz.plot_access_pattern(writer, "step (a): the pool row each program writes (K and V)", label="token = program")
 plt.show()
-changed = (cache.cpu() != before).any(-1).any(-1).any(1)  # [pages, rows]: did any K/V element change?
+changed = (cache_a.cpu() != before).any(-1).any(-1).any(1)  # [pages, rows]: did any K/V element change?
 off = int((changed != (writer >= 0)).sum())
 assert off == 0, f"{off} pool rows disagree with the picture: a program wrote outside its slot, or missed it"
 
