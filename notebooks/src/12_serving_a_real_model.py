@@ -333,7 +333,7 @@ assert where == ("r0", 1), f"the bug should be caught at r0's first decoded toke
 # |---|---|
 # | the engine reads transformers' own weights; KV bytes per token | assert |
 # | a 48-token answer (torch path) equals `generate`, every logit within 1e-3 | `check_engine` |
-# | its first 4 tokens through the Triton write and decode kernels, too | `check_engine` |
+# | its first 4 tokens through the Triton write, prefill and decode kernels, too | `check_engine` |
 # | 7 requests: chunked prefill, prefix hits, a fork, preemption; all equal `generate` | `check_engine` |
 # | a prefix hit reuses the pages r0 wrote | page-id assert |
 # | the fork copies one half page, once, at the first divergent write | page-id asserts |
