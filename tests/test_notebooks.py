@@ -17,7 +17,7 @@ from build_notebooks import KERNELSPEC, SOURCES, source_cells  # noqa: E402
 NAMES = sorted(p.stem for p in SOURCES.glob("[0-9][0-9]_*.py"))
 # Notebooks being rewritten whose asserts still lack messages. Strict xfail: once a rewrite
 # gives every assert a message, the test passes unexpectedly and fails until the name goes.
-ASSERT_MESSAGES_PENDING = {"06_triton_write", "07_triton_read"}
+ASSERT_MESSAGES_PENDING: set[str] = set()
 
 
 def _code(name: str) -> list[str]:

