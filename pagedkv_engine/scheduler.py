@@ -16,9 +16,10 @@ order (running sequences before new ones, oldest first, as vLLM does):
 Because an admission happens only when no earlier prompt is left half computed, a
 prefix hit only ever names pages that were written in an earlier step or are written
 earlier in the same step's layer-by-layer forward (writes precede attention in every
-layer). Until :meth:`KVCacheManager.commit` exists, the manager registers prompt pages
-in the prefix cache when it reserves them, so a sequence whose prompt is half computed
-is never chosen for preemption: its unwritten pages would stay in the cache.
+layer). Pages enter the prefix cache only when the engine commits them after the
+forward that wrote them (:meth:`KVCacheManager.commit`), so a page is never shared
+before it holds its K/V. Only decoding sequences are preempted (the newest first); a
+prompt that is half computed keeps its pages until its prefill is done.
 
 The scheduler only does bookkeeping: the engine runs the model and samples.
 """
@@ -252,7 +253,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and put it first in the queue; it will be prefilled again
         from all its tokens (recompute)."""
-        assert not seq.prefilling, f"{seq.seq_id} is half prefilled; its pages may be in the prefix cache unwritten"
+        assert not seq.prefilling, f"{seq.seq_id} is half prefilled; only decoding sequences are preempted"
         self.manager.free_sequence(seq.seq_id)
         self.running.remove(seq)
         seq.status, seq.num_computed, seq.pending_slots = Status.WAITING, 0, []

@@ -171,7 +171,7 @@ assert triton_ids == torch_ids, f"the Triton path generated {triton_ids}, the to
 
 # %%
 TOKENS = 16
-settings = dict(oracle.standard_engine_args(TOKENS), num_pages=20)  # page size 16, 64 tokens per step
+settings = oracle.standard_engine_args(TOKENS)  # 20 pages of 16 tokens, 64 tokens per step
 batch = Engine(model, "torch", record_logits=True, **settings)
 batch.run(oracle.standard_batch(tokenizer, TOKENS))
 for line in default_stats_lines(batch)[:-1]:
