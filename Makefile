@@ -9,6 +9,9 @@
 #   make browser-deps  Debian's chromium for the browser test (root; CI runs it)
 PYTHON ?= python3
 VENV ?= .venv
+# Two workers; loadscope keeps each notebook's cells (and each test module) in one worker,
+# in order. XDIST= runs serially.
+XDIST ?= -n 2 --dist loadscope
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout=180
 
 # --- torch: the CPU wheel unless an NVIDIA GPU is here --------------------------------
@@ -78,17 +81,17 @@ lab: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest tests notebooks $(NBVAL)
+	$(BIN)/python -m pytest tests notebooks $(NBVAL) $(XDIST)
 	$(MAKE) test-oldest-triton
 
 $(VENV_OLDEST)/.pagedkv-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_PIP)
-	$(VENV_OLDEST)/bin/python -m pip install --quiet -e . "triton==$(OLDEST_TRITON)" "pytest>=8" "hypothesis>=6.100"
+	$(VENV_OLDEST)/bin/python -m pip install --quiet -e . "triton==$(OLDEST_TRITON)" "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100"
 	touch $@
 
 test-oldest-triton: $(VENV_OLDEST)/.pagedkv-installed
-	$(VENV_OLDEST)/bin/python -m pytest tests/test_kernel_*.py tests/test_checks_parity.py -q -p no:cacheprovider
+	$(VENV_OLDEST)/bin/python -m pytest tests/test_kernel_*.py tests/test_checks_parity.py -q -p no:cacheprovider $(XDIST)
 	$(VENV_OLDEST)/bin/python -m kernels.verify
 
 refresh: setup
