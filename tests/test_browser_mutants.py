@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pytest
 from test_browser import _gate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,8 +84,9 @@ def test_the_browser_test_fails_each_broken_notebook_with_its_reason(tmp_path):
         PAGEDKV_BROWSER_REDRAW_S="5",
         COLUMNS="1000",  # the short summary keeps each failure's whole first line
     )
+    child = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_browser.py"), "-q", "-rf"]
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_browser.py"), "-q", "-p", "no:cacheprovider", "-rf"],
+        [*child, "-p", "no:cacheprovider"],
         env=env,
         capture_output=True,
         text=True,
