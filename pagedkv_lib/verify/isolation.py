@@ -12,6 +12,7 @@ the case runs in-process (guard regions still catch writes next to a tensor).
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import os
@@ -43,9 +44,20 @@ def _child(job: Callable[[], CaseResult], conn) -> None:
     os._exit(0)  # no atexit handlers, no flushing of inherited streams
 
 
+@functools.cache
+def _warm_parent() -> None:
+    """Do once, in the parent, what torch does lazily on first use, so that every child
+    inherits it: ``torch.unravel_index`` (the harness locates errors with it) imports
+    sympy through torch.fx the first time, about 0.5 s that each child would pay again."""
+    import torch
+
+    torch.unravel_index(torch.tensor(0), (1,))
+
+
 def run_isolated(job: Callable[[], CaseResult], check: str, case: dict, timeout_s: float) -> CaseResult:
     """Run ``job`` (a check of ``case``) in a forked child and return its result, or a
     failed result saying how the child ended."""
+    _warm_parent()
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child, args=(job, send), daemon=True)
