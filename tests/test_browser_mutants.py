@@ -13,6 +13,7 @@ needs (Chromium and Playwright); skipped or failed the same way when they are mi
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -54,13 +55,13 @@ def _mutants(folder: Path) -> dict[str, str]:
     first_code = next(i for i, c in enumerate(base.cells) if c.cell_type == "code")
     explorer = next(i for i, c in enumerate(base.cells) if "widgets.memory_explorer()" in c.source)
 
-    error = nbformat.from_dict(json.loads(json.dumps(base)))
+    error = copy.deepcopy(base)
     error.cells.insert(first_code + 1, _code_cell('raise RuntimeError("a planted error")', "planted-error"))
     nbformat.write(error, folder / "01_cell_error.ipynb")
 
     (folder / "02_rewritten_on_save.ipynb").write_text(json.dumps(base, indent=2) + "\n")
 
-    frozen = nbformat.from_dict(json.loads(json.dumps(base)))
+    frozen = copy.deepcopy(base)
     frozen.cells.insert(explorer, _code_cell(FROZEN_EXPLORER, "planted-frozen-widget"))
     nbformat.write(frozen, folder / "03_frozen_widget.ipynb")
     return {
@@ -84,9 +85,9 @@ def test_the_browser_test_fails_each_broken_notebook_with_its_reason(tmp_path):
         PAGEDKV_BROWSER_REDRAW_S="5",
         COLUMNS="1000",  # the short summary keeps each failure's whole first line
     )
-    child = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_browser.py"), "-q", "-rf"]
+    browser_test = str(ROOT / "tests" / "test_browser.py")
     run = subprocess.run(
-        [*child, "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", browser_test, "-q", "-rf", "-p", "no:cacheprovider"],
         env=env,
         capture_output=True,
         text=True,
