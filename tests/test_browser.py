@@ -253,6 +253,16 @@ def _widget_in_cell(page, cell: int):
     return widget
 
 
+def _settled(page, read, what: str, timeout_s: float = 30) -> str:
+    """Poll ``read()`` until it returns a non-empty string; fail with ``what`` if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := read()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout_s:g} s")
+        page.wait_for_timeout(250)
+    return value
+
+
 def _exercise_widget(page, widget, index: int, name: str) -> None:
     """Move the widget's first control; its drawn output must change."""
     output = widget.locator(".widget-output")
@@ -261,11 +271,13 @@ def _exercise_widget(page, widget, index: int, name: str) -> None:
         imgs = output.locator("img")
         return imgs.first.get_attribute("src") if imgs.count() else output.inner_text()
 
-    before = drawn()
     readout = widget.locator(".widget-readout").first
     select = widget.locator("select").first
+    # A view made by Run All fills its readout and output a moment after it becomes
+    # visible: wait for both, or the control is read empty and "before" is no drawing.
+    before = _settled(page, drawn, f"{name}: widget {index} drew nothing")
     if readout.count():
-        old = readout.inner_text().strip()
+        old = _settled(page, lambda: readout.inner_text().strip(), f"{name}: widget {index} shows no readout")
         readout.click()
         page.keyboard.press("Control+A")
         page.keyboard.type(str(int(old.replace(",", "")) + 1))
