@@ -5,7 +5,7 @@ For each ``notebooks/NN_*.ipynb`` (found by name, so new notebooks join by thems
 1. open it; every stored widget view renders from the stored state before anything runs;
 2. wait for an autosave and save once more: the ``.ipynb`` and its paired ``src/*.py``
    must keep every byte (JupyterLab and jupytext rewrite nothing);
-3. Restart Kernel and Run All, wait for idle: no cell may have an error output;
+3. Restart Kernel and Run All, wait until it has finished: no cell may have an error output;
 4. move the first control of every widget: its drawn output must change;
 5. screenshots go to ``build/browser/``, run-all seconds to ``build/browser/timings.json``.
 
@@ -196,15 +196,19 @@ READY = f"""() => {{
             p.sessionContext.session && p.sessionContext.session.kernel &&
             p.sessionContext.session.kernel.status === 'idle');
 }}"""
+# The command's promise settles when Run All has finished (JupyterLab 4 returns
+# NotebookActions.runCells from it). Waiting on it, not on the cells' execution counts,
+# matters: the stored counts are already set before the restart, so a poll of them
+# could call the run done before it began.
+RUN_ALL = """() => {
+  window.pkRunAll = undefined;
+  window.jupyterapp.commands.execute('notebook:restart-run-all').then(
+    ok => { window.pkRunAll = ok === undefined ? 'not run' : ok ? 'ok' : 'a cell failed'; },
+    err => { window.pkRunAll = `threw ${err}`; });
+}"""
 DONE = f"""() => {{
-  const p = {PANEL};
-  const k = p.sessionContext.session && p.sessionContext.session.kernel;
-  if (!k || k.status !== 'idle') return false;
-  const cells = p.content.widgets.filter(c => c.model.type === 'code');
-  // queued or running; read from the model, since off-screen cells have no prompt node
-  if (cells.some(c => c.model.executionState === 'running')) return false;
-  const errored = cells.some(c => c.model.outputs.toJSON().some(o => o.output_type === 'error'));
-  return errored || cells.every(c => c.model.executionCount !== null);
+  const k = {PANEL}.sessionContext.session && {PANEL}.sessionContext.session.kernel;
+  return window.pkRunAll !== undefined && !!k && k.status === 'idle';
 }}"""
 CLOSE = f"""async () => {{
   const p = {PANEL};
@@ -330,7 +334,7 @@ def _check_notebook(lab, page, name: str) -> None:
     if name in CONFIG.get("open_only", []):
         return
     start = time.monotonic()
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:restart-run-all'); }")
+    page.evaluate(RUN_ALL)
     page.locator(".jp-Dialog .jp-mod-accept").click(timeout=30_000)
     page.wait_for_function(DONE, timeout=RUN_ALL_TIMEOUT_S * 1000, polling=500)
     seconds = time.monotonic() - start
@@ -338,6 +342,8 @@ def _check_notebook(lab, page, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}_run.png"))
     errors = page.evaluate(ERRORS)
     assert not errors, f"{name}: Restart Kernel and Run All left errors:\n" + "\n".join(errors)
+    outcome = page.evaluate("() => window.pkRunAll")
+    assert outcome == "ok", f"{name}: Restart Kernel and Run All ended with '{outcome}'"
 
     cells = page.evaluate(WIDGET_CELLS)
     assert len(cells) == views, f"{name}: {views} stored widget views, but {len(cells)} after Run All"
