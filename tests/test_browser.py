@@ -257,12 +257,13 @@ def _widget_in_cell(page, cell: int):
     return widget
 
 
-def _settled(page, read, what: str, timeout_s: float = 30) -> str:
-    """Poll ``read()`` until it returns a non-empty string; fail with ``what`` if it never does."""
+def _poll(page, read, until, timeout_s: float, failure: str):
+    """Call ``read()`` every 250 ms until ``until(value)`` holds and return that value;
+    fail with ``failure`` after ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
-    while not (value := read()):
+    while not until(value := read()):
         if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout_s:g} s")
+            pytest.fail(failure)
         page.wait_for_timeout(250)
     return value
 
@@ -279,9 +280,10 @@ def _exercise_widget(page, widget, index: int, name: str) -> None:
     select = widget.locator("select").first
     # A view made by Run All fills its readout and output a moment after it becomes
     # visible: wait for both, or the control is read empty and "before" is no drawing.
-    before = _settled(page, drawn, f"{name}: widget {index} drew nothing")
+    before = _poll(page, drawn, bool, 30, f"{name}: widget {index} drew nothing within 30 s")
     if readout.count():
-        old = _settled(page, lambda: readout.inner_text().strip(), f"{name}: widget {index} shows no readout")
+        no_readout = f"{name}: widget {index} shows no readout within 30 s"
+        old = _poll(page, lambda: readout.inner_text().strip(), bool, 30, no_readout)
         readout.click()
         page.keyboard.press("Control+A")
         page.keyboard.type(str(int(old.replace(",", "")) + 1))
@@ -292,11 +294,8 @@ def _exercise_widget(page, widget, index: int, name: str) -> None:
         select.select_option(label=next(o for o in options if o != current))
     else:
         pytest.fail(f"{name}: widget {index} has no slider or dropdown to move")
-    deadline = time.monotonic() + REDRAW_S
-    while drawn() == before:
-        if time.monotonic() > deadline:
-            pytest.fail(f"{name}: widget {index} did not redraw within {REDRAW_S:g} s after its control moved")
-        page.wait_for_timeout(250)
+    moved = f"{name}: widget {index} did not redraw within {REDRAW_S:g} s after its control moved"
+    _poll(page, drawn, lambda now: now != before, REDRAW_S, moved)
     page.screenshot(path=str(SHOTS / f"{name}_widget{index}.png"))
 
 
