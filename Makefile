@@ -1,7 +1,15 @@
 # pagedkv: two commands for everything (see README.md).
 #   make run    set up, then execute every notebook into build/ (ipynb + offline HTML)
 #   make test   set up, then lint + pytest over tests/ (browser test included) + nbval over
-#               notebooks/, then the kernel tests under the oldest admitted Triton
+#               notebooks/, the kernel tests under GPU plans, the compile check for real
+#               GPUs, then the kernel tests under the oldest admitted Triton (what CI runs)
+#   make check  the quick inner loop while working (under 3 minutes): lint, the unit and
+#               kernel tests (no browser, notebooks, engine model, second Triton or
+#               compile check), one verify grid in-process
+#   make compile-check  every kernel compiled for sm_80/sm_90 (+ sampled sm_75/sm_89),
+#               no GPU needed; table in build/compile_check/ (part of `make test`)
+#   make test-gpu-plans  the kernel tests planned as on a GPU (PAGEDKV_PLAN=gpu) in the
+#               interpreter (part of `make test`)
 #   make lab    set up, then open JupyterLab on notebooks/
 #   make refresh  rebuild notebooks/*.ipynb from notebooks/src and store outputs (developers)
 #   make test-oldest-triton  the kernel tests and the default verify grid under the oldest
@@ -41,7 +49,7 @@ BIN ?= $(VENV)/bin
 OLDEST_TRITON ?= 3.6.0
 VENV_OLDEST ?= .venv-triton$(OLDEST_TRITON)
 
-.PHONY: setup run lab test test-oldest-triton refresh browser-deps clean FORCE
+.PHONY: setup run lab test check compile-check test-gpu-plans test-oldest-triton refresh browser-deps clean FORCE
 
 ifeq ($(BIN),$(VENV)/bin)
 setup: $(BIN)/.pagedkv-installed
@@ -82,7 +90,33 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests notebooks $(NBVAL) $(XDIST)
+	$(MAKE) test-gpu-plans
+	$(MAKE) compile-check
 	$(MAKE) test-oldest-triton
+
+# The kernels' tests with the launch plans a GPU gets (its tiles, tl.dot modes and split
+# counts for PAGEDKV_PLAN_SMS SMs) while the kernels run in the interpreter. The bf16
+# tl.dot cases skip themselves (the interpreter computes them wrongly); the compile check
+# covers them.
+GPU_PLAN_TESTS ?= tests/test_kernel_prefill.py tests/test_kernel_read.py tests/test_kernel_write.py \
+	tests/test_quant_kernels.py tests/test_mla_kernels.py
+test-gpu-plans: setup
+	PAGEDKV_PLAN=gpu $(BIN)/python -m pytest $(GPU_PLAN_TESTS) -q -p no:cacheprovider $(XDIST)
+
+# Records the launches of the verify grid (which must pass under GPU plans), notebooks 06
+# and 07, the exercise solutions and the benchmarks' shapes, then compiles each for real
+# GPU targets and fails on a compile error, a spill or 255 registers.
+compile-check: setup
+	$(BIN)/python -m kernels.compile_check --out build/compile_check
+
+# The quick inner loop (see CONTRIBUTING.md): what most changes break, in under 3 minutes.
+QUICK_IGNORE := --ignore=tests/test_browser.py --ignore=tests/test_browser_mutants.py \
+	--ignore=tests/test_engine.py --ignore=tests/test_notebooks.py --ignore=tests/test_compile_check.py
+check: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest tests $(QUICK_IGNORE) -q -p no:cacheprovider $(XDIST)
+	$(BIN)/python -m kernels.verify --no-isolate --hypothesis 0
 
 $(VENV_OLDEST)/.pagedkv-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)

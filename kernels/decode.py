@@ -227,10 +227,11 @@ def _num_sms(index: int) -> int:
 
 def _parallel_units(device: torch.device) -> int:
     """Programs the device runs at once: the SM count compiled; 1 in the interpreter,
-    which runs programs one after another (so splitting there only adds work)."""
-    if runtime.BACKEND.interpreted or device.type != "cuda":
-        return 1
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    which runs programs one after another (so splitting there only adds work), unless
+    it plans as on a GPU (``PAGEDKV_PLAN=gpu``: the SM count it was given)."""
+    if not runtime.BACKEND.interpreted and device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return runtime.PLANS.sm_count if runtime.gpu_plans() else 1
 
 
 def visible_lengths(seq_lens: torch.Tensor, window: RingWindow | None = None) -> torch.Tensor:

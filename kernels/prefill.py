@@ -20,8 +20,9 @@ decode kernel does (a tile may span pages of any size, 1 included), with an onli
 softmax in fp32: running max ``m``, denominator ``l`` and the ``[BLOCK_M, BLOCK_D]``
 accumulator, rescaled by ``2**(m_old - m_new)`` per key tile. ``BLOCK_D`` is the head
 dimension rounded up to a power of two (80 runs in 128 lanes, masked). Sizes come
-from :func:`kernels.tiles.prefill_tiles`: 64 x 64 (or smaller for wide heads)
-compiled, so the tiles stay in registers (untuned); interpreted, up to 128 rows and
+from :func:`kernels.tiles.prefill_tiles`: compiled, per product mode and head size,
+the largest that compile without spills for sm_80 and sm_90 (16-bit: 64 x 64 up to head
+dim 64, 32 x 32 at 128; fp32 about four times smaller); interpreted, up to 128 rows and
 ``[BLOCK_M, BLOCK_N, BLOCK_D]`` products of 2**19 elements, since the interpreter pays
 mostly per executed ``tl`` operation.
 
@@ -261,9 +262,11 @@ def _prefill_kernel(
         elif DOT == 2:
             acc += tl.dot(p.to(tl.float16), v)
         else:
-            p_hi = p.to(tl.bfloat16)
-            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-            acc += tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            # New names: rebinding p_lo/p_hi (the int32 key range above) inside the loop
+            # makes them loop-carried with a new type, which the compiler refuses.
+            p_big = p.to(tl.bfloat16)
+            p_small = (p - p_big.to(tl.float32)).to(tl.bfloat16)
+            acc += tl.dot(p_big, v) + tl.dot(p_small, v)
         m_i = m_new
         tile += 1
 
@@ -345,7 +348,7 @@ def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     interpreter; compiled, ``"fp32"`` for fp32 pools and for a ``q`` whose dtype differs
     from the pool's, else the 16-bit dtype. See the module docstring for what each mode
     computes and costs in precision."""
-    if runtime.BACKEND.interpreted:
+    if not runtime.gpu_plans():
         return "sum"
     if cache_dtype == torch.float32 or q_dtype != cache_dtype:
         return "fp32"
@@ -392,7 +395,8 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, **tables) -> PrefillPl
     if max_rows > INT32_MAX - 2**20:  # the kernel numbers a request's (query, head) rows in int32
         raise ValueError(f"a request has {max_rows} (query, head) rows; the kernel indexes them with int32")
     max_keys = int(lens.max()) if lens.numel() else 0
-    block_m, block_n, block_d, num_warps = prefill_tiles(group, head_dim, max_rows, max_keys)
+    mode = dot_mode(q.dtype, cache.dtype)
+    block_m, block_n, block_d, num_warps = prefill_tiles(group, head_dim, max_rows, max_keys, mode)
     tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window)
     device = q.device
     return PrefillPlan(
@@ -411,7 +415,7 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, **tables) -> PrefillPl
         block_n=block_n,
         block_d=block_d,
         num_warps=num_warps,
-        dot_mode=dot_mode(q.dtype, cache.dtype),
+        dot_mode=mode,
         num_tiles=int(tile_request.numel()),
         visited_pairs=pairs * dims.num_kv_heads,
         tile_request=_int32(tile_request, device, min_len=1),

@@ -44,7 +44,7 @@ from .decode import _host, _int32, _parallel_units, choose_num_splits, visible_l
 from .merge import launch_merge
 from .quant_codes import e2m1_decode, fp8_decode
 from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint
-from .tiles import decode_tiles
+from .tiles import quant_decode_tiles
 from .validate import check_device, check_head_dim, check_index_tensor, check_kernel_dtype, check_num_splits
 
 __all__ = [
@@ -287,7 +287,7 @@ def _check_launch(q, pool, num_splits, index_tensors: dict) -> None:
 def _make_plan(q, pool, scale, window, max_visible: int, num_splits, **tables) -> QuantDecodePlan:
     batch, num_q_heads, head_dim = q.shape
     group = num_q_heads // pool.num_kv_heads
-    block_g, block_n, block_d, num_warps = decode_tiles(group, head_dim, max_visible)
+    block_g, block_n, block_d, num_warps = quant_decode_tiles(group, head_dim, max_visible)
     if num_splits is None:
         num_splits = choose_num_splits(batch, pool.num_kv_heads, max_visible, block_n, _parallel_units(q.device))
     return QuantDecodePlan(

@@ -10,8 +10,17 @@ Choice, in order:
 * ``PAGEDKV_BACKEND=interpreter`` forces Triton's interpreter (kernels run on CPU
   through numpy, tensors live on the CPU);
 * ``PAGEDKV_BACKEND=gpu`` forces compiled kernels and fails loudly without CUDA;
+* ``PAGEDKV_BACKEND=compile-only`` decorates kernels for compilation (``TRITON_INTERPRET=0``)
+  on a machine without a GPU, so that :mod:`kernels.compile_check` can compile them for
+  GPU targets; nothing can be launched in that mode;
 * otherwise (``auto``, the default) compiled kernels when CUDA is available, else
   the interpreter.
+
+Launch plans (tile sizes, ``tl.dot`` modes, split counts) follow the backend, unless
+``PAGEDKV_PLAN=gpu``: then the launchers plan as on a GPU with ``PAGEDKV_PLAN_SMS``
+streaming multiprocessors (132, an H100/H200, by default) while the kernels still run
+in the interpreter, so the CPU tests exercise the configurations a GPU runs (see
+:func:`gpu_plans`).
 """
 
 from __future__ import annotations
@@ -24,13 +33,17 @@ from dataclasses import dataclass
 import torch
 
 ENV_VAR = "PAGEDKV_BACKEND"
-_CHOICES = ("auto", "gpu", "interpreter")
+_CHOICES = ("auto", "gpu", "interpreter", "compile-only")
+PLAN_ENV_VAR = "PAGEDKV_PLAN"
+PLAN_SMS_ENV_VAR = "PAGEDKV_PLAN_SMS"
+DEFAULT_PLAN_SMS = 132  # H100 SXM and H200
 
 
 @dataclass(frozen=True)
 class Backend:
-    """Where kernels run: ``name`` is ``"gpu"`` or ``"interpreter"``; ``device`` is
-    the torch device their tensors must live on."""
+    """Where kernels run: ``name`` is ``"gpu"``, ``"interpreter"`` or ``"compile-only"``
+    (decorated for compilation, never launched); ``device`` is the torch device their
+    tensors must live on."""
 
     name: str
     device: torch.device
@@ -47,6 +60,8 @@ def _choose() -> Backend:
     cuda = torch.cuda.is_available()
     if requested == "gpu" and not cuda:
         raise RuntimeError(f"{ENV_VAR}=gpu but torch sees no CUDA device")
+    if requested == "compile-only":
+        return Backend("compile-only", torch.device("cpu"))
     if requested == "interpreter" or not cuda:
         return Backend("interpreter", torch.device("cpu"))
     return Backend("gpu", torch.device("cuda"))
@@ -67,6 +82,35 @@ def _apply(backend: Backend) -> None:
 
 BACKEND: Backend = _choose()
 _apply(BACKEND)
+
+
+@dataclass(frozen=True)
+class Plans:
+    """How launchers plan: ``gpu`` is True where they choose a GPU's tiles, ``tl.dot``
+    modes and split counts (compiled, or ``PAGEDKV_PLAN=gpu`` in the interpreter);
+    ``sm_count`` is the parallel units the split heuristic assumes in the interpreter
+    under GPU plans (a compiled run asks the device instead)."""
+
+    gpu: bool
+    sm_count: int
+
+
+def _choose_plans() -> Plans:
+    requested = os.environ.get(PLAN_ENV_VAR, "backend").strip().lower() or "backend"
+    if requested not in ("backend", "gpu"):
+        raise ValueError(f"{PLAN_ENV_VAR}={requested!r}: expected 'backend' (plan for where kernels run) or 'gpu'")
+    raw = os.environ.get(PLAN_SMS_ENV_VAR, str(DEFAULT_PLAN_SMS)).strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{PLAN_SMS_ENV_VAR}={raw!r}: expected a positive SM count (132 for an H100)")
+    return Plans(gpu=requested == "gpu" or not BACKEND.interpreted, sm_count=int(raw))
+
+
+PLANS: Plans = _choose_plans()
+
+
+def gpu_plans() -> bool:
+    """Return whether launchers plan as on a GPU (see :class:`Plans`)."""
+    return PLANS.gpu
 
 
 def device() -> torch.device:
@@ -115,5 +159,10 @@ def backend_line() -> str:
         triton_version = version("triton")
     except Exception:  # installed without metadata (a source tree on the path)
         triton_version = "unknown version"
-    where = f"compiled on {torch.cuda.get_device_name()}" if BACKEND.name == "gpu" else "Triton interpreter on CPU"
+    if BACKEND.name == "gpu":
+        where = f"compiled on {torch.cuda.get_device_name()}"
+    elif BACKEND.interpreted:
+        where = "Triton interpreter on CPU" + (f", GPU plans for {PLANS.sm_count} SMs" if PLANS.gpu else "")
+    else:
+        where = "compile only, no launches"
     return f"backend: {BACKEND.name} ({where}); torch {torch.__version__}, triton {triton_version}"

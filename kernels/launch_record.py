@@ -1,0 +1,267 @@
+"""Record the kernel launches a GPU would see, by running the suite in Triton's interpreter.
+
+:mod:`kernels.compile_check` compiles what this module records. A launch is recorded
+as Triton specializes it, not as its values: a tensor by its dtype and whether its
+address is 16-byte aligned, an int by its class (the value 1, i32 or i64, divisible by
+16 or not), a float as fp32, and every ``tl.constexpr`` and launch option
+(``num_warps``, ``num_stages``) by value. Two launches with the same record compile to
+the same machine code.
+
+The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``, see
+:mod:`pagedkv_lib.runtime`):
+
+* ``verify``: the default conformance grid on the suite's kernels (executed: it must pass);
+* ``notebooks``: the kernels notebooks 06 and 07 build in the page (executed, asserts on);
+* ``exercises``: the workshop's kernel solutions through the exercise checker;
+* ``benchmarks``: each benchmark's default GPU dtype, head size and tiles, on short
+  sequences (the tiles stop growing at 64 keys, so longer ones add no specialization).
+
+Kernels defined outside ``kernels/`` (a notebook's or an exercise's) are recorded with
+the text of their file, so that the compile step can rebuild them without running it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+from pagedkv_lib import runtime
+
+# isort: split
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+__all__ = ["SOURCES", "Recorder", "int_class", "record_sources"]
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("verify", "notebooks", "exercises", "benchmarks")
+INT32 = (-(2**31), 2**31 - 1)
+
+
+def int_class(value: int) -> str:
+    """Triton's specialization class of an int argument: ``"1"`` (compiled in as a
+    constant), else ``"i32"``/``"i64"`` by range, with ``"D"`` appended when divisible
+    by 16 (Triton then assumes the alignment)."""
+    if value == 1:
+        return "1"
+    width = "i32" if INT32[0] <= value <= INT32[1] else "i64"
+    return width + ("D" if value % 16 == 0 else "")
+
+
+def _constexpr_names(fn) -> set[str]:
+    names = set()
+    for name, p in inspect.signature(fn).parameters.items():
+        ann = p.annotation
+        if ann is tl.constexpr or (isinstance(ann, str) and "constexpr" in ann):
+            names.add(name)
+    return names
+
+
+def _describe(value, constexpr: bool):
+    """A JSON-able description of one argument, as Triton specializes it."""
+    if constexpr:
+        if isinstance(value, tl.dtype):
+            return ["dtype", str(value)]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return ["c", value]
+        raise TypeError(f"constexpr of type {type(value).__name__} cannot be recorded")
+    if isinstance(value, torch.Tensor):
+        return ["t", str(value.dtype).removeprefix("torch."), value.data_ptr() % 16 == 0]
+    if value is None:
+        return ["n"]
+    if isinstance(value, bool):
+        return ["b", value]
+    if isinstance(value, int):
+        return ["i", int_class(value)]
+    if isinstance(value, float):
+        return ["f"]
+    raise TypeError(f"argument of type {type(value).__name__} cannot be recorded")
+
+
+class Recorder:
+    """Records every interpreted launch while active (a context manager); ``launches``
+    maps each distinct record's key to the record, ``files`` a kernel file's path to its
+    text. The launch itself runs as usual, unless ``dry`` (record only: outputs are left
+    as they were, for sources whose results nobody reads)."""
+
+    def __init__(self, source: str = "", dry: bool = False):
+        self.source = source
+        self.dry = dry
+        self.launches: dict[str, dict] = {}
+        self.files: dict[str, str] = {}
+        self._saved = None
+
+    def add(self, fn, args: tuple, kwargs: dict) -> None:
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+        bound.apply_defaults()
+        const = _constexpr_names(fn)
+        described = {name: _describe(v, name in const) for name, v in bound.arguments.items()}
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        path = inspect.getsourcefile(fn) or fn.__code__.co_filename
+        path = str(Path(path).resolve())
+        if path not in self.files:
+            self.files[path] = Path(path).read_text()
+        in_kernels = Path(path).parent == ROOT / "kernels"
+        record = {
+            "kernel": fn.__name__,
+            "module": f"kernels.{Path(path).stem}" if in_kernels else None,
+            "file": path,
+            "args": described,
+            "options": options,
+        }
+        key = json.dumps({k: record[k] for k in ("kernel", "module", "args", "options")}, sort_keys=True)
+        if not in_kernels:
+            key += self.files[path]  # an edited learner kernel is another kernel
+        entry = self.launches.setdefault(key, {**record, "sources": [], "count": 0})
+        entry["count"] += 1
+        if self.source and self.source not in entry["sources"]:
+            entry["sources"].append(self.source)
+
+    def __enter__(self):
+        original = interpreter.InterpretedFunction.run
+        recorder = self
+
+        def run(self_fn, *args, grid, warmup, **kwargs):
+            if recorder.dry:
+                recorder.add(self_fn.fn, args, kwargs)
+                return None
+            out = original(self_fn, *args, grid=grid, warmup=warmup, **kwargs)
+            recorder.add(self_fn.fn, args, kwargs)  # after: a launch that raised (a lesson's refusal) is no plan
+            return out
+
+        self._saved = original
+        interpreter.InterpretedFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        interpreter.InterpretedFunction.run = self._saved
+        return False
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _run_verify() -> None:
+    from . import verify
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = verify.main(["--no-isolate", "--hypothesis", "0"])
+    if code != 0:
+        raise RuntimeError("the default verify grid failed under GPU plans:\n" + out.getvalue()[-4000:])
+
+
+def _run_notebook(stem: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    src = ROOT / "notebooks" / "src" / f"{stem}.py"
+    cwd = os.getcwd()
+    os.chdir(src.parent.parent)  # notebooks run from notebooks/
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(str(src), run_name=f"notebook_{stem}")
+    finally:
+        os.chdir(cwd)
+        plt.close("all")
+
+
+def _run_exercises() -> None:
+    from pagedkv_lib.exercises.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = main(["check", "--solutions"])
+    if code != 0:
+        raise RuntimeError("an exercise solution failed under GPU plans:\n" + out.getvalue()[-4000:])
+
+
+def _run_bf16_prefill() -> None:
+    """The prefill grid in bf16 (its ``tl.dot`` mode), recorded dry: the interpreter's
+    bf16 dot is wrong, so these launches are compiled but never run on CPU."""
+    from pagedkv_lib.verify import run
+
+    from .prefill import paged_prefill_attention
+
+    run(prefill_fn=paged_prefill_attention, checks=("prefill",), isolate=False)
+
+
+# The GPU defaults of benchmarks/bench_*.py (dtype, KV heads, GQA group, head size, page
+# size), on short sequences: tiles stop growing at 64 keys, so 256 keys give the same
+# specializations as the benchmarks' 64K.
+BENCH_SHAPES = {"heads": 8, "group": 4, "head_dim": 128, "page_size": 16, "tokens": 256}
+
+
+def _run_benchmarks() -> None:
+    from pagedkv_lib.quant_pool import QuantizedKVPool
+
+    from . import decode, gather, prefill, quant_decode, quant_write, write
+
+    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    gen = torch.Generator().manual_seed(0)
+    pages = 2 * n // p
+    table = torch.arange(pages, dtype=torch.int32).view(2, n // p)
+    lens = torch.full((2,), n, dtype=torch.int32)
+    slots = torch.arange(n, dtype=torch.int64)
+    for dtype in (torch.bfloat16, torch.float16):  # decode/prefill default bf16, write fp16
+        cache = torch.zeros((pages, 2, p, h, d), dtype=dtype)
+        q = torch.randn((2, h * g, d), generator=gen).to(dtype)
+        decode.paged_decode_attention(q, cache, table, lens)
+        gather.gather_paged_kv(cache, table, lens)
+        qp = torch.randn((2 * n, h * g, d), generator=gen).to(dtype)
+        prefill.paged_prefill_attention(qp, cache, torch.tensor([0, n, 2 * n], dtype=torch.int32), table, lens)
+        k = torch.randn((n, h, d), generator=gen).to(dtype)
+        write.append_paged_kv(k, k, cache, slots)
+    for fmt in ("fp8", "nvfp4"):  # bench_quant.py: fp16 inputs into each format
+        pool = QuantizedKVPool(pages, p, h, d, kv_dtype=fmt)
+        k = torch.randn((n, h, d), generator=gen).to(torch.float16)
+        quant_write.append_paged_kv_quant(k, k, pool, slots)
+        q = torch.randn((2, h * g, d), generator=gen).to(torch.float16)
+        quant_decode.paged_decode_attention_quant(q, pool, table, lens)
+
+
+RUNNERS = {  # (label, runner, dry)
+    "verify": [("verify grid", _run_verify, False), ("bf16 prefill grid (dry)", _run_bf16_prefill, True)],
+    "notebooks": [
+        (f"notebook {s[:2]}", lambda s=s: _run_notebook(s), False) for s in ("06_triton_write", "07_triton_read")
+    ],
+    "exercises": [("exercise solutions", _run_exercises, False)],
+    "benchmarks": [("benchmark shapes (dry)", _run_benchmarks, True)],
+}
+
+
+def record_sources(sources=SOURCES, log=print) -> tuple[list[dict], dict[str, str]]:
+    """Run each source under a :class:`Recorder`; return ``(launches, files)``. Raises
+    ``RuntimeError`` when not run in the interpreter with GPU plans, or when a source
+    fails (its launches would be incomplete)."""
+    if not (runtime.BACKEND.interpreted and runtime.gpu_plans()):
+        raise RuntimeError("record launches in the interpreter with GPU plans: PAGEDKV_PLAN=gpu, no CUDA")
+    launches: dict[str, dict] = {}
+    files: dict[str, str] = {}
+    for source in sources:
+        for label, runner, dry in RUNNERS[source]:
+            start = time.perf_counter()
+            with Recorder(label, dry=dry) as rec:
+                runner()
+            for key, entry in rec.launches.items():
+                mine = launches.setdefault(key, {**entry, "sources": [], "count": 0})
+                mine["count"] += entry["count"]
+                mine["sources"] += [s for s in entry["sources"] if s not in mine["sources"]]
+            files.update(rec.files)
+            log(f"recorded {label}: {len(rec.launches)} distinct launches in {time.perf_counter() - start:.1f} s")
+    return list(launches.values()), files
+
+
+if __name__ == "__main__":  # the compile check's first step, in its own process
+    out = Path(sys.argv[1])
+    launches, files = record_sources(sys.argv[2].split(",") if len(sys.argv) > 2 else SOURCES)
+    out.write_text(json.dumps({"launches": launches, "files": files}))

@@ -1,0 +1,140 @@
+"""The compile check: kernels compiled for real GPU targets without a GPU, their resource
+budget, and the launch records it compiles (kernels.compile_check, launch_record,
+gpu_compile). The whole check runs as its own step of the test command; these tests
+prove its parts, the bf16 prefill fix among them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import compile_check, launch_record
+from kernels.gpu_compile import parse_ptxas
+from pagedkv_lib import runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFILL = ROOT / "kernels" / "prefill.py"
+FIXED_BF16 = """            p_big = p.to(tl.bfloat16)
+            p_small = (p - p_big.to(tl.float32)).to(tl.bfloat16)
+            acc += tl.dot(p_big, v) + tl.dot(p_small, v)"""
+# What kernels/prefill.py held before: the int32 key range p_lo/p_hi reused for the bf16
+# split inside the loop. The interpreter rebinds names; the compiler refuses.
+BROKEN_BF16 = """            p_hi = p.to(tl.bfloat16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+            acc += tl.dot(p_hi, v) + tl.dot(p_lo, v)"""
+
+PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_other' for 'sm_90a'
+ptxas info    : Used 40 registers
+ptxas info    : Compiling entry function '_prefill_kernel' for 'sm_90a'
+ptxas info    : Function properties for _prefill_kernel
+    5168 bytes stack frame, 5168 bytes spill stores, 11020 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 5168 bytes cumulative stack size
+"""
+
+
+def test_ptxas_log_gives_the_named_kernels_registers_and_spills():
+    assert parse_ptxas(PTXAS_LOG, "_prefill_kernel") == (96, 5168, 11020)
+    assert parse_ptxas(PTXAS_LOG, "_other") == (40, 0, 0)
+    with pytest.raises(ValueError, match="no 'Used N registers'"):
+        parse_ptxas("ptxas info : 0 bytes gmem", "_prefill_kernel")
+
+
+def _result(**kw):
+    return {"arch": 90, "registers": 96, "spill_stores": 0, "spill_loads": 0, "shared": 0, "error": None} | kw
+
+
+def test_budget_fails_a_spill_a_full_register_file_and_a_compile_error():
+    assert compile_check.check_budget("k", _result(), budgeted=True) is None
+    assert "spills on sm_90: 8 B stored" in compile_check.check_budget("k", _result(spill_stores=8), True)
+    assert "needs 255 registers" in compile_check.check_budget("k", _result(registers=255), True)
+    assert "does not compile for sm_90" in compile_check.check_budget("k", _result(error="CompilationError: x"), False)
+    assert compile_check.check_budget("k", _result(spill_stores=8), budgeted=False) is None  # sampled archs
+    quirk = _result(arch=80, spill_stores=4, spill_loads=4, registers=64)  # the one listed in kernels.tiles
+    assert compile_check.check_budget("_quant_decode_split_kernel", quirk, True) is None
+    assert "spills on sm_80" in compile_check.check_budget(
+        "_quant_decode_split_kernel", quirk | {"spill_stores": 8}, True
+    )
+    assert "spills on sm_80" in compile_check.check_budget("_decode_split_kernel", quirk, True)
+
+
+@pytest.mark.parametrize(
+    "value, cls", [(1, "1"), (0, "i32D"), (17, "i32"), (-16, "i32D"), (2**31, "i64D"), (2**40 + 3, "i64")]
+)
+def test_int_arguments_are_recorded_by_their_triton_specialization(value, cls):
+    assert launch_record.int_class(value) == cls
+
+
+def test_recorder_keeps_distinct_specializations_and_drops_launches_that_raise():
+    """Two launches that differ only in an int's value class are two records; the same
+    launch twice is one record counted twice; a launch the kernel refuses is none."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _k(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n, other=0.0) + 1.0, mask=offs < n)
+
+    x = torch.zeros(32, device=runtime.device())
+    with launch_record.Recorder("test") as rec:
+        _k[(1,)](x, 5, BLOCK=16)
+        _k[(1,)](x, 7, BLOCK=16)  # same class (i32, not divisible by 16)
+        _k[(1,)](x, 16, BLOCK=16)  # divisible by 16: another specialization
+        with pytest.raises(Exception, match="power of 2"):
+            _k[(1,)](x, 5, BLOCK=12)  # tl.arange needs a power of two
+    records = sorted(rec.launches.values(), key=lambda r: r["args"]["n"][1])
+    assert [r["args"]["n"] for r in records] == [["i", "i32"], ["i", "i32D"]]
+    assert [r["count"] for r in records] == [2, 1] and records[0]["args"]["BLOCK"] == ["c", 16]
+    assert records[0]["args"]["x_ptr"] == ["t", "float32", True]
+
+
+def _compile_in_child(record: dict, files: dict, arch: int) -> dict:
+    code = (
+        "import json, sys; from kernels import gpu_compile; r, f, a = json.load(sys.stdin); "
+        "print(json.dumps(gpu_compile.compile_launch(r, f, a).to_json()))"
+    )
+    env = dict(os.environ, PAGEDKV_BACKEND="compile-only", TRITON_DEFAULT_FP_FUSION="1")
+    payload = json.dumps([record, files, arch])
+    run = subprocess.run(
+        [sys.executable, "-c", code], input=payload, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+INDEX_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "kv_indptr_ptr", "kv_indices_ptr", "kv_last_page_len_ptr")
+INDEX_POINTERS += ("qo_indptr_ptr", "tile_request_ptr", "tile_row_ptr")
+INT_ARGS = ("stride_qt", "stride_qh", "stride_page", "stride_kv", "stride_n", "stride_h", "stride_table")
+INT_ARGS += ("stride_ot", "stride_oh", "group", "head_dim", "page_size", "sink_tokens", "bubble_len")
+INT_ARGS += ("cyclic_cache_len", "window_recent")
+
+
+def _bf16_prefill_record(path: Path) -> dict:
+    """A record of one bf16 tl.dot prefill launch (as launch_record writes them)."""
+    args = {name: ["t", "int32", True] for name in INDEX_POINTERS}
+    args |= {name: ["t", "bfloat16", True] for name in ("q_ptr", "cache_ptr", "out_ptr")}
+    args |= {name: ["i", "i32"] for name in INT_ARGS}
+    args |= {name: ["i", "1"] for name in ("stride_qd", "stride_d", "stride_od")} | {"qk_scale": ["f"]}
+    consts = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 64, "HAS_WINDOW": False, "IS_CSR": False, "DOT": 3}
+    args |= {k: ["c", v] for k, v in consts.items()} | {"OUT_BF16": ["c", True]}
+    return {"kernel": "_prefill_kernel", "module": None, "file": str(path), "args": args, "options": {"num_warps": 4}}
+
+
+def test_bf16_prefill_compiles_for_sm90_and_the_rebound_loop_names_would_not():
+    """The bug this check was built for: compiled from kernels/prefill.py's text as it is,
+    the bf16 tl.dot prefill compiles for sm_90; with the bf16 split bound to the names of
+    the int32 key range, as before the fix, the compiler refuses the loop."""
+    text = PREFILL.read_text()
+    assert FIXED_BF16 in text, "kernels/prefill.py changed: update this test's copy of the bf16 split"
+    fixed = _compile_in_child(_bf16_prefill_record(PREFILL), {str(PREFILL): text}, 90)
+    assert fixed["error"] is None and fixed["registers"] < 255 and fixed["spill_stores"] == 0, fixed
+    broken_path = ROOT / "kernels" / "prefill_broken_for_test.py"  # never written: its text travels in the record
+    broken = _compile_in_child(
+        _bf16_prefill_record(broken_path), {str(broken_path): text.replace(FIXED_BF16, BROKEN_BF16)}, 90
+    )
+    assert broken["error"] and "Loop-carried variable" in broken["error"], broken
