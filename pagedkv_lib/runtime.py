@@ -12,19 +12,28 @@ Choice, in order:
 * ``PAGEDKV_BACKEND=gpu`` forces compiled kernels and fails loudly without CUDA;
 * otherwise (``auto``, the default) compiled kernels when CUDA is available, else
   the interpreter.
+
+``PAGEDKV_POISON_MASKED=1`` makes the interpreter fill the masked-out lanes of a
+``tl.load`` without ``other=`` with NaN (floats) or a far out-of-range value (integers)
+instead of 0, as undefined as they are on a GPU (:mod:`pagedkv_lib.interpreter_poison`,
+switched on when ``kernels`` is imported; :func:`masked_lanes_poisoned` for a block).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 ENV_VAR = "PAGEDKV_BACKEND"
 _CHOICES = ("auto", "gpu", "interpreter")
+POISON_ENV_VAR = "PAGEDKV_POISON_MASKED"
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,37 @@ def device() -> torch.device:
     return BACKEND.device
 
 
+def poison_masked_requested() -> bool:
+    """Return whether ``PAGEDKV_POISON_MASKED`` asks for poisoned masked lanes (``1``; ``0``
+    or unset: no). ValueError names the variable for any other value."""
+    value = os.environ.get(POISON_ENV_VAR, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{POISON_ENV_VAR}={value!r}: expected 1 (poison masked lanes) or 0")
+    return value == "1"
+
+
+@contextmanager
+def masked_lanes_poisoned(on: bool = True) -> Iterator[list]:
+    """Inside the block, masked ``tl.load`` lanes without ``other=`` read poison in the
+    interpreter (``on=False``: read 0, whatever the environment says); yields the list of
+    :class:`pagedkv_lib.interpreter_poison.PoisonedLoad` poisoned in the block. Where
+    kernels are compiled for a GPU, or Triton is missing, it does nothing and yields an
+    empty list: a GPU's masked lanes are undefined already."""
+    if not (BACKEND.interpreted and triton_available()):
+        yield []
+        return
+    # Imported here, not at the top: it imports triton, which this package never does at
+    # import (notebooks 01-05 run without it); the kernel under test has imported it already.
+    poison = importlib.import_module(f"{__package__}.interpreter_poison")
+    with poison.poisoned(on) as seen:
+        yield seen
+
+
+def _poisoning() -> bool:
+    poison = sys.modules.get(f"{__package__}.interpreter_poison")  # never imported: nothing poisoned
+    return poison is not None and poison.enabled()
+
+
 NO_TRITON = "no Triton: notebooks 06-12 need Linux (WSL, a container or a hosted notebook)"
 
 
@@ -116,4 +156,6 @@ def backend_line() -> str:
     except Exception:  # installed without metadata (a source tree on the path)
         triton_version = "unknown version"
     where = f"compiled on {torch.cuda.get_device_name()}" if BACKEND.name == "gpu" else "Triton interpreter on CPU"
+    if _poisoning():
+        where += ", masked lanes poisoned"
     return f"backend: {BACKEND.name} ({where}); torch {torch.__version__}, triton {triton_version}"
