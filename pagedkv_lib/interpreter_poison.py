@@ -64,6 +64,7 @@ __all__ = [
     "disable",
     "enabled",
     "enable_from_env",
+    "check_patchable",
     "poisoned",
     "poison_value",
 ]
@@ -157,11 +158,10 @@ def _wrap(original):
     return create_masked_load
 
 
-def _install() -> None:
-    """Wrap the interpreter's masked load once; RuntimeError names a Triton it does not fit."""
-    if _state["installed"]:
-        return
-    version = triton.__version__
+def check_patchable(version: str, method) -> None:
+    """Raise RuntimeError, naming Triton ``version``, unless it is admitted
+    (:data:`ADMITTED_TRITON`) and ``method`` (its ``InterpreterBuilder.create_masked_load``)
+    takes ``(self, ptrs, mask, other, ...)``: anything else would poison nothing, silently."""
     found = re.match(r"(\d+)\.(\d+)", version)
     if not found or tuple(map(int, found.groups())) not in ADMITTED_TRITON:
         admitted = ", ".join(f"{a}.{b}" for a, b in ADMITTED_TRITON)
@@ -170,13 +170,21 @@ def _install() -> None:
             f"against ({admitted}); check InterpreterBuilder.create_masked_load in triton/runtime/interpreter.py, "
             "then add the version to pagedkv_lib.interpreter_poison.ADMITTED_TRITON"
         )
-    method = getattr(InterpreterBuilder, "create_masked_load", None)
     params = list(inspect.signature(method).parameters)[:4] if callable(method) else []
     if params != ["self", "ptrs", "mask", "other"]:
         raise RuntimeError(
             f"PAGEDKV_POISON_MASKED: Triton {version}'s InterpreterBuilder.create_masked_load takes "
-            f"{params or 'nothing'}, not (self, ptrs, mask, other, ...): the patch would poison nothing"
+            f"({', '.join(params) or 'nothing'}, ...), not (self, ptrs, mask, other, ...): "
+            "the patch would poison nothing"
         )
+
+
+def _install() -> None:
+    """Wrap the interpreter's masked load, once."""
+    if _state["installed"]:
+        return
+    method = getattr(InterpreterBuilder, "create_masked_load", None)
+    check_patchable(triton.__version__, method)
     if not getattr(method, "pagedkv_poison", False):
         InterpreterBuilder.create_masked_load = _wrap(method)
     _state["installed"] = True

@@ -523,7 +523,7 @@ def _decode_picture(tables, lens, b: int, page_size: int, num_pages: int, block_
 
 
 def _poisoned_hint(loads: list) -> str:
-    where = "; ".join(f"`{load.source}` ({load.filename.rsplit('/', 1)[-1]}, line {load.lineno})" for load in loads)
+    where = "; ".join(f"`{load.source}` ({Path(load.filename).name}, line {load.lineno})" for load in loads)
     return (
         f"NaN came from the masked lanes of a tl.load without other=: {where}. On a GPU those lanes hold "
         "whatever memory held (this check fills them with NaN; Triton's interpreter alone gives 0): load "
