@@ -156,6 +156,7 @@ def test_on_the_gpu_backend_poisoning_is_a_no_op(monkeypatch, restore_poison):
         assert not poison.enabled() and seen == []
 
 
+@verify.contract(page_sizes=(1,), dtypes=("fp32",))  # a few short cases of the grid, to stay cheap
 def _spy_decode(q, cache, block_tables, seq_lens, layout="NHD", window=None):
     """The reference decode, right only while masked lanes are poisoned."""
     args = (q.cpu(), cache.cpu(), block_tables.cpu(), seq_lens.cpu())
@@ -195,17 +196,31 @@ def test_exercise_checker_poisons_by_default_and_not_with_the_flag():
 
     def decode(q, cache, block_tables, seq_lens, layout="NHD"):
         states.append(poison.enabled())
-        return torch.zeros_like(q)
+        raise RuntimeError("a spy: fails the first case at once")
 
     assert not check("decode_kernel", decode).passed and states == [True]
     assert not check("decode_kernel", decode, poison_masked=False).passed and states == [True, False]
 
 
+def _decode_without_other():
+    """Exercise 08's solution with ``other=0.0`` dropped from its masked K/V loads."""
+    space = load_solution(EXERCISES["decode_kernel"], replace=("mask=mask, other=0.0)", "mask=mask)"))
+    return space["decode"]
+
+
+@interpreted
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: 0 * NaN
+def test_harness_fails_a_decode_that_uses_masked_lanes_and_passes_it_only_without_poison():
+    decode, case = _decode_without_other(), verify.decode_grid()[0]
+    result = verify.run_case("decode", case, decode_fn=decode, isolate=False)
+    assert not result.passed and "non-finite outputs" in result.detail, result.detail
+    assert verify.run_case("decode", case, decode_fn=decode, isolate=False, poison_masked=False).passed
+
+
 @interpreted
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: 0 * NaN
 def test_exercise_08_without_other_on_its_masked_kv_loads_fails_naming_the_loads():
-    space = load_solution(EXERCISES["decode_kernel"], replace=("mask=mask, other=0.0)", "mask=mask)"))
-    result = check("decode_kernel", space["decode"])
+    result = check("decode_kernel", _decode_without_other())
     assert not result.passed and result.failure.case == 1, result.message
     message = " ".join(result.message.split())
     assert "NaN came from the masked lanes of a tl.load without other=" in message, message
