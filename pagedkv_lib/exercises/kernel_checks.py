@@ -525,9 +525,10 @@ def _decode_picture(tables, lens, b: int, page_size: int, num_pages: int, block_
 def _poisoned_hint(loads: list) -> str:
     where = "; ".join(f"`{load.source}` ({Path(load.filename).name}, line {load.lineno})" for load in loads)
     return (
-        f"NaN came from the masked lanes of a tl.load without other=: {where}. On a GPU those lanes hold "
-        "whatever memory held (this check fills them with NaN; Triton's interpreter alone gives 0): load "
-        "masked K/V lanes with other=0.0, and give masked tokens score -inf; 0 * NaN is NaN."
+        f"NaN came from the masked lanes of a tl.load without other=: {where}. A masked lane reads no "
+        "memory; on a GPU it is undefined, whatever its register held (this check fills it with NaN; "
+        "Triton's interpreter alone gives 0): load masked K/V lanes with other=0.0, and give masked tokens "
+        "score -inf; 0 * NaN is NaN."
     )
 
 
