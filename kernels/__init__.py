@@ -12,9 +12,15 @@
 Importing this package first imports :mod:`pagedkv_lib.runtime`, which sets
 ``TRITON_INTERPRET`` before triton is imported: compiled kernels when CUDA is
 available, Triton's interpreter on CPU otherwise (``PAGEDKV_BACKEND`` forces either).
+``PAGEDKV_POISON_MASKED=1`` then poisons the interpreter's masked lanes
+(:mod:`pagedkv_lib.interpreter_poison`).
 """
 
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
+
+from pagedkv_lib import interpreter_poison  # isort: skip  (it imports triton: after runtime)
+
+interpreter_poison.enable_from_env()
 
 from .decode import (  # noqa: E402
     DecodePlan,

@@ -21,13 +21,21 @@ Launch plans (tile sizes, ``tl.dot`` modes, split counts) follow the backend, un
 streaming multiprocessors (132, an H100/H200, by default) while the kernels still run
 in the interpreter, so the CPU tests exercise the configurations a GPU runs (see
 :func:`gpu_plans`).
+
+``PAGEDKV_POISON_MASKED=1`` makes the interpreter fill the masked-out lanes of a
+``tl.load`` without ``other=`` with NaN (floats) or a far out-of-range value (integers)
+instead of 0, as undefined as they are on a GPU (:mod:`pagedkv_lib.interpreter_poison`,
+switched on when ``kernels`` is imported; :func:`masked_lanes_poisoned` for a block).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +45,7 @@ _CHOICES = ("auto", "gpu", "interpreter", "compile-only")
 PLAN_ENV_VAR = "PAGEDKV_PLAN"
 PLAN_SMS_ENV_VAR = "PAGEDKV_PLAN_SMS"
 DEFAULT_PLAN_SMS = 132  # H100 SXM and H200
+POISON_ENV_VAR = "PAGEDKV_POISON_MASKED"
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,37 @@ def device() -> torch.device:
     return BACKEND.device
 
 
+def poison_masked_requested() -> bool:
+    """Return whether ``PAGEDKV_POISON_MASKED`` asks for poisoned masked lanes (``1``; ``0``
+    or unset: no). ValueError names the variable for any other value."""
+    value = os.environ.get(POISON_ENV_VAR, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{POISON_ENV_VAR}={value!r}: expected 1 (poison masked lanes) or 0")
+    return value == "1"
+
+
+@contextmanager
+def masked_lanes_poisoned(on: bool = True) -> Iterator[list]:
+    """Inside the block, masked ``tl.load`` lanes without ``other=`` read poison in the
+    interpreter (``on=False``: read 0, whatever the environment says); yields the list of
+    :class:`pagedkv_lib.interpreter_poison.PoisonedLoad` poisoned in the block. Where
+    kernels are compiled for a GPU, or Triton is missing, it does nothing and yields an
+    empty list: a GPU's masked lanes are undefined already."""
+    if not (BACKEND.interpreted and triton_available()):
+        yield []
+        return
+    # Imported here, not at the top: it imports triton, which this package never does at
+    # import (notebooks 01-05 run without it); the kernel under test has imported it already.
+    poison = importlib.import_module(f"{__package__}.interpreter_poison")
+    with poison.poisoned(on) as seen:
+        yield seen
+
+
+def _poisoning() -> bool:
+    poison = sys.modules.get(f"{__package__}.interpreter_poison")  # never imported: nothing poisoned
+    return poison is not None and poison.enabled()
+
+
 NO_TRITON = "no Triton: notebooks 06-12 need Linux (WSL, a container or a hosted notebook)"
 
 
@@ -165,4 +205,6 @@ def backend_line() -> str:
         where = "Triton interpreter on CPU" + (f", GPU plans for {PLANS.sm_count} SMs" if PLANS.gpu else "")
     else:
         where = "compile only, no launches"
+    if _poisoning():
+        where += ", masked lanes poisoned"
     return f"backend: {BACKEND.name} ({where}); torch {torch.__version__}, triton {triton_version}"

@@ -21,8 +21,11 @@
 #   l' = \alpha l + \textstyle\sum 2^{s - m'}, \quad acc' = \alpha\, acc + \sum 2^{s - m'} v ,$$
 #
 # and store `acc / l`. Rows past `seq_len` are masked: they must **load 0** (`other=0.0`)
-# **and** score `-inf` (unused rows of the pool may hold NaN, and `0 * NaN` is NaN). A
-# sequence of length 0 returns zeros. Mask `d < head_dim` too. Use a `while` loop
+# **and** score `-inf`. A masked lane reads no memory: without `other=` it is undefined on
+# a GPU (whatever its register held; Triton's interpreter gives 0, and the checker fills
+# it with NaN, as a GPU may), and `0 * NaN` is NaN. Rows the mask keeps out may hold NaN
+# too: the checker's pools have NaN in every unused row. A sequence of length 0 returns
+# zeros. Mask `d < head_dim` too. Use a `while` loop
 # (Triton 3.6's interpreter cannot `range()` over a runtime bound), do the math in fp32,
 # and store in the output's dtype.
 

@@ -123,10 +123,12 @@ assert cache.isnan().any() and truth.isfinite().all(), "the pool is poisoned, th
 # does). We work in base 2 (`exp2` is the GPU's native instruction): `e^x = 2^(x log2 e)`,
 # so multiplying the scale by `log2 e` once gives the same softmax.
 #
-# Two guards keep the NaN rows out, and both are needed: masked lanes **load 0**
-# (`other=0.0`; an unmasked load would bring the NaN into `p * v`, and `0 * NaN = NaN`),
-# and their scores are set to **-inf** (a row loaded as 0 would still score 0 and take a
-# share of the softmax). The page loop is a `while` loop, because Triton 3.6's
+# The mask keeps the NaN rows out of the loads; two guards keep the masked lanes out of
+# the arithmetic, and both are needed: masked lanes **load 0** (`other=0.0`: a masked
+# lane reads no memory, and without `other=` its value is undefined on a GPU, whatever
+# the register held, NaN included, and `0 * NaN = NaN` in `p * v`), and their scores are
+# set to **-inf** (a lane loaded as 0 would still score 0 and take a share of the
+# softmax). The page loop is a `while` loop, because Triton 3.6's
 # interpreter cannot `range()` over a bound known only at run time.
 
 
@@ -225,6 +227,26 @@ only_these = launch_a(one[0], isolated.to(DEV), *one[1:]).cpu()
 same = torch.equal(only_these[0, h], out_a[b, h])
 print(f"rows loaded: {len(pages)} of {cache.shape[0] * PAGE_SIZE}; output unchanged with every other row NaN: {same}")
 assert same, f"with every row but the pictured {len(pages)} set to NaN, head {h} of sequence {b} changed: it reads more"
+
+# %% [markdown]
+# ### What a masked lane holds
+#
+# A masked lane reads no memory. With `other=0.0` it holds 0; without `other=` it is
+# **undefined on a GPU**: whatever its register held, NaN included. Triton's interpreter
+# happens to give 0 there, so on a CPU a kernel that forgot `other=` passes every check.
+# `runtime.masked_lanes_poisoned()` (or `PAGEDKV_POISON_MASKED=1` in the environment
+# before Jupyter starts) makes the interpreter fill such lanes with NaN instead (integer
+# lanes with a far out-of-range value), as a GPU may, and lists every load whose lanes
+# it filled; on a GPU it does nothing. The conformance harness and the exercise checker
+# run with it on. Step (a) passes under it, and no load of it is poisoned:
+
+# %%
+with runtime.masked_lanes_poisoned() as poisoned_loads:
+    out_p = launch_a(*dev_inputs).cpu()
+check_p = compare(out_p, truth, atol, rtol)
+named = [str(load) for load in poisoned_loads]
+print(f"step (a), masked lanes poisoned: within tolerance: {check_p.passed}; loads poisoned: {named or 'none'}")
+assert check_p.passed, f"step (a) used masked lanes it never set: {named}; give those loads other=0.0"
 
 # %% [markdown]
 # ## Step (b): GQA, one program per KV head
@@ -598,6 +620,7 @@ assert result.passed, f"production failed the windowed case: {result.detail}"
 # | gathering batch 32 x 128K x 8 x 128 bf16 moves about 34 GB per layer and step | byte count |
 # | step (a), page by page with an online softmax, matches float64 in a NaN-poisoned pool | `1e-5 + 1e-6 \|ref\|` |
 # | one program of step (a) reads exactly the pictured rows | NaN everywhere else, output bit-identical |
+# | step (a) never uses a masked lane it did not set | passes with masked lanes poisoned; no load poisoned |
 # | step (b) loads each K/V tile once per group and matches float64 | tolerance; tile count = 1 / group |
 # | step (c): each partial, its LSE, empty splits, the merge, 1-9 splits | vs float64 and the reference merge |
 # | production: page size 1, 8, 16 give bit-identical outputs | `torch.equal` |
@@ -609,8 +632,12 @@ assert result.passed, f"production failed the windowed case: {result.detail}"
 # ## Try this
 #
 # 1. **Predict, then run:** in step (a), drop `other=0.0` from the K and V loads (keep the
-#    `-inf` scores) and rerun the check. Then restore it and drop the `tl.where(valid, ...)`
-#    instead. Which guard catches which NaN? The step (a) assert prints the error.
+#    `-inf` scores) and rerun the kernel's cell and the checks after it. In the
+#    interpreter the step (a) check still passes (its masked lanes read 0), but the
+#    poisoned run of "What a masked lane holds" returns NaN for every sequence (each ends
+#    in a partly filled page) and its assert names the two loads: on a GPU that NaN, or any
+#    other garbage, is what you may get. Then restore it and drop the `tl.where(valid, ...)`
+#    instead. Which guard catches which NaN?
 # 2. In step (a), replace `alpha = tl.exp2(m_i - m_new)` by `alpha = 1.0`. Sequence 2 (one
 #    page) still passes: why, and which sequences fail?
 # 3. Launch step (c) with `num_splits=20`: more splits than sequence 1 has pages. Predict

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from .. import runtime
+from . import check
 from .catalog import EXERCISES, get
 from .files import build_notebook, default_dir, load_solution, load_stub
 
@@ -30,10 +31,13 @@ def _functions(exercise, namespace: dict) -> list:
     return [namespace[n] for n in exercise.functions]
 
 
-def check_folder(which: str, names: list[str] | None = None, folder: Path | None = None, out=None) -> bool:
+def check_folder(
+    which: str, names: list[str] | None = None, folder: Path | None = None, out=None, poison_masked: bool = True
+) -> bool:
     """Check every solution (``which="solutions"``) or stub (``"stubs"``) of the named
     exercises (all by default), printing one block per exercise; True when every
-    solution passed, or every stub failed with a checker message."""
+    solution passed, or every stub failed with a checker message. ``poison_masked`` as
+    in :func:`pagedkv_lib.exercises.check`."""
     folder, out = folder or default_dir(), out or sys.stdout
     exercises = [get(n) for n in names] if names else list(EXERCISES.values())
     ok = True
@@ -41,7 +45,7 @@ def check_folder(which: str, names: list[str] | None = None, folder: Path | None
         start = time.perf_counter()
         try:
             space = load_solution(exercise, folder) if which == "solutions" else load_stub(exercise, folder)
-            result = exercise.checker(*_functions(exercise, space))
+            result = check(exercise.name, *_functions(exercise, space), poison_masked=poison_masked)
         except Exception:  # a traceback here is what --stubs promises never to show a learner
             ok = False
             print(f"ERROR {exercise.stem}: the check itself raised\n{traceback.format_exc()}", file=out)
@@ -74,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--solutions", action="store_true", help="every solution must pass")
     group.add_argument("--stubs", action="store_true", help="every stub must fail with the checker's message")
     p_check.add_argument("names", nargs="*", help="exercise names or numbers (default: all)")
+    p_check.add_argument(
+        "--no-poison-masked",
+        action="store_true",
+        help="kernel exercises: masked tl.load lanes without other= read 0 (default: NaN, undefined as on a GPU)",
+    )
     sub.add_parser("list", help="list the exercises")
     sub.add_parser("build", help="rebuild the exercise notebooks from exercises/src")
     args = parser.parse_args(argv)
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     print(runtime.backend_line() + "\n")
-    ok = check_folder("solutions" if args.solutions else "stubs", names, folder)
+    ok = check_folder(
+        "solutions" if args.solutions else "stubs", names, folder, poison_masked=not args.no_poison_masked
+    )
     print("all as expected" if ok else "NOT as expected: see above")
     return 0 if ok else 1

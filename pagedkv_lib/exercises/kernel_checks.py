@@ -5,8 +5,10 @@ Each check runs a few small teaching cases first, whose failures are easy to rea
 cases of the conformance harness (:func:`pagedkv_lib.verify.append_case` and
 :func:`~pagedkv_lib.verify.decode_case` on the harness's grid). Expectations are the
 float64 references; a copy must match bit for bit, attention within
-:data:`pagedkv_lib.verify.TOLERANCES`. This module never imports triton: the learner's
-kernel brings it.
+:data:`pagedkv_lib.verify.TOLERANCES`. In Triton's interpreter the learner's kernel runs
+with masked lanes poisoned (``poison_masked=True``, the default: a masked ``tl.load``
+without ``other=`` reads NaN, as undefined as on a GPU, instead of 0). This module never
+imports triton: the learner's kernel brings it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ def _save(fig, name: str) -> Path:
     fig.savefig(path)
     plt.close(fig)  # shown by the result itself, not again by the notebook's inline backend
     return path
+
+
+def _poisoning(fn, on: bool, seen: list | None = None):
+    """``fn`` (the learner's launcher) run with masked lanes poisoned (``on``) or reading 0;
+    each :class:`~pagedkv_lib.interpreter_poison.PoisonedLoad` it poisons is added to ``seen``."""
+
+    def poisoned(*args, **kwargs):
+        with runtime.masked_lanes_poisoned(on) as loads:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if seen is not None:
+                    seen.extend(load for load in loads if load not in seen)
+
+    return poisoned
 
 
 def _nhd(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -237,10 +254,11 @@ def _grid_append_run(case):
     return run
 
 
-def check_append_kernel(append):
+def check_append_kernel(append, poison_masked: bool = True):
     """Exercise 06: ``append(k, v, cache, slot_mapping, layout="NHD")`` (the exercise's
     launcher around the learner's kernel), bit for bit against
-    :func:`pagedkv_lib.reference.append_paged_kv`."""
+    :func:`pagedkv_lib.reference.append_paged_kv`; ``poison_masked`` as in the module docstring."""
+    append = _poisoning(append, poison_masked)
     teaching = [
         _teaching_append_case(
             "four tokens, NHD, pages of 4 rows",
@@ -366,10 +384,12 @@ def _merge_run(merge, part, lse, expected):
     return Mismatch("the float64 merge, within 1e-5 + 1e-6 |ref|", f"max |error| {result.max_abs:.3g}", detail, hint)
 
 
-def check_merge_kernel(merge):
+def check_merge_kernel(merge, poison_masked: bool = True):
     """Exercise 07: ``merge(partials, lse) -> out`` (the exercise's launcher around the
     learner's kernel) against :func:`pagedkv_lib.reference.merge_partials` and, on partials
-    of conformance cases, the float64 decode reference."""
+    of conformance cases, the float64 decode reference; ``poison_masked`` as in the module
+    docstring."""
+    merge = _poisoning(merge, poison_masked)
     gen = torch.Generator().manual_seed(7)
 
     def made(batch, heads, splits, dim, lse_values=None):
@@ -502,8 +522,19 @@ def _decode_picture(tables, lens, b: int, page_size: int, num_pages: int, block_
     return _save(plot_access_pattern(order, title, masked, label="tile"), name)
 
 
-def _decode_run(decode, case: dict, name: str, block_n: int):
+def _poisoned_hint(loads: list) -> str:
+    where = "; ".join(f"`{load.source}` ({Path(load.filename).name}, line {load.lineno})" for load in loads)
+    return (
+        f"NaN came from the masked lanes of a tl.load without other=: {where}. A masked lane reads no "
+        "memory; on a GPU it is undefined, whatever its register held (this check fills it with NaN; "
+        "Triton's interpreter alone gives 0): load masked K/V lanes with other=0.0, and give masked tokens "
+        "score -inf; 0 * NaN is NaN."
+    )
+
+
+def _decode_run(decode, case: dict, name: str, block_n: int, poisoned: list):
     seen: dict = {}
+    poisoned.clear()  # the loads this case poisons
 
     def wrapper(q, cache, block_tables, seq_lens, layout="NHD"):
         try:
@@ -542,7 +573,9 @@ def _decode_run(decode, case: dict, name: str, block_n: int):
         f"{show([round(x, 4) for x in out[b, h, :3].tolist()])}..."
     )
     hint = ""
-    if out.isnan().all():
+    if poisoned and not torch.isfinite(out[b, h]).all() and int(lens[b]) > 0:
+        hint = _poisoned_hint(poisoned)  # before "stored nothing": all NaN is what poison gives too
+    elif out.isnan().all():
         hint = "every output is NaN, as the launcher leaves it: your kernel stored nothing."
     elif not torch.isfinite(out[b, h]).all():
         hint = (
@@ -617,11 +650,14 @@ def _decode_hint(case: dict, block_n: int) -> str:
     return " ".join(hints)
 
 
-def check_decode_kernel(decode, block_n: int = 32):
+def check_decode_kernel(decode, block_n: int = 32, poison_masked: bool = True):
     """Exercise 08: ``decode(q, cache, block_tables, seq_lens, layout="NHD") -> out`` (the
     exercise's launcher around the learner's kernel; tiles of ``block_n`` tokens) on teaching
     cases, then the short cases of the harness's decode grid, within
-    :data:`pagedkv_lib.verify.TOLERANCES` of the float64 reference."""
+    :data:`pagedkv_lib.verify.TOLERANCES` of the float64 reference. ``poison_masked`` as in
+    the module docstring; a NaN result then names the masked loads that read poison."""
+    poisoned: list = []
+    decode = _poisoning(decode, poison_masked, poisoned)
     base = {
         "layout": "NHD",
         "dtype": "fp32",
@@ -676,14 +712,19 @@ def check_decode_kernel(decode, block_n: int = 32):
     long = long_decode_cases()
     grid = [c for c in decode_grid() if c not in long]
     cases = [
-        Case(label, lambda case=case: _decode_run(decode, case, "decode_kernel", block_n), [("case", show(case))], hint)
+        Case(
+            label,
+            lambda case=case: _decode_run(decode, case, "decode_kernel", block_n, poisoned),
+            [("case", show(case))],
+            hint,
+        )
         for label, case, hint in teaching
     ]
     for i, case in enumerate(grid, 1):
         cases.append(
             Case(
                 f"conformance grid case {i} of {len(grid)}: {_decode_label(case)}",
-                lambda case=case: _decode_run(decode, case, "decode_kernel", block_n),
+                lambda case=case: _decode_run(decode, case, "decode_kernel", block_n, poisoned),
                 [("case", show(case))],
                 _decode_hint(case, block_n),
             )

@@ -25,7 +25,10 @@ Two kinds of checks:
 A callable that raises fails the case it raised on; the run goes on. From a shell:
 ``python -m pagedkv_lib.verify --append-fn pkg.mod:fn --decode-fn pkg.mod:fn`` (or
 ``--reference``), and ``python -m kernels.verify`` for the suite's Triton kernels; both
-exit 1 when a check fails. This package never imports ``kernels`` or ``triton``.
+exit 1 when a check fails. In Triton's interpreter the run poisons masked lanes (a
+masked ``tl.load`` without ``other=`` reads NaN, as undefined as on a GPU;
+``poison_masked=False`` / ``--no-poison-masked`` turn it off). This package never imports
+``kernels``, nor ``triton`` at import (the poisoning imports it when a run starts).
 """
 
 from .append_checks import append_case, append_grid

@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--no-isolate", action="store_true", help="run checks in this process (no crash isolation)")
     parser.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S", help="seconds per check")
+    parser.add_argument(
+        "--no-poison-masked",
+        action="store_true",
+        help="interpreter: masked tl.load lanes without other= read 0 (default: NaN, undefined as on a GPU)",
+    )
     args = parser.parse_args(argv)
     named = {arg: getattr(args, arg) for arg in FN_ARGS if getattr(args, arg)}
     if args.reference:
@@ -84,7 +89,9 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
         flags = " / ".join(f"--{arg.replace('_', '-')}" for arg in FN_ARGS)
         parser.error(f"name the kernels to check ({flags}), or --reference; "
                      "`python -m kernels.verify` checks the suite's own kernels")  # fmt: skip
-    print(runtime.backend_line())
+    poison = not args.no_poison_masked
+    with runtime.masked_lanes_poisoned(poison):  # so that the backend line says so
+        print(runtime.backend_line())
     try:
         report = run(
             **fns,
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
             hypothesis_examples=args.hypothesis,
             isolate=False if args.no_isolate else None,
             timeout_s=args.timeout,
+            poison_masked=poison,
         )
     except ValueError as err:  # an import path that does not resolve, an unknown fault
         parser.error(str(err))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import faults as F
-from .. import quant_reference, reference
+from .. import quant_reference, reference, runtime
 from .append_checks import append_case, append_grid
 from .contract import Contract, contract_of
 from .decode_checks import decode_case, decode_grid
@@ -200,6 +200,7 @@ def run(
     contracts: dict[str, Contract] | None = None,
     isolate: bool | None = None,
     timeout_s: float = 300.0,
+    poison_masked: bool = True,
 ) -> Report:
     """Run the case grids and the scenarios; return a :class:`Report`.
 
@@ -229,7 +230,10 @@ def run(
     wherever possible (the interpreter, with ``fork``). ``faults``: names from
     :data:`pagedkv_lib.faults.FAULTS` to switch on. ``full``: the larger grids.
     ``hypothesis_examples``: generated append and decode cases. ``checks``: a subset of
-    :data:`CHECKS`.
+    :data:`CHECKS`. ``poison_masked``: in Triton's interpreter, masked ``tl.load`` lanes
+    without ``other=`` read NaN (integers: a far out-of-range value) instead of 0, as
+    undefined as on a GPU (:func:`pagedkv_lib.runtime.masked_lanes_poisoned`; a no-op on
+    the GPU backend); ``False`` lets them read 0.
     """
     fns = {"append_fn": append_fn, "decode_fn": decode_fn, "prefill_fn": prefill_fn}
     fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
@@ -240,22 +244,25 @@ def run(
     if unknown:
         raise ValueError(f"checks={sorted(unknown)} unknown; choose from {', '.join(CHECKS)}")
     report = Report()
-    for check, family in FAMILIES.items():
-        if family.fn_arg in session.fns and check in wanted:
-            report.results += [session.case(check, c) for c in family.grid(full)]
-            if hypothesis_examples and family.generated:
-                report.results += session.generated(check, hypothesis_examples)
-    for name, sides in SCENARIO_SIDES.items():
-        if name in wanted and any(arg in session.fns for arg in sides):
-            report.results.append(session.scenario(name))
+    with runtime.masked_lanes_poisoned(poison_masked):
+        for check, family in FAMILIES.items():
+            if family.fn_arg in session.fns and check in wanted:
+                report.results += [session.case(check, c) for c in family.grid(full)]
+                if hypothesis_examples and family.generated:
+                    report.results += session.generated(check, hypothesis_examples)
+        for name, sides in SCENARIO_SIDES.items():
+            if name in wanted and any(arg in session.fns for arg in sides):
+                report.results.append(session.scenario(name))
     return report
 
 
-def run_case(check: str, case: dict, faults=(), contracts=None, isolate: bool | None = None, **fns) -> CaseResult:
+def run_case(
+    check: str, case: dict, faults=(), contracts=None, isolate: bool | None = None, poison_masked: bool = True, **fns
+) -> CaseResult:
     """Re-run one case of a report (grid, hypothesis or scenario), as its ``repro`` line
     prints it, on the callables given by keyword (``append_fn=``, ``decode_fn=``, ...:
     callables or import paths). A grid case needs its family's callable; a scenario
-    uses the reference for a side that is not given."""
+    uses the reference for a side that is not given. ``poison_masked`` as in :func:`run`."""
     unknown = set(fns) - set(FN_ARGS)
     if unknown:
         raise ValueError(f"run_case got {sorted(unknown)}; the callables are {', '.join(FN_ARGS)}")
@@ -264,7 +271,9 @@ def run_case(check: str, case: dict, faults=(), contracts=None, isolate: bool | 
         arg = FAMILIES[check].fn_arg
         if arg not in session.fns:
             raise ValueError(f"run_case({check!r}, ...) needs {arg}: a callable or 'module:function'")
-        return session.case(check, case)
+        with runtime.masked_lanes_poisoned(poison_masked):
+            return session.case(check, case)
     if check in ALL_SCENARIOS:
-        return session.scenario(check, **case)
+        with runtime.masked_lanes_poisoned(poison_masked):
+            return session.scenario(check, **case)
     raise ValueError(f"check={check!r} unknown; choose from {', '.join(CHECKS)}")
