@@ -178,7 +178,8 @@ def compile_launch(record: dict, files: dict[str, str], arch: int) -> CompileRes
         bound, specialization, options = binder(**args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
         log = io.StringIO()
-        triton.knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas -v's log
+        triton.knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas -v's log ...
+        triton.knobs.compilation.always_compile = True  # ... which a cache hit would skip
         with contextlib.redirect_stdout(log):
             kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=backend.target,
                                     options=options.__dict__)  # fmt: skip
