@@ -72,6 +72,7 @@ from .validate import (
     check_no_self_overlap,
     check_num_splits,
     check_same_layout,
+    host_copy,
 )
 from .write import ROPE_CODES, _copy_tile, _rope_cos_sin, _token_rows
 
@@ -688,11 +689,6 @@ class MLADecodePlan:
         return triton.cdiv(self.num_heads, self.block_h)
 
 
-def _host(x):
-    """Host copy for the library's value checks (they build CPU index tensors)."""
-    return x.cpu() if isinstance(x, torch.Tensor) else x
-
-
 def plan_mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -708,7 +704,7 @@ def plan_mla_decode(
     """Validate an :func:`mla_decode_attention` call and fix its tiles and split count;
     nothing is launched. Arguments and errors as :func:`mla_decode_attention`."""
     table, lens = checks.check_mla_decode_args(
-        q_nope, q_pe, ckv_cache, kpe_cache, _host(block_tables), _host(seq_lens), w_uk, w_uv, scale
+        q_nope, q_pe, ckv_cache, kpe_cache, host_copy(block_tables), host_copy(seq_lens), w_uk, w_uv, scale
     )
     tensors = {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache, "w_uk": w_uk}
     for name, t in {**tensors, "w_uv": w_uv}.items():

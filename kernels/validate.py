@@ -21,6 +21,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
     "check_device",
+    "host_copy",
     "check_kernel_dtype",
     "check_index_tensor",
     "check_head_dim",
@@ -44,6 +45,15 @@ def check_device(name: str, t: torch.Tensor) -> None:
     want = runtime.device()
     if t.device.type != want.type:
         raise ValueError(f"{name} is on {t.device} but kernels run on {want} ({runtime.BACKEND.name} backend)")
+
+
+def host_copy(x):
+    """A host copy of ``x`` for the library's value checks (they build CPU index tensors);
+    anything else as it is. A ``meta`` tensor is passed through uncopied (it holds no
+    values to copy), so that the value checks refuse it by name
+    (:func:`pagedkv_lib.formats.index_tensor`) instead of torch raising
+    NotImplementedError."""
+    return x.cpu() if isinstance(x, torch.Tensor) and x.device.type != "meta" else x
 
 
 def check_kernel_dtype(name: str, t: torch.Tensor) -> None:
