@@ -30,15 +30,22 @@ from .result import CheckResult, Failure
 __all__ = ["check", "EXERCISES", "Exercise", "CheckResult", "Failure"]
 
 
-def check(name: str, *functions) -> CheckResult:
+def check(name: str, *functions, isolate: bool = True) -> CheckResult:
     """Check the learner's ``functions`` for exercise ``name`` (see :data:`EXERCISES` for
     each exercise's functions, in order). Returns a :class:`CheckResult`; ``str()`` of it
     (or its display in a notebook) is the message. Raises ValueError for an unknown
-    exercise or the wrong number of functions."""
+    exercise or the wrong number of functions.
+
+    ``isolate`` (the kernel exercises, 06-08): run the cases in a forked child process,
+    so that a kernel that corrupts memory or hangs fails its case with a message instead
+    of killing the notebook's kernel; ``isolate=False`` runs them in this process (a
+    debugger sees them there). Ignored by the pure-Python exercises."""
     exercise = get(name)
     if len(functions) != len(exercise.functions) or not all(callable(f) for f in functions):
         raise ValueError(
             f'check("{exercise.name}", ...) takes the functions {", ".join(exercise.functions)}, in that order; '
             f"got {len(functions)} argument(s)"
         )
+    if exercise.runs_kernels:
+        return exercise.checker(*functions, isolate=isolate)
     return exercise.checker(*functions)
