@@ -65,6 +65,7 @@ from .tiles import head_matvec_tiles, mla_append_block_t, mla_decode_tiles, pow2
 from .validate import (
     MAX_HEAD_DIM,
     check_device,
+    check_disjoint,
     check_in_storage,
     check_index_tensor,
     check_kernel_dtype,
@@ -414,6 +415,8 @@ def _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index_tensors: dict) ->
     _check_caches_disjoint(ckv_cache, kpe_cache)
     for name, (t, fits) in index_tensors.items():
         check_index_tensor(name, t, fits_int32=fits)
+    for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # apart from each other: above
+        check_disjoint([cache], [(name, t) for name, (t, _) in index_tensors.items()])
 
 
 def _check_width(name: str, width: int, limit: int) -> None:
@@ -549,6 +552,9 @@ def run_append_mla(
     for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         check_no_overlap(name, t, "ckv", ckv)
         check_no_overlap(name, t, "kpe", kpe)
+    index = [(n, getattr(plan, n)) for n in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")]
+    for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # two slices of one buffer may interleave
+        check_disjoint([cache], index)
     if plan.num_tokens:
         _launch_append(plan, ckv, kpe, ckv_cache, kpe_cache)
 

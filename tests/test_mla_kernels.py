@@ -142,6 +142,10 @@ def test_kernel_launch_checks_refuse_what_only_a_launch_cannot_take():
         kernels.append_paged_mla_kv(cc[0, :1], kpe, cc, pc, slots)
     with pytest.raises(ValueError, match="slot_mapping must be int32 or int64"):
         kernels.append_paged_mla_kv(ckv, kpe, cc, pc, slots.to(torch.int16))
+    inside = pc.view(-1)[:2].view(torch.int32)  # slot 1 (as an int32 in the bytes of kpe_cache), then slot 0
+    inside.copy_(torch.tensor([1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="slot_mapping overlaps the memory of kpe_cache"):
+        kernels.append_paged_mla_kv(ckv, kpe, cc, pc, inside[:1])
 
 
 # ----------------------------------------------------------------------------- decode
