@@ -142,10 +142,16 @@ def test_kernel_launch_checks_refuse_what_only_a_launch_cannot_take():
         kernels.append_paged_mla_kv(cc[0, :1], kpe, cc, pc, slots)
     with pytest.raises(ValueError, match="slot_mapping must be int32 or int64"):
         kernels.append_paged_mla_kv(ckv, kpe, cc, pc, slots.to(torch.int16))
-    inside = pc.view(-1)[:2].view(torch.int32)  # slot 1 (as an int32 in the bytes of kpe_cache), then slot 0
-    inside.copy_(torch.tensor([1, 0], dtype=torch.int32))
+
+
+def test_a_slot_mapping_inside_a_latent_cache_is_refused_before_anything_is_written():
+    cc, pc = torch.zeros(3, 4, 16, device=DEV), torch.zeros(3, 4, 8, device=DEV)
+    inside = pc.view(-1)[:1].view(torch.int32)  # slot 1, stored in the bytes of kpe_cache the append writes
+    inside.fill_(1)
+    before = pc.clone()
     with pytest.raises(ValueError, match="slot_mapping overlaps the memory of kpe_cache"):
-        kernels.append_paged_mla_kv(ckv, kpe, cc, pc, inside[:1])
+        kernels.append_paged_mla_kv(torch.ones(1, 16, device=DEV), torch.ones(1, 8, device=DEV), cc, pc, inside)
+    assert torch.equal(pc, before) and cc.eq(0).all()
 
 
 # ----------------------------------------------------------------------------- decode
