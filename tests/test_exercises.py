@@ -111,9 +111,10 @@ def test_a_kernel_that_crashes_the_process_fails_its_case_with_how_it_ended():
     assert "the kernel crashed the process (SIG" in result.message and "your notebook lives on" in result.message
 
 
-def test_the_in_process_path_stays_an_explicit_option():
-    merge = load_solution(EXERCISES["merge_kernel"])["merge"]
-    assert check("merge_kernel", merge, isolate=False).passed
+def test_the_in_process_path_stays_an_explicit_option(monkeypatch):
+    from pagedkv_lib.exercises import cases
+
+    monkeypatch.setattr(cases, "run_isolated", lambda *a: pytest.fail("isolate=False forked a child"))
     result = check("merge_kernel", *load_with_mistake(_mistake("merge_kernel", "a missing other=")), isolate=False)
     assert not result.passed and 'other=float("-inf")' in result.message
 
