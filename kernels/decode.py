@@ -64,6 +64,7 @@ from .validate import (
     check_kernel_dtype,
     check_num_splits,
     check_same_layout,
+    host_copy,
 )
 
 __all__ = [
@@ -364,7 +365,9 @@ def plan_decode(
 ) -> DecodePlan:
     """Validate a :func:`paged_decode_attention` call and fix its tiles and split count;
     nothing is launched. Arguments and errors as :func:`paged_decode_attention`."""
-    table, lens = checks.check_decode_args(q, cache, _host(block_tables), _host(seq_lens), layout, window, scale)
+    table, lens = checks.check_decode_args(
+        q, cache, host_copy(block_tables), host_copy(seq_lens), layout, window, scale
+    )
     _check_attention_launch(q, cache, num_splits, {"block_tables": block_tables, "seq_lens": seq_lens})
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
     return _make_plan(
@@ -385,7 +388,7 @@ def plan_decode_csr(
 ) -> DecodePlan:
     """Validate a :func:`paged_decode_attention_csr` call and fix its tiles and split
     count; nothing is launched. Arguments and errors as :func:`paged_decode_attention_csr`."""
-    host = (_host(kv_indptr), _host(kv_indices), _host(kv_last_page_len))
+    host = (host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
     *_, lens = checks.check_csr_decode_args(q, cache, *host, layout, scale)
     index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
     _check_attention_launch(q, cache, num_splits, index)
@@ -464,11 +467,6 @@ def _launch(plan: DecodePlan, q, cache, partials: bool):
     if part is not out:
         launch_merge(part, lse, out)
     return out
-
-
-def _host(x):
-    """Host copy for the library's value checks (they build CPU index tensors)."""
-    return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
 # --------------------------------------------------------------------------- entry points

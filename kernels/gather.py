@@ -19,7 +19,7 @@ from pagedkv_lib.pool import cache_dims, cache_strides
 
 from .addressing import table_row_offset
 from .tiles import gather_block_t, pow2
-from .validate import check_device, check_index_tensor, check_same_layout
+from .validate import check_device, check_index_tensor, check_same_layout, host_copy
 
 __all__ = ["GatheredKV", "GatherPlan", "plan_gather", "run_gather", "gather_paged_kv"]
 
@@ -101,7 +101,7 @@ def plan_gather(
 ) -> GatherPlan:
     """Validate a :func:`gather_paged_kv` call once; nothing is launched. Arguments and
     errors as :func:`gather_paged_kv`."""
-    _, lens = checks.check_block_tables(cache, _host(block_tables), _host(seq_lens), layout)
+    _, lens = checks.check_block_tables(cache, host_copy(block_tables), host_copy(seq_lens), layout)
     check_device("cache", cache)
     check_index_tensor("block_tables", block_tables)
     check_index_tensor("seq_lens", seq_lens)
@@ -167,7 +167,3 @@ def gather_paged_kv(
     bit for bit. Returns a :class:`GatheredKV`. Raises ValueError naming the argument.
     """
     return run_gather(plan_gather(cache, block_tables, seq_lens, layout), cache)
-
-
-def _host(x):
-    return x.cpu() if isinstance(x, torch.Tensor) else x

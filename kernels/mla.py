@@ -65,6 +65,7 @@ from .tiles import head_matvec_tiles, mla_append_block_t, mla_decode_tiles, pow2
 from .validate import (
     MAX_HEAD_DIM,
     check_device,
+    check_disjoint,
     check_in_storage,
     check_index_tensor,
     check_kernel_dtype,
@@ -72,6 +73,7 @@ from .validate import (
     check_no_self_overlap,
     check_num_splits,
     check_same_layout,
+    host_copy,
 )
 from .write import ROPE_CODES, _copy_tile, _rope_cos_sin, _token_rows
 
@@ -413,6 +415,8 @@ def _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index_tensors: dict) ->
     _check_caches_disjoint(ckv_cache, kpe_cache)
     for name, (t, fits) in index_tensors.items():
         check_index_tensor(name, t, fits_int32=fits)
+    for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # apart from each other: above
+        check_disjoint([cache], [(name, t) for name, (t, _) in index_tensors.items()])
 
 
 def _check_width(name: str, width: int, limit: int) -> None:
@@ -548,6 +552,9 @@ def run_append_mla(
     for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         check_no_overlap(name, t, "ckv", ckv)
         check_no_overlap(name, t, "kpe", kpe)
+    index = [(n, getattr(plan, n)) for n in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")]
+    for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # two slices of one buffer may interleave
+        check_disjoint([cache], index)
     if plan.num_tokens:
         _launch_append(plan, ckv, kpe, ckv_cache, kpe_cache)
 
@@ -688,11 +695,6 @@ class MLADecodePlan:
         return triton.cdiv(self.num_heads, self.block_h)
 
 
-def _host(x):
-    """Host copy for the library's value checks (they build CPU index tensors)."""
-    return x.cpu() if isinstance(x, torch.Tensor) else x
-
-
 def plan_mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -708,7 +710,7 @@ def plan_mla_decode(
     """Validate an :func:`mla_decode_attention` call and fix its tiles and split count;
     nothing is launched. Arguments and errors as :func:`mla_decode_attention`."""
     table, lens = checks.check_mla_decode_args(
-        q_nope, q_pe, ckv_cache, kpe_cache, _host(block_tables), _host(seq_lens), w_uk, w_uv, scale
+        q_nope, q_pe, ckv_cache, kpe_cache, host_copy(block_tables), host_copy(seq_lens), w_uk, w_uv, scale
     )
     tensors = {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache, "w_uk": w_uk}
     for name, t in {**tensors, "w_uv": w_uv}.items():

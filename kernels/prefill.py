@@ -93,6 +93,7 @@ from .validate import (
     check_index_tensor,
     check_kernel_dtype,
     check_same_layout,
+    host_copy,
 )
 
 __all__ = [
@@ -338,11 +339,6 @@ def _int32(x: torch.Tensor, device: torch.device, min_len: int = 0) -> torch.Ten
     return t
 
 
-def _host(x):
-    """Host copy for the library's value checks (they build CPU index tensors)."""
-    return x.cpu() if isinstance(x, torch.Tensor) else x
-
-
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     """The kernel's product mode (one of :data:`DOT_MODES`): ``"sum"`` in the
     interpreter; compiled, ``"fp32"`` for fp32 pools and for a ``q`` whose dtype differs
@@ -438,7 +434,7 @@ def plan_prefill(
     """Validate a :func:`paged_prefill_attention` call and fix its tiles and tile list;
     nothing is launched. Arguments and errors as :func:`paged_prefill_attention`."""
     qo, _, lens = checks.check_prefill_args(
-        q, cache, _host(qo_indptr), _host(block_tables), _host(seq_lens), layout, window, scale
+        q, cache, host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens), layout, window, scale
     )
     _check_launch(q, cache, {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens})
     return _make_plan(
@@ -459,7 +455,7 @@ def plan_prefill_csr(
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention_csr` call and fix its tiles and tile
     list; nothing is launched. Arguments and errors as :func:`paged_prefill_attention_csr`."""
-    host = (_host(qo_indptr), _host(kv_indptr), _host(kv_indices), _host(kv_last_page_len))
+    host = (host_copy(qo_indptr), host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
     qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale)
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip

@@ -40,12 +40,19 @@ from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
 from .addressing import kv_token_idx, ring_params, row_offset
-from .decode import _host, _int32, _parallel_units, choose_num_splits, visible_lengths
+from .decode import _int32, _parallel_units, choose_num_splits, visible_lengths
 from .merge import launch_merge
 from .quant_codes import e2m1_decode, fp8_decode
 from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint
 from .tiles import quant_decode_tiles
-from .validate import check_device, check_head_dim, check_index_tensor, check_kernel_dtype, check_num_splits
+from .validate import (
+    check_device,
+    check_head_dim,
+    check_index_tensor,
+    check_kernel_dtype,
+    check_num_splits,
+    host_copy,
+)
 
 __all__ = [
     "QuantDecodePlan",
@@ -318,7 +325,7 @@ def plan_decode_quant(
     count; nothing is launched."""
     checks.check_quant_pool(pool)
     _, lens = checks.check_decode_args(
-        q, pool.shape_proxy, _host(block_tables), _host(seq_lens), pool.layout, window, scale
+        q, pool.shape_proxy, host_copy(block_tables), host_copy(seq_lens), pool.layout, window, scale
     )
     _check_launch(q, pool, num_splits, {"block_tables": block_tables, "seq_lens": seq_lens})
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
@@ -333,7 +340,7 @@ def plan_decode_quant_csr(
 ) -> QuantDecodePlan:
     """Validate a :func:`paged_decode_attention_quant_csr` call; nothing is launched."""
     checks.check_quant_pool(pool)
-    host = (_host(kv_indptr), _host(kv_indices), _host(kv_last_page_len))
+    host = (host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
     *_, lens = checks.check_csr_decode_args(q, pool.shape_proxy, *host, pool.layout, scale)
     index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
     _check_launch(q, pool, num_splits, index)

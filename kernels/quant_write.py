@@ -47,6 +47,7 @@ from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
 from .tiles import quant_write_tiles
 from .validate import (
     check_device,
+    check_disjoint,
     check_in_storage,
     check_index_tensor,
     check_kernel_dtype,
@@ -285,7 +286,7 @@ def check_pool_launch(pool) -> None:
     """Launch checks of a quantized pool: its value rules
     (:func:`pagedkv_lib.checks.check_quant_pool`), every tensor on the kernels' device,
     and the written ones (codes, scales) each reaching no element twice, inside their
-    storage and not overlapping each other."""
+    storage and not overlapping each other or the global scale."""
     checks.check_quant_pool(pool)
     check_device("pool.data", pool.data)
     check_device("pool.global_scale", pool.global_scale)
@@ -297,7 +298,7 @@ def check_pool_launch(pool) -> None:
     for name, t in written:
         check_no_self_overlap(name, t)
         check_in_storage(name, t)
-    check_no_overlap("pool.global_scale", pool.global_scale, "cache", pool.data)
+    check_disjoint(written, [("pool.global_scale", pool.global_scale)])
 
 
 def _check_inputs(k, v, pool, q) -> None:
@@ -305,16 +306,22 @@ def _check_inputs(k, v, pool, q) -> None:
     for name, t in (("k", k), ("v", v)):
         check_device(name, t)
         check_kernel_dtype(name, t)
-        check_no_overlap(name, t, "cache", pool.data)
-        if pool.scales is not None:
-            check_no_overlap(name, t, "cache", pool.scales)
     if q is not None:
         check_device("q", q)
         check_kernel_dtype("q", q)
         check_no_self_overlap("q", q)
-        for t in (pool.data, pool.scales, pool.global_scale):
-            if t is not None:
-                check_no_overlap("q", q, "cache", t)
+
+
+def _check_apart(plan: QuantAppendPlan, k, v, pool, q) -> None:
+    """Every tensor the launch reads (``k``, ``v``, the global scale, the planned index
+    and V-tail tensors) apart from every tensor it writes (codes, scales, ``q`` rotated
+    in place), and the written ones apart from each other."""
+    written = [("pool.data", pool.data), ("pool.scales", pool.scales), ("q", q)]
+    read = [("k", k), ("v", v), ("pool.global_scale", pool.global_scale)]
+    read += [(name, getattr(plan, name)) for name in _PLAN_INDEX]
+    if plan.v_tail is not None:
+        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail))
+    check_disjoint(written, read)
 
 
 @dataclass(frozen=True)
@@ -353,9 +360,12 @@ class QuantAppendPlan:
         return triton.cdiv(self.num_tokens, block_t), heads
 
 
+_PLAN_INDEX = ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
+
+
 def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppendPlan:
     num_q_heads = 0 if q is None else q.shape[1]
-    return QuantAppendPlan(
+    plan = QuantAppendPlan(
         pool=pool_fingerprint(pool),
         format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)],
         num_tokens=k.shape[0],
@@ -371,11 +381,10 @@ def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppe
         inv_freq=reference.rope_inv_freq(pool.head_dim, rope_theta).to(pool.device) if rope else None,
         v_tail=v_tail,
         tiles=quant_write_tiles(k.shape[0], max(pool.num_kv_heads, num_q_heads), pool.head_dim),
-        **{
-            name: None if index.get(name) is None else index[name].contiguous()
-            for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
-        },
+        **{name: None if index.get(name) is None else index[name].contiguous() for name in _PLAN_INDEX},
     )
+    _check_apart(plan, k, v, pool, q)
+    return plan
 
 
 def plan_append_quant(
@@ -450,6 +459,7 @@ def run_append_quant(plan: QuantAppendPlan, k, v, pool, q=None) -> None:
     ):
         raise ValueError(f"q has shape {tuple(q.shape)} and {q.dtype}; the plan was made for another q")
     _check_inputs(k, v, pool, q)
+    _check_apart(plan, k, v, pool, q)
     if plan.num_tokens:
         _launch(plan, k, v, pool, q)
     if plan.v_tail is not None:

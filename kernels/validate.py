@@ -21,6 +21,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
     "check_device",
+    "host_copy",
     "check_kernel_dtype",
     "check_index_tensor",
     "check_head_dim",
@@ -28,6 +29,7 @@ __all__ = [
     "max_element_offset",
     "check_no_self_overlap",
     "check_no_overlap",
+    "check_disjoint",
     "check_in_storage",
     "check_same_layout",
 ]
@@ -43,6 +45,15 @@ def check_device(name: str, t: torch.Tensor) -> None:
     want = runtime.device()
     if t.device.type != want.type:
         raise ValueError(f"{name} is on {t.device} but kernels run on {want} ({runtime.BACKEND.name} backend)")
+
+
+def host_copy(x):
+    """A host copy of ``x`` for the library's value checks (they build CPU index tensors);
+    anything else as it is. A ``meta`` tensor is passed through uncopied (it holds no
+    values to copy), so that the value checks refuse it by name
+    (:func:`pagedkv_lib.formats.index_tensor`) instead of torch raising
+    NotImplementedError."""
+    return x.cpu() if isinstance(x, torch.Tensor) and x.device.type != "meta" else x
 
 
 def check_kernel_dtype(name: str, t: torch.Tensor) -> None:
@@ -121,6 +132,26 @@ def check_no_overlap(name: str, t: torch.Tensor, other_name: str, other: torch.T
             f"{name} overlaps the memory of {other_name} (bytes {a0:#x}..{a1:#x} and {b0:#x}..{b1:#x}); "
             f"the kernel writes {other_name if other_name == 'cache' else name}, so they must not share memory"
         )
+
+
+def check_disjoint(written, read) -> None:
+    """No tensor a launch writes may share memory with another it writes or with any it
+    reads (a program could overwrite a value a later program still reads, as a global
+    scale inside the scale pool would be). ``written`` and ``read`` are sequences of
+    ``(name, tensor or None)``; None entries (absent options) are skipped. Reads may
+    share memory with each other (``k is v`` is fine)."""
+    written = [(n, t) for n, t in written if t is not None]
+    read = [(n, t) for n, t in read if t is not None]
+    for i, (name, t) in enumerate(written):
+        for other_name, other in written[i + 1 :] + read:
+            if t.numel() == 0 or other.numel() == 0 or t.device != other.device:
+                continue
+            (a0, a1), (b0, b1) = _byte_range(t), _byte_range(other)
+            if a0 < b1 and b0 < a1:
+                raise ValueError(
+                    f"{other_name} overlaps the memory of {name} (bytes {b0:#x}..{b1:#x} and {a0:#x}..{a1:#x}); "
+                    f"the kernel writes {name}, so no other argument may share its memory"
+                )
 
 
 def check_in_storage(name: str, t: torch.Tensor) -> None:

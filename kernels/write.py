@@ -58,6 +58,7 @@ from .addressing import cache_offset, kv_token_idx, ring_params, row_offset
 from .tiles import write_tiles
 from .validate import (
     check_device,
+    check_disjoint,
     check_in_storage,
     check_index_tensor,
     check_kernel_dtype,
@@ -412,6 +413,16 @@ def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
         check_kernel_dtype("q", q)
         check_no_self_overlap("q", q)
         check_no_overlap("q", q, "cache", cache)
+    check_disjoint([("cache", cache), ("q", q)], [(name, t) for name, (t, _) in index_tensors.items()])
+
+
+def _check_plan_index_apart(plan: AppendPlan, cache, q) -> None:
+    """The plan's index and V-tail tensors apart from the tensors the launch writes."""
+    names = ("slot_mapping", "batch_indices", "positions", "kv_indptr", "kv_indices")
+    read = [(name, getattr(plan, name)) for name in names]
+    if plan.v_tail is not None:
+        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail))
+    check_disjoint([("cache", cache), ("q", q)], read)
 
 
 def _v_tail_tensors(cache, layout, zero_v_tail, written):
@@ -531,6 +542,7 @@ def _check_run_inputs(plan: AppendPlan, k, v, cache, q) -> None:
         check_device("q", q)
         check_no_self_overlap("q", q)
         check_no_overlap("q", q, "cache", cache)
+    _check_plan_index_apart(plan, cache, q)
 
 
 def run_append(plan: AppendPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, q=None) -> None:

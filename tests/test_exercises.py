@@ -11,6 +11,7 @@ import pytest
 from pagedkv_lib.exercises import EXERCISES, check
 from pagedkv_lib.exercises.cli import main
 from pagedkv_lib.exercises.files import build_notebook, default_dir, load_solution, notebook_cells, parse_percent
+from pagedkv_lib.exercises.mistakes import MISTAKES, load_with_mistake
 
 FOLDER = default_dir()
 
@@ -62,33 +63,60 @@ def test_planted_offset_bug_in_the_append_kernel_is_reported_with_a_picture_of_t
     assert picture is not None and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(picture) in message
 
 
-# A bug a learner is likely to make, planted in a solution: the check must fail and its
-# hint must name the mistake. (Each guards a promise of the checker; kernels cost ~1 s.)
-PLANTED = [
-    ("kv_bytes", "2 * num_layers", "num_layers", "K and V are both cached"),
-    ("kv_bytes", "-(-n // page_size) * page_size", "n // page_size * page_size", "round each sequence *up*"),
-    ("slot_mapping", "if pos == -1:", "if pos == -2:", "position -1 marks padding"),
-    ("cow_append", "and allocator.refcount(block_table[-1]) > 1", "and False", "Copy-on-write: allocate a page"),
-    ("cow_append", "allocator.decref(shared)", "pass", "decref it"),
-    ("ring_window", "sink_tokens + bubble +", "sink_tokens +", "leave the bubble empty"),
-    ("prefix_cache", "parent = block_hash(parent,", "parent = block_hash(None,", "with its parent's hash"),
-    ("prefix_cache", "hits -= 1", "pass", "at least one token must be computed"),
-    ("merge_kernel", 'tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))', "tl.exp2(lse)", "subtract the largest"),
-    ("merge_kernel", "part = tl.where(w[:, None] > 0, part, 0.0)", "pass", "0 * NaN = NaN"),
-    ("decode_kernel", "alpha = tl.exp2(m_i - m_new)", "alpha = 1.0", "rescale l and acc"),
-    ("decode_kernel", 's = tl.where(valid, tl.sum(q[None, :] * k, axis=1), float("-inf"))',
-     "s = tl.sum(q[None, :] * k, axis=1)", "set their scores to -inf"),
-]  # fmt: skip
-
-
+# Mistakes learners make, planted in the solutions (pagedkv_lib.exercises.mistakes, a
+# table): the check must fail and its message must name the mistake. Kernels cost ~1 s.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: the planted overflow, 0 * NaN
-@pytest.mark.parametrize("name, old, new, hint", PLANTED, ids=[f"{p[0]}-{i}" for i, p in enumerate(PLANTED)])
-def test_a_planted_bug_fails_the_check_with_a_hint_that_names_it(name, old, new, hint):
-    exercise = EXERCISES[name]
-    space = load_solution(exercise, replace=(old, new))
-    result = check(name, *(space[f] for f in exercise.functions))
-    assert not result.passed, f"the check of {name} let a bug through: {old!r} -> {new!r}"
-    assert hint in result.message, result.message
+@pytest.mark.parametrize("mistake", MISTAKES, ids=[f"{m.exercise}-{i}" for i, m in enumerate(MISTAKES)])
+def test_a_planted_mistake_fails_the_check_with_a_message_that_names_it(mistake):
+    result = check(mistake.exercise, *load_with_mistake(mistake))
+    assert not result.passed, f"the check of {mistake.exercise} let a mistake through: {mistake.what}"
+    assert mistake.message in result.message, result.message
+
+
+def _mistake(exercise: str, what: str):
+    return next(m for m in MISTAKES if m.exercise == exercise and m.what.startswith(what))
+
+
+def test_exercise_06_without_the_padding_guard_gives_a_message_and_the_notebook_kernel_survives():
+    """As a learner's notebook runs it, in a Jupyter kernel of its own: the kernel used to
+    write before the pool in the notebook's process (heap corrupted, `free(): invalid
+    size`, the Jupyter kernel dead and the learner's state lost, no message)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    mistake = _mistake("append_kernel", "no padding guard")
+    solution = (FOLDER / "solutions" / "06_append_kernel.py").read_text().replace(mistake.old, mistake.new)
+    cells = [
+        solution,
+        'from pagedkv_lib.exercises import check\nresult = check("append_kernel", append)\nprint(result)',
+        'print("the kernel lives on:", result.passed)',
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(FOLDER)}}
+    ).execute()
+    out = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
+    assert "FAIL append_kernel, case 2 of" in out[1] and mistake.message in out[1], out[1]
+    assert "mask it out" in out[1]
+    assert out[2].strip() == "the kernel lives on: False"
+
+
+def test_a_kernel_that_crashes_the_process_fails_its_case_with_how_it_ended():
+    """A write far outside any guard kills the check's child process, not this one."""
+    space = load_solution(
+        EXERCISES["append_kernel"],
+        replace=("page = (slot // page_size).to(tl.int64)", "page = (slot // page_size).to(tl.int64) + 2**40"),
+    )
+    result = check("append_kernel", space["append"])
+    assert not result.passed and result.failure.case == 1, result.message
+    assert "the kernel crashed the process (SIG" in result.message and "your notebook lives on" in result.message
+
+
+def test_the_in_process_path_stays_an_explicit_option(monkeypatch):
+    from pagedkv_lib.exercises import cases
+
+    monkeypatch.setattr(cases, "run_isolated", lambda *a: pytest.fail("isolate=False forked a child"))
+    result = check("merge_kernel", *load_with_mistake(_mistake("merge_kernel", "a missing other=")), isolate=False)
+    assert not result.passed and 'other=float("-inf")' in result.message
 
 
 def test_every_exercise_has_a_source_a_notebook_and_a_solution():

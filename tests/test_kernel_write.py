@@ -507,6 +507,19 @@ def _alias(cache: torch.Tensor, shape) -> torch.Tensor:
     return alias
 
 
+def test_a_slot_mapping_inside_the_pool_is_refused_before_anything_is_written():
+    """The append writes the pool while its programs read the slots: slots stored in the
+    pool's own bytes would be overwritten mid-launch."""
+    cache = torch.zeros(3, 2, 4, 2, 8, device=DEV)
+    slots = cache.view(-1)[-4:].view(torch.int32)
+    slots.copy_(torch.tensor([4, 9, 5, 8], dtype=torch.int32))  # valid slots, in page 2's V rows
+    before = cache.clone()
+    k = torch.ones(4, 2, 8, device=DEV)
+    with pytest.raises(ValueError, match="slot_mapping overlaps the memory of cache"):
+        append_paged_kv(k, k, cache, slots)
+    assert torch.equal(cache, before)
+
+
 def test_empty_pool_dimension_is_refused_before_any_launch(monkeypatch):
     """A pool with page_size 0 used to be launched for an all-padding append (and divide
     by zero in the interpreter); now its empty dimension is refused first."""

@@ -144,6 +144,16 @@ def test_kernel_launch_checks_refuse_what_only_a_launch_cannot_take():
         kernels.append_paged_mla_kv(ckv, kpe, cc, pc, slots.to(torch.int16))
 
 
+def test_a_slot_mapping_inside_a_latent_cache_is_refused_before_anything_is_written():
+    cc, pc = torch.zeros(3, 4, 16, device=DEV), torch.zeros(3, 4, 8, device=DEV)
+    inside = pc.view(-1)[:1].view(torch.int32)  # slot 1, stored in the bytes of kpe_cache the append writes
+    inside.fill_(1)
+    before = pc.clone()
+    with pytest.raises(ValueError, match="slot_mapping overlaps the memory of kpe_cache"):
+        kernels.append_paged_mla_kv(torch.ones(1, 16, device=DEV), torch.ones(1, 8, device=DEV), cc, pc, inside)
+    assert torch.equal(pc, before) and cc.eq(0).all()
+
+
 # ----------------------------------------------------------------------------- decode
 
 

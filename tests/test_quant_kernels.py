@@ -237,6 +237,31 @@ def test_bad_arguments_raise_naming_them_before_anything_is_written():
         kernels.append_paged_kv_quant(k, k, view, torch.tensor([0, 1], device=DEV))
 
 
+def test_a_global_scale_inside_the_scale_pool_is_refused_before_anything_is_written():
+    """An NVFP4 append writes pool.scales while its programs read the global scale: a
+    global scale that is a view of the scale pool would be overwritten mid-launch."""
+    pool = make_pool("nvfp4", 2, 4, 1, 32)
+    alias = pool.scales.view(-1)[:8].view(torch.float32)
+    alias.fill_(1.0)  # a valid K and V scale, as check_quant_pool requires
+    pool.global_scale = alias[:2]
+    before = pool.scales.clone()
+    k = torch.randn(2, 1, 32, device=DEV)
+    with pytest.raises(ValueError, match="pool.global_scale overlaps the memory of pool.scales"):
+        kernels.append_paged_kv_quant(k, k, pool, torch.tensor([0, 1], device=DEV))
+    assert torch.equal(pool.scales, before) and pool.data.eq(0).all()
+
+
+def test_an_index_tensor_inside_the_pool_is_refused_before_anything_is_written():
+    pool = make_pool("fp8", 2, 4, 1, 32)
+    slots = pool.data.view(-1)[:16].view(torch.int64)
+    slots.copy_(torch.tensor([0, 1]))  # valid slots, stored in the codes the append writes
+    before = pool.data.clone()
+    k = torch.randn(2, 1, 32, device=DEV)
+    with pytest.raises(ValueError, match="slot_mapping overlaps the memory of pool.data"):
+        kernels.append_paged_kv_quant(k, k, pool, slots)
+    assert torch.equal(pool.data, before)
+
+
 def test_a_plan_runs_again_only_on_a_pool_of_the_same_format_and_shape():
     pool = make_pool("fp8_token", 2, 4, 1, 32)
     k = torch.randn(3, 1, 32, device=DEV)

@@ -24,27 +24,33 @@ triton itself, after ``pagedkv_lib`` has chosen the backend.
 
 from __future__ import annotations
 
-from ..verify.grid import accepts
 from .catalog import EXERCISES, Exercise, get
 from .result import CheckResult, Failure
 
 __all__ = ["check", "EXERCISES", "Exercise", "CheckResult", "Failure"]
 
 
-def check(name: str, *functions, poison_masked: bool = True) -> CheckResult:
+def check(name: str, *functions, isolate: bool = True, poison_masked: bool = True) -> CheckResult:
     """Check the learner's ``functions`` for exercise ``name`` (see :data:`EXERCISES` for
     each exercise's functions, in order). Returns a :class:`CheckResult`; ``str()`` of it
     (or its display in a notebook) is the message. Raises ValueError for an unknown
-    exercise or the wrong number of functions. ``poison_masked``: the kernel exercises run
-    the learner's kernel with masked lanes poisoned (a masked ``tl.load`` without
-    ``other=`` reads NaN in Triton's interpreter, as undefined as on a GPU); ``False``
-    lets them read 0."""
+    exercise or the wrong number of functions.
+
+    The kernel exercises (06-08) only:
+
+    * ``isolate``: run the cases in a forked child process, so that a kernel that
+      corrupts memory or hangs fails its case with a message instead of killing the
+      notebook's kernel; ``isolate=False`` runs them in this process (a debugger sees
+      them there);
+    * ``poison_masked``: run the learner's kernel with masked lanes poisoned (a masked
+      ``tl.load`` without ``other=`` reads NaN in Triton's interpreter, as undefined as
+      on a GPU); ``False`` lets them read 0."""
     exercise = get(name)
     if len(functions) != len(exercise.functions) or not all(callable(f) for f in functions):
         raise ValueError(
             f'check("{exercise.name}", ...) takes the functions {", ".join(exercise.functions)}, in that order; '
             f"got {len(functions)} argument(s)"
         )
-    if accepts(exercise.checker, "poison_masked"):  # the kernel exercises
-        return exercise.checker(*functions, poison_masked=poison_masked)
+    if exercise.runs_kernels:
+        return exercise.checker(*functions, isolate=isolate, poison_masked=poison_masked)
     return exercise.checker(*functions)

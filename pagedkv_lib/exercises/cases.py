@@ -1,16 +1,29 @@
 """The case runner every exercise check uses: cases in order, stop at the first failure,
-turn an exception from the learner's code into a message."""
+turn an exception from the learner's code into a message.
+
+The kernel exercises run their cases in a forked child process
+(:func:`pagedkv_lib.verify.isolation.run_isolated`, the harness's isolation): a learner's
+kernel that writes far outside its tensors (a heap corruption, ``free(): invalid
+size``) or hangs ends the child, not the learner's Jupyter kernel, and comes back as a
+message naming the case that was running. The child is forked, so it inherits the
+process's whole state: the learner's functions, the backend, every setting.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..verify.isolation import can_isolate, run_isolated
 from .result import CheckResult, Failure, LearnerError, show, where_in_learner_code
 
-__all__ = ["Case", "Mismatch", "run_cases", "first_wrong_index"]
+__all__ = ["Case", "Mismatch", "run_cases", "first_wrong_index", "CHECK_TIMEOUT_S"]
+
+CHECK_TIMEOUT_S = 900.0  # a whole isolated check; the slowest solution (decode) takes about a minute
 
 
 @dataclass
@@ -70,14 +83,56 @@ def _from_error(err: LearnerError) -> Mismatch:
     )
 
 
-def run_cases(exercise: str, cases: Iterable[Case], summary: str) -> CheckResult:
+def run_cases(
+    exercise: str, cases: Iterable[Case], summary: str, isolate: bool = False, timeout_s: float = CHECK_TIMEOUT_S
+) -> CheckResult:
     """Run ``cases`` in order and stop at the first failure. An exception raised by the
     learner's code (wrapped by :func:`~pagedkv_lib.exercises.result.call`) fails its
     case with the exception's text and where it was raised; any other exception is a
-    bug in the checker and propagates."""
+    bug in the checker and propagates (from a child too, as a RuntimeError holding
+    its traceback).
+
+    ``isolate``: run the cases in one forked child (where the backend allows it: the
+    interpreter on a platform with ``fork``; compiled on a GPU they run here, as the
+    harness's do). A child that crashes, exits or does not answer within ``timeout_s``
+    seconds fails the case it was running, with how it ended."""
     cases = list(cases)
+    if not (isolate and can_isolate()):
+        return _run_here(exercise, cases, summary)
+    progress = multiprocessing.get_context("fork").Value("i", 0)  # shared with the child: the case it runs
+    start = time.perf_counter()
+
+    def job():
+        try:
+            return _run_here(exercise, cases, summary, progress)
+        except Exception:  # a bug of the checker: carried back, raised in the parent
+            return traceback.format_exc()
+
+    outcome = run_isolated(job, exercise, {}, timeout_s)
+    if isinstance(outcome, str):
+        raise RuntimeError(f"the check of {exercise} raised in its child process:\n{outcome}")
+    if isinstance(outcome, CheckResult):
+        return outcome
+    i = max(progress.value, 1)  # the child ended without answering: outcome.detail says how
+    case = cases[i - 1]
+    hint = (
+        "your kernel wrote (or read) so far outside its tensors that the process died; the check ran in a "
+        "child process, so your notebook lives on. Look for an unmasked lane, a -1 slot or page used as an "
+        "index, or a wrong stride. " + case.hint
+    )
+    failure = Failure(
+        i, len(cases), case.label, case.inputs, "your code to return", outcome.detail, "", hint.strip(), None
+    )
+    return CheckResult(exercise, False, i, time.perf_counter() - start, failure)
+
+
+def _run_here(exercise: str, cases: list[Case], summary: str, progress=None) -> CheckResult:
+    """The cases in this process; ``progress.value`` (a shared int) is set to each case's
+    number before it runs."""
     start = time.perf_counter()
     for i, case in enumerate(cases, 1):
+        if progress is not None:
+            progress.value = i
         try:
             mismatch = case.run()
         except LearnerError as err:

@@ -22,6 +22,7 @@ class Exercise:
     functions: tuple[str, ...]
     checker: Callable
     teaches: str
+    runs_kernels: bool = False  # its checker takes ``isolate=`` (a learner's kernel may crash the process)
 
     @property
     def stem(self) -> str:
@@ -78,6 +79,7 @@ EXERCISES: dict[str, Exercise] = {
             ("append",),
             kernel_checks.check_append_kernel,
             "a Triton kernel: program ids, masks, strides, a bit-exact copy",
+            runs_kernels=True,
         ),
         Exercise(
             7,
@@ -86,6 +88,7 @@ EXERCISES: dict[str, Exercise] = {
             ("merge",),
             kernel_checks.check_merge_kernel,
             "log-sum-exp weights, base 2, empty splits, overflow",
+            runs_kernels=True,
         ),
         Exercise(
             8,
@@ -94,6 +97,7 @@ EXERCISES: dict[str, Exercise] = {
             ("decode",),
             kernel_checks.check_decode_kernel,
             "a block-table walk with an online softmax, GQA, NaN guards",
+            runs_kernels=True,
         ),
     )
 }

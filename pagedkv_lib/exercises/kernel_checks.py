@@ -24,6 +24,7 @@ from ..pool import PagedKVPool, cache_dims
 from ..verify import TOLERANCES, append_case, append_grid, decode_case, decode_grid, long_decode_cases
 from ..verify.compare import DTYPES, _bits, compare, rand
 from ..verify.decode_checks import decode_inputs
+from ..verify.guards import CANARY, Guards
 from .cases import Case, Mismatch, run_cases
 from .result import LearnerError, call, show
 
@@ -183,6 +184,50 @@ def _diagnose_append(got, expected, before, k, v, slots, layout: str, name: str)
     return Mismatch(expected_text, got_text, detail, hint, picture)
 
 
+def _outside_pool(cache, k, v, slots) -> Mismatch | None:
+    """What the kernel wrote into the canary bytes around ``cache`` (placed by
+    :class:`pagedkv_lib.verify.guards.Guards`), naming the token whose K or V (head 0)
+    landed there; None when both guards are intact."""
+    whole = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage()).cpu()
+    start = cache.storage_offset() * cache.element_size()
+    end = start + cache.numel() * cache.element_size()
+    regions = {"before": whole[:start], "after the end of": whole[end:]}
+    changed = {where: torch.nonzero(r != CANARY).flatten() for where, r in regions.items()}
+    where = next((w for w, idx in changed.items() if idx.numel()), None)
+    if where is None:
+        return None
+    idx = changed[where]
+    reach = start - int(idx[0]) if where == "before" else int(idx[-1]) + 1
+    slot_list = [int(x) for x in slots.tolist()]
+    owner = None
+    for t in sorted(range(len(slot_list)), key=lambda t: slot_list[t] >= 0):  # padding tokens first
+        for src in (k, v):
+            pattern = src[t, 0].contiguous().view(torch.uint8)
+            region = regions[where]
+            if region.numel() >= pattern.numel() and (region.unfold(0, pattern.numel(), 1) == pattern).all(1).any():
+                owner = t
+                break
+        if owner is not None:
+            break
+    if owner is None:
+        who, hint = "your kernel", "an address outside the pool: check the page, row and stride arithmetic."
+    elif slot_list[owner] < 0:
+        who = f"token {owner} (padding, slot -1)"
+        hint = (
+            "mask it out: a token with slot -1 must write nothing (in Triton -1 // page_size is 0 and "
+            "-1 % page_size is -1: the row before page 0)."
+        )
+    else:
+        who = f"token {owner} (slot {slot_list[owner]})"
+        hint = "its page or row offset is wrong: page = slot // page_size, row = slot % page_size, times the strides."
+    return Mismatch(
+        "every write inside the pool, at the tokens' slots",
+        f"{who} wrote {reach} bytes {where} the pool",
+        f"{int(idx.numel())} bytes changed {where} the pool (in guard bytes the check placed there)",
+        hint,
+    )
+
+
 def _row_owner(row, before_row, k, v) -> str:
     """Whose data a pool row ``[heads, dim]`` holds, in words."""
     if torch.equal(_bits(row), _bits(before_row)):
@@ -210,9 +255,10 @@ def _teaching_append_case(label, hint, slots, ps=4, heads=2, dim=8, num_pages=5,
         expected = before.clone()
         reference.append_paged_kv(k, v, expected, slot_t, layout)
         dev = runtime.device()
-        cache = before.to(dev, copy=True)
+        cache = Guards().place("the pool", before.to(dev))  # canary bytes before and after it
         call("append", append, k.to(dev), v.to(dev), cache, slot_t.to(dev), layout=layout)
-        return _diagnose_append(cache.cpu(), expected, before, k, v, slot_t, layout, name)
+        stray = _outside_pool(cache, k, v, slot_t)
+        return stray or _diagnose_append(cache.cpu(), expected, before, k, v, slot_t, layout, name)
 
     inputs = [
         ("slot_mapping", str(slots)),
@@ -254,10 +300,13 @@ def _grid_append_run(case):
     return run
 
 
-def check_append_kernel(append, poison_masked: bool = True):
+def check_append_kernel(append, *, isolate: bool = True, poison_masked: bool = True):
     """Exercise 06: ``append(k, v, cache, slot_mapping, layout="NHD")`` (the exercise's
     launcher around the learner's kernel), bit for bit against
-    :func:`pagedkv_lib.reference.append_paged_kv`; ``poison_masked`` as in the module docstring."""
+    :func:`pagedkv_lib.reference.append_paged_kv`; the pools sit between guard bytes, so
+    a write next to one is named. ``isolate``: run the cases in a child process
+    (:func:`~pagedkv_lib.exercises.cases.run_cases`); False runs them in this one.
+    ``poison_masked`` as in the module docstring."""
     append = _poisoning(append, poison_masked)
     teaching = [
         _teaching_append_case(
@@ -305,7 +354,10 @@ def check_append_kernel(append, poison_masked: bool = True):
             )
         )
     return run_cases(
-        "append_kernel", cases, f"5 teaching cases and the {len(grid)} cases of verify.append_grid(), bit for bit"
+        "append_kernel",
+        cases,
+        f"5 teaching cases and the {len(grid)} cases of verify.append_grid(), bit for bit",
+        isolate,
     )
 
 
@@ -367,6 +419,11 @@ def _merge_run(merge, part, lse, expected):
             )
         elif got.isnan().all():
             hint = "every output is NaN, as the launcher leaves it: your kernel stored nothing."
+    elif _masked_lse_loaded_as_zero(part, lse, got):
+        hint = (
+            "the lse lanes past num_splits loaded as 0, not -inf, and took a share of the weights: give that "
+            'tl.load other=float("-inf") (a masked lane without other= is 0 in the interpreter, garbage on a GPU).'
+        )
     else:
         finite = torch.isfinite(lse)
         for name, w in (
@@ -384,11 +441,25 @@ def _merge_run(merge, part, lse, expected):
     return Mismatch("the float64 merge, within 1e-5 + 1e-6 |ref|", f"max |error| {result.max_abs:.3g}", detail, hint)
 
 
-def check_merge_kernel(merge, poison_masked: bool = True):
+def _masked_lse_loaded_as_zero(part, lse, got) -> bool:
+    """Whether ``got`` is the merge a kernel computes when the lse lanes past the last
+    split (up to the next power of two) load as 0 and their partials as 0."""
+    splits = lse.shape[-1]
+    pad = (1 << max(splits - 1, 0).bit_length()) - splits
+    if pad == 0:
+        return False
+    lse_pad = torch.cat([lse.double(), lse.new_zeros((*lse.shape[:-1], pad)).double()], -1)
+    part_pad = torch.cat([part.double(), part.new_zeros((*part.shape[:-2], pad, part.shape[-1])).double()], -2)
+    w = torch.exp2(lse_pad - lse_pad.amax(-1, keepdim=True))
+    guess = (w[..., None] * torch.where(w[..., None] > 0, part_pad.nan_to_num(), 0.0)).sum(-2) / w.sum(-1)[..., None]
+    return compare(got, guess, *TOLERANCES[torch.float32]).passed
+
+
+def check_merge_kernel(merge, *, isolate: bool = True, poison_masked: bool = True):
     """Exercise 07: ``merge(partials, lse) -> out`` (the exercise's launcher around the
     learner's kernel) against :func:`pagedkv_lib.reference.merge_partials` and, on partials
-    of conformance cases, the float64 decode reference; ``poison_masked`` as in the module
-    docstring."""
+    of conformance cases, the float64 decode reference. ``isolate`` and ``poison_masked``
+    as :func:`check_append_kernel`."""
     merge = _poisoning(merge, poison_masked)
     gen = torch.Generator().manual_seed(7)
 
@@ -479,7 +550,7 @@ def check_merge_kernel(merge, poison_masked: bool = True):
         label = f"partials of a harness decode case in {splits} splits: lengths {case['seq_lens']}"
         inputs = [("case", show(case)), ("num_splits", str(splits))]
         cases.append(Case(label, run, inputs, "The merged partials must equal the whole decode (float64 reference)."))
-    return run_cases("merge_kernel", cases, "6 teaching cases and the partials of 2 harness decode cases")
+    return run_cases("merge_kernel", cases, "6 teaching cases and the partials of 2 harness decode cases", isolate)
 
 
 # --------------------------------------------------------------------------- 08 decode
@@ -650,12 +721,13 @@ def _decode_hint(case: dict, block_n: int) -> str:
     return " ".join(hints)
 
 
-def check_decode_kernel(decode, block_n: int = 32, poison_masked: bool = True):
+def check_decode_kernel(decode, block_n: int = 32, *, isolate: bool = True, poison_masked: bool = True):
     """Exercise 08: ``decode(q, cache, block_tables, seq_lens, layout="NHD") -> out`` (the
     exercise's launcher around the learner's kernel; tiles of ``block_n`` tokens) on teaching
     cases, then the short cases of the harness's decode grid, within
-    :data:`pagedkv_lib.verify.TOLERANCES` of the float64 reference. ``poison_masked`` as in
-    the module docstring; a NaN result then names the masked loads that read poison."""
+    :data:`pagedkv_lib.verify.TOLERANCES` of the float64 reference. ``isolate`` and
+    ``poison_masked`` as :func:`check_append_kernel`; a NaN result then names the masked
+    loads that read poison."""
     poisoned: list = []
     decode = _poisoning(decode, poison_masked, poisoned)
     base = {
@@ -733,4 +805,5 @@ def check_decode_kernel(decode, block_n: int = 32, poison_masked: bool = True):
         "decode_kernel",
         cases,
         f"8 teaching cases and the {len(grid)} short cases of verify.decode_grid(), within the harness's tolerances",
+        isolate,
     )

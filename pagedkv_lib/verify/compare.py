@@ -42,7 +42,9 @@ class Comparison(NamedTuple):
 
 def compare(out, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> Comparison:
     """Compare ``out`` with the float64 ``expected`` by the pass rule ``|out - expected| <=
-    atol + rtol |expected|`` (elementwise). Non-finite outputs and shape mismatches fail."""
+    atol + rtol |expected|`` (elementwise). Where ``expected`` is NaN (a NaN in a query
+    or a visible key: the references let it through) ``out`` must be NaN too; any other
+    non-finite output, a finite one where NaN was expected, and shape mismatches fail."""
     if not isinstance(out, torch.Tensor):
         return Comparison(False, math.inf, math.inf, math.inf, None, f"returned {type(out).__name__}, not a tensor")
     out = out.detach().cpu().double()
@@ -52,10 +54,17 @@ def compare(out, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> Comp
         )
     if not expected.numel():
         return Comparison(True, 0.0, 0.0, 0.0, None, "")
-    bad = ~torch.isfinite(out)
+    want_nan = expected.isnan()
+    hidden = want_nan & ~out.isnan()
+    if hidden.any():
+        where = tuple(int(i) for i in torch.nonzero(hidden)[0])
+        detail = f"{int(hidden.sum())} finite outputs where the reference is NaN (a NaN input was hidden)"
+        return Comparison(False, math.inf, math.inf, math.inf, where, detail)
+    bad = ~torch.isfinite(out) & ~want_nan
     if bad.any():
         where = tuple(int(i) for i in torch.nonzero(bad)[0])
         return Comparison(False, math.inf, math.inf, math.inf, where, f"{int(bad.sum())} non-finite outputs")
+    out, expected = out.masked_fill(want_nan, 0.0), expected.masked_fill(want_nan, 0.0)
     err = (out - expected).abs()
     ratio = err / (atol + rtol * expected.abs())
     flat = int(torch.argmax(ratio))

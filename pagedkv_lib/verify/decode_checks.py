@@ -49,7 +49,8 @@ def long_decode_cases() -> list[dict]:
 def decode_grid(full: bool = False) -> list[dict]:
     """Decode cases: layouts x dtypes, cycling head dims, page sizes, GQA groups and
     batches that hold an empty, a length-1 and a page-aligned sequence; a page shared
-    by two sequences; a pool of finite stale values; then :func:`long_decode_cases`."""
+    by two sequences; a pool of finite stale values; a NaN in queries (one of an empty
+    sequence, which must still return zeros); then :func:`long_decode_cases`."""
     values = {
         "layout": ["NHD", "HND"],
         "dtype": ["fp32", "fp16", "bf16"],
@@ -64,6 +65,8 @@ def decode_grid(full: bool = False) -> list[dict]:
          "seq_lens": [24, 13], "shared_pages": True},
         {"layout": "HND", "dtype": "fp32", "head_dim": 64, "page_size": 8, "group": 1, "num_kv_heads": 2,
          "seq_lens": [40, 3], "poison": False},
+        {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 8, "group": 2, "num_kv_heads": 1,
+         "seq_lens": [20, 0, 5], "nan_query": True},
         *long_decode_cases(),
     ]  # fmt: skip
     return cover(values, extra, outer=3 if full else 2)
@@ -115,6 +118,8 @@ def decode_inputs(case: dict):
         if not (shared and b == 1):
             _write_sequence(pool, tables, b, n, window, gen)
     q = rand((len(lens), hk * case["group"], d), dtype, gen)
+    if case.get("nan_query"):  # an honest kernel returns NaN for sequence 0's head 0 (and 0 for an empty one)
+        q[: len(lens) - 1 or 1, 0, 0] = float("nan")
     return q, pool.cache, tables, torch.tensor(lens, dtype=torch.int32), window
 
 

@@ -65,7 +65,8 @@ def window_prefill_cases() -> list[dict]:
 
 def prefill_grid(full: bool = False) -> list[dict]:
     """Prefill cases: layouts x dtypes, cycling head dims, page sizes, GQA groups and the
-    :data:`BATCHES`; a pool of finite stale values; then windows and long requests."""
+    :data:`BATCHES`; a pool of finite stale values; a NaN in a query; then windows and
+    long requests."""
     values = {
         "layout": ["NHD", "HND"],
         "dtype": ["fp32", "fp16", "bf16"],
@@ -78,6 +79,8 @@ def prefill_grid(full: bool = False) -> list[dict]:
     extra = [
         {"layout": "HND", "dtype": "fp32", "head_dim": 48, "page_size": 8, "group": 3, "num_kv_heads": 2,
          "requests": ((24, 9), (9, 9)), "poison": False},
+        {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 8, "group": 2, "num_kv_heads": 1,
+         "requests": ((20, 6), (0, 0), (9, 3)), "nan_query": True},
         *window_prefill_cases(),
         *long_prefill_cases(),
     ]  # fmt: skip
@@ -113,6 +116,8 @@ def prefill_inputs(case: dict):
         _write_sequence(pool, tables, b, n, window, gen)
     qo_indptr = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
     q = rand((sum(q_lens), hk * case["group"], d), dtype, gen)
+    if case.get("nan_query"):  # an honest kernel returns NaN for the first query's head 0
+        q[0, 0, 0] = float("nan")
     return q, pool.cache, qo_indptr, tables, torch.tensor(lens, dtype=torch.int32), window
 
 
