@@ -385,8 +385,9 @@ def _split_partials(q, cache, tables, lens, layout, num_splits):
     return part.float(), lse.float()
 
 
-def _merge_run(merge, part, lse, expected):
+def _merge_run(merge, part, lse, expected, poisoned: list):
     dev = runtime.device()
+    poisoned.clear()  # the loads this case poisons
     got = call("merge", merge, part.to(dev), lse.to(dev))
     if not isinstance(got, torch.Tensor):
         return Mismatch(f"a tensor {tuple(expected.shape)}", f"merge returned {show(got)}")
@@ -405,7 +406,9 @@ def _merge_run(merge, part, lse, expected):
     hint = ""
     row_lse = lse[b, h]
     if not torch.isfinite(got[b, h]).all():
-        if float(row_lse.max()) > 120:
+        if poisoned:
+            hint = _poisoned_hint(poisoned, MERGE_POISON_FIX)
+        elif float(row_lse.max()) > 120:
             hint = "2**lse overflows fp32 for lse > 127: subtract the largest lse before exp2."
         elif torch.isinf(row_lse).all():
             hint = (
@@ -460,7 +463,8 @@ def check_merge_kernel(merge, *, isolate: bool = True, poison_masked: bool = Tru
     learner's kernel) against :func:`pagedkv_lib.reference.merge_partials` and, on partials
     of conformance cases, the float64 decode reference. ``isolate`` and ``poison_masked``
     as :func:`check_append_kernel`."""
-    merge = _poisoning(merge, poison_masked)
+    poisoned: list = []
+    merge = _poisoning(merge, poison_masked, poisoned)
     gen = torch.Generator().manual_seed(7)
 
     def made(batch, heads, splits, dim, lse_values=None):
@@ -511,7 +515,12 @@ def check_merge_kernel(merge, *, isolate: bool = True, poison_masked: bool = Tru
             ("lse", show(lse) if lse.numel() <= 12 else f"[{', '.join(map(str, lse.shape))}] fp32"),
         ]
         cases.append(
-            Case(label, lambda p=part, s=lse: _merge_run(merge, p, s, reference.merge_partials(p, s)), inputs, hint)
+            Case(
+                label,
+                lambda p=part, s=lse: _merge_run(merge, p, s, reference.merge_partials(p, s), poisoned),
+                inputs,
+                hint,
+            )
         )
     conformance = [
         (
@@ -545,7 +554,7 @@ def check_merge_kernel(merge, *, isolate: bool = True, poison_masked: bool = Tru
             q, cache, tables, lens, _ = decode_inputs(case)
             part, lse = _split_partials(q, cache, tables, lens, case["layout"], splits)
             want = reference.paged_decode_attention(q, cache, tables, lens, layout=case["layout"], precision="fp64")
-            return _merge_run(merge, part, lse, want)
+            return _merge_run(merge, part, lse, want, poisoned)
 
         label = f"partials of a harness decode case in {splits} splits: lengths {case['seq_lens']}"
         inputs = [("case", show(case)), ("num_splits", str(splits))]
@@ -593,13 +602,19 @@ def _decode_picture(tables, lens, b: int, page_size: int, num_pages: int, block_
     return _save(plot_access_pattern(order, title, masked, label="tile"), name)
 
 
-def _poisoned_hint(loads: list) -> str:
+DECODE_POISON_FIX = "load masked K/V lanes with other=0.0, and give masked tokens score -inf; 0 * NaN is NaN."
+MERGE_POISON_FIX = (
+    'load the masked lse lanes with other=float("-inf") (they then weigh exactly 0) and the masked '
+    "partial lanes with other=0.0."
+)
+
+
+def _poisoned_hint(loads: list, fix: str = DECODE_POISON_FIX) -> str:
     where = "; ".join(f"`{load.source}` ({Path(load.filename).name}, line {load.lineno})" for load in loads)
     return (
         f"NaN came from the masked lanes of a tl.load without other=: {where}. A masked lane reads no "
         "memory; on a GPU it is undefined, whatever its register held (this check fills it with NaN; "
-        "Triton's interpreter alone gives 0): load masked K/V lanes with other=0.0, and give masked tokens "
-        "score -inf; 0 * NaN is NaN."
+        f"Triton's interpreter alone gives 0): {fix}"
     )
 
 
