@@ -29,6 +29,7 @@ from ..reference import rope_reference
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .grid import accepts
 from .report import CaseResult
+from .stale import restrict_poison
 
 __all__ = [
     "mla_append_grid",
@@ -233,6 +234,7 @@ def mla_decode_inputs(case: dict) -> dict:
             continue
         slots = slot_mapping(tables, torch.full((n,), b), torch.arange(n), ps)
         mla.append_paged_mla_kv(rand((n, rank), dtype, gen), rand((n, rope), dtype, gen), ckv_cache, kpe_cache, slots)
+    restrict_poison([ckv_cache, kpe_cache], tables, case.get("poison", True), case.get("seed", 0))
     # Weights scaled so q_latent and the output stay of order 1 (as trained weights do).
     w_uk = (torch.randn((heads, nope, rank), generator=gen) / math.sqrt(nope)).to(dtype)
     w_uv = (torch.randn((heads, v_dim, rank), generator=gen) / math.sqrt(rank)).to(dtype)
