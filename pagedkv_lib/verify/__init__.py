@@ -37,15 +37,15 @@ exit 1 when a check fails. This package never imports ``kernels`` or ``triton``.
 """
 
 from .append_checks import append_case, append_grid
+from .baseline import BaselineDiff
 from .cli import main
 from .compare import TOLERANCES
 from .contract import FULL, Contract, contract, contract_of
 from .decode_checks import decode_case, decode_grid, long_decode_cases
 from .generated import generated_cases
+from .prefill_scenarios import check_prefill_chunks, check_prefix_hit
 from .report import CaseResult, Report
 from .runner import CHECKS, callable_path, resolve_callable, run, run_case
-from .baseline import BaselineDiff
-from .prefill_scenarios import check_prefill_chunks, check_prefix_hit
 from .scenarios import (
     SCENARIO_NEEDS,
     SCENARIOS,

@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
     parser.add_argument("--fault", action="append", default=[], choices=sorted(F.FAULTS), help="switch a fault on")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument(
-        "--baseline", type=Path, metavar="PATH", help="a saved --json report: print only what changed, "
-        "exit 1 only on new failures"
+        "--baseline",
+        type=Path,
+        metavar="PATH",
+        help="a saved --json report: print only what changed, exit 1 only on new failures",
     )
     parser.add_argument("--no-isolate", action="store_true", help="run checks in this process (no crash isolation)")
     parser.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S", help="seconds per check")

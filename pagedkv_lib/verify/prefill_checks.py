@@ -27,8 +27,8 @@ from ..formats import pad_block_tables, scatter_pages
 from ..pool import PagedKVPool
 from ..window import RingWindow
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
-from .decode_checks import _write_sequence
 from .contract import Contract, contract_of
+from .decode_checks import _write_sequence
 from .grid import accepts, cover
 from .guards import Guards
 from .report import CaseResult

@@ -38,13 +38,14 @@ def _causal(q, k, v, positions):
 def check_prefill_chunks(
     append_fn, prefill_fn, faults, *, page_size: int = 4, cache_layout: str | None = None
 ) -> CaseResult:
-    """A prompt of ``3 * page_size + 3`` tokens in chunks of ``page_size + 1`` (so chunks
-    start and end mid-page): each chunk written, then its queries attend to the pool."""
+    """A prompt of ``2 * page_size + 3`` tokens in chunks of ``page_size + 1`` (so chunks
+    start and end mid-page, the last one a single token): each chunk written, then its
+    queries attend to the pool."""
     bench, gen = Bench(append_fn, prefill_fn, cache_layout), torch.Generator().manual_seed(8)
-    ps, hk, d = page_size, 2, 32
-    n, chunk = 3 * ps + 3, ps + 1
+    ps, hk, d = page_size, 1, 32
+    n, chunk = 2 * ps + 3, ps + 1
     k, v = rand((n, hk, d), torch.float32, gen), rand((n, hk, d), torch.float32, gen)
-    q = rand((n, 4, d), torch.float32, gen)
+    q = rand((n, 2, d), torch.float32, gen)
     num_pages = -(-n // ps) + 2
     tables = pad_block_tables([torch.randperm(num_pages, generator=gen)[: -(-n // ps)].tolist()])
     pool = bench.pool(num_pages, ps, hk, d, fill=float("nan"))
@@ -64,7 +65,9 @@ def check_prefill_chunks(
     return finish("prefill_chunks", bench, True, f"{n} tokens in chunks of {chunk}, pages of {ps}", worst, **case)
 
 
-def check_prefix_hit(append_fn, prefill_fn, faults, *, page_size: int = 4, cache_layout: str | None = None) -> CaseResult:
+def check_prefix_hit(
+    append_fn, prefill_fn, faults, *, page_size: int = 4, cache_layout: str | None = None
+) -> CaseResult:
     """Request A writes ``page_size + page_size // 2 + 1`` tokens (its last page partly
     filled); B forks it (a prefix hit ending mid-page) and appends 5 tokens, A one;
     one prefill batch: A's decode step and B's 5 queries."""
@@ -106,7 +109,7 @@ def check_prefix_hit(append_fn, prefill_fn, faults, *, page_size: int = 4, cache
 
 PREFILL_SCENARIO_NEEDS = {
     "prefill_chunks": {"dtype": "fp32", "layout": "NHD", "head_dim": 32, "page_size": 4, "group": 2,
-                       "seq_lens": [15]},
+                       "seq_lens": [11]},
     "prefix_hit": {"dtype": "fp32", "layout": "NHD", "head_dim": 16, "page_size": 4, "group": 2, "seq_lens": [8, 12]},
 }  # fmt: skip
 PREFILL_SCENARIOS = {"prefill_chunks": check_prefill_chunks, "prefix_hit": check_prefix_hit}

@@ -215,11 +215,14 @@ class _Session:
             result.attribution = ("with finite stale values in the unused slots it still fails: "
                                   "not (only) a read of unused rows")  # fmt: skip
         else:
-            read = [what for mode, what in UNUSED_ROWS.items() if self._one(check, {**case, "poison": mode}).passed is False]
+            read = [
+                what for mode, what in UNUSED_ROWS.items() if self._one(check, {**case, "poison": mode}).passed is False
+            ]
+            which = " and ".join(read) if read else "but NaN in the tails or the free pages alone is harmless"
             result.attribution = (
                 "passes with finite stale values in the unused slots: the kernel reads unused pool rows "
-                "(0 * NaN is NaN), " + (" and ".join(read) if read else "but NaN in the tails or free pages alone is harmless")
-            )  # fmt: skip
+                f"(0 * NaN is NaN), {which}"
+            )
         result.detail = f"{result.detail}; NaN attribution: {result.attribution}"
 
     def scenario(self, name: str, **case) -> CaseResult:

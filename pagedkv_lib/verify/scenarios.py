@@ -46,6 +46,7 @@ __all__ = [
     "check_large_pool",
 ]
 
+
 def attention_oracle(q, k, v, visible):
     """float64 softmax attention of ``q [Hq, D]`` over the rows ``visible`` of contiguous
     ``k, v [T, Hk, D]`` (GQA by repeat)."""
@@ -99,8 +100,9 @@ def check_chunked_prefill(
                                                torch.arange(start, end), ps))  # fmt: skip
         same, max_abs, where = bit_compare(pool.paged(), expected.cache)
         if not same:
-            detail = (f"after chunk step {step} (positions {start}..{end - 1}, pages of {ps}, table "
-                      f"{tables[0].tolist()}): the pool {where}; the append wrote this chunk somewhere else")  # fmt: skip
+            table = tables[0].tolist()
+            detail = (f"after chunk step {step} (positions {start}..{end - 1}, pages of {ps}, table {table}): "
+                      f"the pool: {where}; the append wrote this chunk somewhere else")  # fmt: skip
             return finish("chunked_prefill", bench, False, detail, max_abs, **case)
     out = bench.decode(q, pool, tables, [n])
     rows = [f"request 0 (decode after {-(-n // chunk)} chunk steps, seq_len {n}, pages {tables[0].tolist()})"]

@@ -27,10 +27,10 @@ UNUSED_ROWS = {
 
 def restrict_poison(caches, block_tables: torch.Tensor, mode, seed: int) -> None:
     """Keep the NaN of the unused rows of ``caches`` (tensors whose dim 0 is the page,
-    as written by the case builders) only where ``mode`` says, in place; the others get
-    finite values from their own generator (seeded with ``seed``), so the case's K, V and
-    queries stay those of the poisoned run. ``mode`` True keeps every NaN (and False,
-a pool drawn finite from the start, has none)."""
+        as written by the case builders) only where ``mode`` says, in place; the others get
+        finite values from their own generator (seeded with ``seed``), so the case's K, V and
+        queries stay those of the poisoned run. ``mode`` True keeps every NaN (and False,
+    a pool drawn finite from the start, has none)."""
     if mode is True or mode is False:
         return
     if mode not in POISON_MODES:
