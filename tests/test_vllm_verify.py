@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import reference, verify
+from pagedkv_lib import mla, quant_reference, reference, verify
 
 # isort: split
 import mutants
@@ -284,3 +284,28 @@ def test_a_repro_line_runs_as_printed_and_names_only_the_familys_callable():
     assert scope["result"].passed is False
     local = verify.run(decode_fn=lambda *a, **k: _unscaled_decode(*a, **k), checks=("decode",), isolate=False)
     assert "decode_fn=decode_fn)  # first bind decode_fn to your callable" in local.failures[0].repro
+
+
+def _poke_past(t):
+    torch.as_strided(t, (t.numel() + 1,), (1,))[-1] = 7  # one element past the end
+
+
+def _mla_append_past_kpe(ckv, kpe, ckv_cache, kpe_cache, slot_mapping, rope=None, positions=None):
+    mla.append_paged_mla_kv(ckv, kpe, ckv_cache, kpe_cache, slot_mapping)
+    _poke_past(kpe_cache if kpe_cache.is_contiguous() else ckv_cache)
+
+
+def _quant_append_past_data(k, v, pool, slot_mapping):
+    quant_reference.append_paged_kv_quant(k, v, pool, slot_mapping)
+    _poke_past(pool.data)
+
+
+@pytest.mark.parametrize(
+    ("family", "fn", "tensor"),
+    [("mla_append", _mla_append_past_kpe, "kpe_cache"), ("quant_append", _quant_append_past_data, "data")],
+)
+def test_every_family_guards_the_tensors_it_hands_the_kernel(family, fn, tensor):
+    arg = verify.runner.FAMILIES[family].fn_arg
+    case = verify.runner.FAMILIES[family].grid(False)[0]
+    result = verify.run_case(family, case, isolate=False, **{arg: fn})
+    assert result.passed is False and f"kernel wrote after the end of {tensor}" in result.detail, result.detail

@@ -28,6 +28,7 @@ from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..reference import rope_reference
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .grid import accepts
+from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison
 
@@ -59,12 +60,15 @@ def _pool(num_pages: int, page_size: int, rank: int, rope: int, dtype, fused: bo
     return buf[..., :rank].clone(), buf[..., rank:].clone(), None
 
 
-def _to_device(ckv_cache, kpe_cache, buf, dev):
+def _to_device(ckv_cache, kpe_cache, buf, dev, guards: Guards):
     """A copy of the pool on ``dev`` (a copy on the CPU too, so the originals stay the
-    snapshot the result is compared with), two slices of one buffer kept as such."""
+    snapshot the result is compared with) between guard bytes of a page, two slices of
+    one buffer kept as such."""
     if buf is None:
-        return ckv_cache.to(dev, copy=True), kpe_cache.to(dev, copy=True), None
-    moved = buf.to(dev, copy=True)
+        placed = [guards.place(n, c.to(dev), c[0].numel() * c.element_size())
+                  for n, c in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache))]  # fmt: skip
+        return placed[0], placed[1], None
+    moved = guards.place("buffer", buf.to(dev), buf[0].numel() * buf.element_size())
     return moved[..., : ckv_cache.shape[2]], moved[..., ckv_cache.shape[2] :], moved
 
 
@@ -122,12 +126,14 @@ def mla_append_case(append_fn, case: dict) -> CaseResult:
         ckv, kpe = rand((n, rank), dtype, gen), rand((n, rope_dim), dtype, gen)
     want_c, want_p = ckv_cache.clone(), kpe_cache.clone()
     mla.append_paged_mla_kv(ckv, kpe, want_c, want_p, slots)  # RoPE keys are checked by value below
-    dev = runtime.device()
-    got_c, got_p, _ = _to_device(ckv_cache, kpe_cache, buf, dev)
-    ckv_dev, kpe_dev = ckv.to(dev, copy=True), kpe.to(dev, copy=True)  # ckv, kpe stay the snapshot
+    dev, guards = runtime.device(), Guards()
+    got_c, got_p, _ = _to_device(ckv_cache, kpe_cache, buf, dev, guards)
+    ckv_dev, kpe_dev, slots_dev = (
+        guards.place(n, t.to(dev)) for n, t in (("ckv", ckv), ("kpe", kpe), ("slot_mapping", slots))
+    )
     kwargs = {} if rope is None else {"rope": rope, "positions": positions.to(dev)}
     try:
-        append_fn(ckv_dev, kpe_dev, got_c, got_p, slots.to(dev), **kwargs)
+        append_fn(ckv_dev, kpe_dev, got_c, got_p, slots_dev, **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
         return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
     got_c, got_p = got_c.cpu(), got_p.cpu()
@@ -153,6 +159,7 @@ def mla_append_case(append_fn, case: dict) -> CaseResult:
         count, where = first_difference(after.cpu(), before)
         if count:
             notes.append(f"append modified its input {what} ({where})")
+    notes += guards.corrupted()
     ok = not notes
     return CaseResult(name, case, ok, max_abs, 0.0, 0.0, "; ".join(notes), ratio)
 
@@ -263,9 +270,11 @@ def mla_decode_case(decode_fn, case: dict) -> CaseResult:
     t = mla_decode_inputs(case)
     expected = mla.mla_decode_naive(*(t[a] for a in _ARGS), scale=t["scale"])
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
-    dev = runtime.device()
-    inputs = {a: t[a].to(dev, copy=True) for a in _ARGS}  # t stays the snapshot, even on the CPU
-    inputs["ckv_cache"], inputs["kpe_cache"], buf_dev = _to_device(t["ckv_cache"], t["kpe_cache"], t["buffer"], dev)
+    dev, guards = runtime.device(), Guards()
+    inputs = {a: guards.place(a, t[a].to(dev)) for a in _ARGS}  # copies: t stays the snapshot, even on the CPU
+    inputs["ckv_cache"], inputs["kpe_cache"], buf_dev = _to_device(
+        t["ckv_cache"], t["kpe_cache"], t["buffer"], dev, guards
+    )
     kwargs, notes = {"scale": t["scale"]}, []
     if "num_splits" in case:
         if accepts(decode_fn, "num_splits"):
@@ -292,5 +301,8 @@ def mla_decode_case(decode_fn, case: dict) -> CaseResult:
         if count:
             ok = False
             notes.append(f"decode wrote into the pool's buffer: {count} elements changed, first at {where}")
+    guard_notes = guards.corrupted()
+    ok = ok and not guard_notes
+    notes += guard_notes
     detail = "; ".join([detail, *notes]) if detail else "; ".join(notes)
     return CaseResult(name, case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)
