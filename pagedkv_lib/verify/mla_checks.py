@@ -79,7 +79,7 @@ def mla_append_grid(full: bool = False) -> list[dict]:
     """Append cases: every dtype with every page size (1, 16, 64), each with another
     combination of widths, token count, padding, strided inputs, one-buffer pool and
     RoPE style (every style meets every dtype and every page size); then an empty
-    append, and with ``full`` 300 tokens at DeepSeek-V2's widths."""
+    append, pages of 5, and with ``full`` 300 tokens at DeepSeek-V2's widths."""
     big = (512, 64)
     rows = [  # (dims, num_tokens, padding, noncontiguous, fused, rope)
         (_SMALL[:2], 45, 3, False, False, None),
@@ -99,6 +99,8 @@ def mla_append_grid(full: bool = False) -> list[dict]:
         for j, ps in enumerate([1, 16, 64])
     ]
     cases.append({"dtype": "fp16", "page_size": 16, **dict(zip(keys, (_SMALL[:2], 0, 0, False, False, "gptj")))})
+    # A page size that is no power of two, 17 tokens over a 5-row page's last rows.
+    cases.append({"dtype": "fp16", "page_size": 5, **dict(zip(keys, (_ODD[:2], 17, 2, False, False, None)))})
     if full:
         cases.append({"dtype": "bf16", "page_size": 64, **dict(zip(keys, (big, 300, 5, True, True, "gptj")))})
     return cases
@@ -173,7 +175,7 @@ def mla_decode_grid(full: bool = False) -> list[dict]:
     batch with an empty or a one-token sequence or lengths around a page boundary),
     split count (1, the heuristic's, 3) and pool layout (two tensors or one buffer);
     then a page shared by two sequences, a pool of finite stale values, 1000 tokens in 7
-    splits, and with ``full`` the DeepSeek-V2 dimensions."""
+    splits, pages of 5, and with ``full`` the DeepSeek-V2 dimensions."""
     rows = [  # (num_heads, dims, seq_lens, num_splits, fused)
         (4, _SMALL, [0, 1, 37], 1, False),
         (5, _ODD, [300, 0, 129], None, True),
@@ -196,6 +198,8 @@ def mla_decode_grid(full: bool = False) -> list[dict]:
          "num_splits": 2, "shared_pages": True},
         {"dtype": "fp32", "page_size": 8, "num_heads": 2, "dims": _ODD, "seq_lens": [40, 3], "poison": False},
         {"dtype": "bf16", "page_size": 16, "num_heads": 2, "dims": _SMALL, "seq_lens": [1000, 2], "num_splits": 7},
+        # pages of 5 (no power of two), a sequence ending exactly on a page boundary
+        {"dtype": "fp32", "page_size": 5, "num_heads": 2, "dims": _ODD, "seq_lens": [10, 7, 1], "num_splits": 2},
     ]  # fmt: skip
     if full:
         cases.append(deepseek_v2_case())
