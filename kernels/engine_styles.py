@@ -11,7 +11,13 @@ on code that was not written for it, including with the bugs such kernels ship w
   layout of vLLM's flash-attention backend and FlashInfer's NHD tuple:
   ``key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]``; one
   program per (sequence, query head); ``block_size`` a power of two; no windows; it
-  assumes every sequence has at least one token (as vLLM's decode does).
+  assumes every sequence has at least one token (as vLLM's decode does);
+* :func:`prefill_kv_tuple`: the same kernel over ragged queries (``qo_indptr``), each
+  query row seeing the keys up to its own position (chunked prefill, prefix hits), as
+  vLLM's unified Triton attention serves prefill and decode with one kernel;
+* :func:`store_kv_tuple`: the store into that layout (vLLM's
+  ``reshape_and_cache_flash``): a ``[num_blocks, block_size, heads, dim]`` cache is a
+  flat slot cache with ``block_size`` rows per block, so it is the flat store.
 
 ``bug=`` plants one classic bug (see :data:`BUGS`); the harness must report each with
 the element it got wrong and never die of it.
@@ -28,13 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BUGS", "store_kvcache_flat", "decode_kv_tuple"]
+__all__ = ["BUGS", "store_kvcache_flat", "store_kv_tuple", "decode_kv_tuple", "prefill_kv_tuple"]
 
 BUGS = {
     None: "no planted bug",
     "no_minus_one_guard": "store: a -1 slot is not skipped, so the token is written before the cache's first row",
     "unguarded_v_store": "store: V is stored without the head_dim mask, spilling into the next slot's row",
     "off_by_one_block": "decode: block i of a sequence is read from table entry i + 1",
+    "whole_page_loads": "decode: whole pages are loaded, masked by head_dim only, so NaN in the unwritten tail "
+    "of a last page poisons the output (0 * NaN), as vLLM's Triton attention once did",
 }
 _CODES = {name: i for i, name in enumerate(BUGS)}
 
@@ -93,13 +101,23 @@ def store_kvcache_flat(key, value, k_cache, v_cache, slot_mapping, bug=None) -> 
         )  # fmt: skip
 
 
+def store_kv_tuple(key, value, key_cache, value_cache, slot_mapping, bug=None) -> None:
+    """Store ``key, value [num_tokens, num_kv_heads, head_dim]`` into ``key_cache,
+    value_cache [num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous) at
+    ``slot_mapping [num_tokens]`` (``slot = block * block_size + row``; ``-1`` skipped)."""
+    blocks, block_size, heads, dim = key_cache.shape
+    flat = (blocks * block_size, heads * dim)
+    store_kvcache_flat(key, value, key_cache.view(flat), value_cache.view(flat), slot_mapping, bug=bug)
+
+
 @triton.jit
 def _decode_tuple_kernel(
     q_ptr,
     key_cache_ptr,
     value_cache_ptr,
     block_tables_ptr,
-    seq_lens_ptr,
+    row_seq_ptr,
+    row_len_ptr,
     out_ptr,
     scale,
     stride_qb,
@@ -116,14 +134,18 @@ def _decode_tuple_kernel(
     BLOCK_D: tl.constexpr,
     BUG: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # One program per (query row, query head). A row attends to the first row_len keys
+    # of sequence row_seq: a decode row to the whole sequence, a prefill row to the
+    # keys up to its own position.
+    r = tl.program_id(0)
     h = tl.program_id(1)
+    b = tl.load(row_seq_ptr + r)
     kv_head = h // group
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_SIZE)
     d_mask = offs_d < head_dim
-    seq_len = tl.load(seq_lens_ptr + b)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32) * scale
+    seq_len = tl.load(row_len_ptr + r)
+    q = tl.load(q_ptr + r * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32) * scale
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -133,7 +155,10 @@ def _decode_tuple_kernel(
         entry = i + 1 if BUG == 3 else i
         block = tl.load(block_tables_ptr + b * stride_tb + entry).to(tl.int64)
         tokens = i * BLOCK_SIZE + offs_n
-        mask = (tokens < seq_len)[:, None] & d_mask[None, :]
+        if BUG == 4:
+            mask = (offs_n >= 0)[:, None] & d_mask[None, :]
+        else:
+            mask = (tokens < seq_len)[:, None] & d_mask[None, :]
         offs = block * stride_kb + offs_n[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(key_cache_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(value_cache_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -147,7 +172,25 @@ def _decode_tuple_kernel(
         m_i = m_new
         i += 1
     out = acc / l_i
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + r * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _launch(query, key_cache, value_cache, block_tables, row_seq, row_len, scale, bug):
+    """One program per (row of ``query``, query head); returns ``[rows, heads, dim]``."""
+    rows, num_q_heads, dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if key_cache.stride(3) != 1 or query.stride(2) != 1:
+        raise ValueError("key_cache and query need a contiguous last dimension")
+    out = torch.empty_like(query)
+    if rows:
+        _decode_tuple_kernel[(rows, num_q_heads)](
+            query, key_cache, value_cache, block_tables, row_seq, row_len, out,
+            (1.0 / math.sqrt(dim)) if scale is None else scale,
+            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1), num_q_heads // num_kv_heads, dim,
+            BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(dim), BUG=_bug_code(bug),
+        )  # fmt: skip
+    return out
 
 
 def decode_kv_tuple(query, key_cache, value_cache, block_tables, seq_lens, scale=None, bug=None):
@@ -155,17 +198,19 @@ def decode_kv_tuple(query, key_cache, value_cache, block_tables, seq_lens, scale
     value_cache [num_blocks, block_size, num_kv_heads, head_dim]`` through
     ``block_tables [batch, max_blocks]`` and ``seq_lens [batch]`` (each >= 1). Returns
     ``[batch, num_q_heads, head_dim]`` in ``query.dtype``. Trusts its caller."""
-    batch, num_q_heads, dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    if key_cache.stride(3) != 1 or query.stride(2) != 1:
-        raise ValueError("key_cache and query need a contiguous last dimension")
-    out = torch.empty_like(query)
-    if batch:
-        _decode_tuple_kernel[(batch, num_q_heads)](
-            query, key_cache, value_cache, block_tables, seq_lens, out,
-            (1.0 / math.sqrt(dim)) if scale is None else scale,
-            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1), num_q_heads // num_kv_heads, dim,
-            BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(dim), BUG=_bug_code(bug),
-        )  # fmt: skip
-    return out
+    row_seq = torch.arange(query.shape[0], dtype=torch.int32, device=query.device)
+    return _launch(query, key_cache, value_cache, block_tables, row_seq, seq_lens, scale, bug)
+
+
+def prefill_kv_tuple(query, key_cache, value_cache, qo_indptr, block_tables, seq_lens, scale=None, bug=None):
+    """Causal attention of ragged queries: ``query [total_q, num_q_heads, head_dim]``, the
+    rows ``qo_indptr[b] .. qo_indptr[b + 1] - 1`` those of sequence ``b`` at positions
+    ``seq_lens[b] - q_len .. seq_lens[b] - 1`` (its last keys are its own), over the
+    caches of :func:`decode_kv_tuple`. Returns ``[total_q, num_q_heads, head_dim]``."""
+    indptr = qo_indptr.long()
+    q_lens = indptr[1:] - indptr[:-1]
+    row_seq = torch.repeat_interleave(torch.arange(len(q_lens), device=query.device), q_lens)
+    first = indptr[:-1][row_seq]  # the row index of each row's request's first query
+    past = (seq_lens.long() - q_lens)[row_seq]
+    row_len = past + torch.arange(query.shape[0], device=query.device) - first + 1
+    return _launch(query, key_cache, value_cache, block_tables, row_seq.int(), row_len.int(), scale, bug)

@@ -15,7 +15,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 import kernels
+from pagedkv_lib import mla, quant_reference, reference
 
 KERNELS_DIR = Path(kernels.__file__).parent
 
@@ -125,3 +128,35 @@ def build(mutant: Mutant):
     fn = getattr(importlib.import_module(package), mutant.entry)
     _BUILT[mutant.name] = fn
     return fn
+
+
+# --------------------------------------------------------------------------- one row past its page
+# Writers that put a page's last row one row further on: into the next page's first row
+# (the end of a page computed with <= instead of <). A grid catches them only where a
+# case writes some page's last row, so every writing family's default grid must.
+
+
+def _past_its_page(slots, page_size: int, num_slots: int):
+    shifted = torch.where((slots >= 0) & (slots % page_size == page_size - 1), slots + 1, slots)
+    return torch.where(shifted < num_slots, shifted, slots)  # the pool's last row has no next page
+
+
+def append_one_row_past_its_page(k, v, cache, slot_mapping, layout="NHD"):
+    """``reference.append_paged_kv`` writing each page's last row one row past its page."""
+    page_size = cache.shape[2] if layout == "NHD" else cache.shape[3]
+    slots = _past_its_page(slot_mapping, page_size, cache.shape[0] * page_size)
+    reference.append_paged_kv(k, v, cache, slots, layout)
+
+
+def quant_append_one_row_past_its_page(k, v, pool, slot_mapping):
+    """``quant_reference.append_paged_kv_quant`` writing a page's last row past its page."""
+    slots = _past_its_page(slot_mapping, pool.page_size, pool.num_slots)
+    quant_reference.append_paged_kv_quant(k, v, pool, slots)
+
+
+def mla_append_one_row_past_its_page(ckv, kpe, ckv_cache, kpe_cache, slot_mapping, rope=None, positions=None):
+    """``mla.append_paged_mla_kv`` writing a page's last row past its page."""
+    page_size = ckv_cache.shape[1]
+    slots = _past_its_page(slot_mapping, page_size, ckv_cache.shape[0] * page_size)
+    kwargs = {} if rope is None else {"rope": rope, "positions": positions}
+    mla.append_paged_mla_kv(ckv, kpe, ckv_cache, kpe_cache, slots, **kwargs)

@@ -95,7 +95,8 @@ def test_mla_checks_are_mla_only_and_run_only_when_given():
     assert set(MLA_CHECKS) <= set(verify.CHECKS)
     report = verify.run(mla.append_paged_mla_kv, checks=("append",))
     assert report.results and {r.check for r in report.results} == {"append"}
-    assert not verify.run(checks=MLA_CHECKS).results  # no MLA callable: nothing to run
+    nothing = verify.run(checks=MLA_CHECKS)  # no MLA callable: nothing ran, and that fails
+    assert [r.kind for r in nothing.results] == ["nothing"] and not nothing.passed
 
 
 def test_append_mutants_fail_the_append_check():

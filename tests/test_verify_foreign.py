@@ -103,15 +103,15 @@ def test_a_foreign_store_passes_what_it_declares_and_the_rest_is_listed_outside(
 
 
 def test_a_foreign_decode_passes_inside_its_contract():
-    cases = [c for c in verify.decode_grid() if max(c["seq_lens"]) <= 2100]  # the 3000-token case costs ~30 s here
+    cases = [c for c in verify.decode_grid() if max(c["seq_lens"]) <= 100]  # the long cases cost a minute here
     session = verify.runner._Session({"decode_fn": tuple_decode}, (), None, None, 300.0)
     results = [session.case("decode", c) for c in cases]
     assert not [r for r in results if r.passed is False], [r.detail for r in results if r.passed is False]
-    assert sum(r.status == "pass" for r in results) >= 2
+    assert all(r.status == "pass" for r in results)  # every case moved inside the contract
     generated = session.generated("decode", 6)  # drawn inside the contract only
     assert [r.status for r in generated] == ["pass"] and generated[0].case["generated"] == 6
-    reasons = " ".join(r.outside for r in results if r.outside)
-    assert "page_size 5" in reasons and "a sequence of length 0" in reasons and "layout HND" in reasons
+    moved = " ".join(r.case.get("substituted", "") for r in results)
+    assert "page_size 5->" in moved and "seq_lens [0, 1, 37]->[1, 37]" in moved and "layout HND->NHD" in moved
 
 
 def test_a_window_scenario_is_outside_a_contract_without_windows_and_a_failed_check_without_a_contract():

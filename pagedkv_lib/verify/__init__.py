@@ -17,10 +17,18 @@ Two kinds of checks:
   tokens over several tiles and splits, wrapped ring windows), plus hypothesis-generated
   cases (:mod:`.generated`), each a plain dict that :func:`run_case` replays; a decode
   must also leave the pool and its inputs bit-for-bit unchanged;
-* **scenarios** (:mod:`.scenarios`) that drive the library's bookkeeping through the
-  callables (chunked prefill, ring window, V-tail zeroing, copy-on-write fork, a freed
-  and reused page, offsets past 2**31). Each fault of :mod:`pagedkv_lib.faults` breaks
-  one of them.
+* **scenarios** (:mod:`.scenarios`, :mod:`.prefill_scenarios`) that drive the
+  library's bookkeeping through the callables (chunked prefill, ring window, V-tail
+  zeroing, copy-on-write fork, a freed and reused page, prefill chunk by chunk, a
+  mid-page prefix hit through the prefill kernel), in pages the kernels' contracts
+  admit, and a self-check of offsets past 2**31 that calls no kernel. Each fault of
+  :mod:`pagedkv_lib.faults` breaks one of them.
+
+Grid cases outside a kernel's contract are replaced by equivalent ones inside it
+(:meth:`Contract.project`); a family or run that checks nothing of the kernel fails. A
+case that fails on non-finite outputs is re-run with finite stale values, and the
+report says which unused rows the kernel reads (:mod:`.stale`); ``baseline=`` reports
+only what changed against a saved report (:mod:`.baseline`).
 
 A callable that raises fails the case it raised on; the run goes on. From a shell:
 ``python -m pagedkv_lib.verify --append-fn pkg.mod:fn --decode-fn pkg.mod:fn`` (or
@@ -32,11 +40,13 @@ masked ``tl.load`` without ``other=`` reads NaN, as undefined as on a GPU;
 """
 
 from .append_checks import append_case, append_grid
+from .baseline import BaselineDiff
 from .cli import main
 from .compare import TOLERANCES
 from .contract import FULL, Contract, contract, contract_of
 from .decode_checks import decode_case, decode_grid, long_decode_cases
 from .generated import generated_cases
+from .prefill_scenarios import check_prefill_chunks, check_prefix_hit
 from .report import CaseResult, Report
 from .runner import CHECKS, callable_path, resolve_callable, run, run_case
 from .scenarios import (
@@ -80,6 +90,9 @@ __all__ = [
     "check_reused_page",
     "check_int64_offsets",
     "check_large_pool",
+    "check_prefill_chunks",
+    "check_prefix_hit",
+    "BaselineDiff",
 ]
 
 # --------------------------------------------------------------------------- prefill

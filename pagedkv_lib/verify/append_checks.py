@@ -17,7 +17,7 @@ import math
 import torch
 
 from .. import reference, runtime
-from ..cache_layouts import to_native, to_paged
+from ..cache_layouts import to_paged
 from ..formats import scatter_pages, slot_mapping
 from ..pool import PagedKVPool
 from .compare import DTYPES, bit_compare, first_difference, rand
@@ -132,12 +132,7 @@ def append_case(append_fn, case: dict, contract: Contract | None = None) -> Case
     expected = cache.clone()
     reference.append_paged_kv(k, v, expected, slots, layout)
     dev, guards = runtime.device(), Guards()
-    page_bytes = cache[0].numel() * cache.element_size()
-    native = to_native(cache, contract.cache_layout, layout)
-    if isinstance(native, torch.Tensor):
-        native = guards.place("cache", native.to(dev), page_bytes)
-    else:
-        native = tuple(guards.place(n, t.to(dev), page_bytes) for n, t in zip(("k_cache", "v_cache"), native))
+    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
     originals = {"k": k, "v": v, "slot_mapping": slots}
     inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
     try:

@@ -3,7 +3,8 @@
 :func:`pagedkv_lib.verify.contract` on the function is honoured), ``--reference`` (the
 Python references), or ``python -m kernels.verify`` (the suite's Triton kernels, which
 lives on the kernels' side so that this library never imports them). ``--json PATH``
-also writes the report as JSON, for other projects' CI."""
+also writes the report as JSON, for other projects' CI; ``--baseline PATH`` compares
+with such a saved report, prints only what changed and exits 1 only on new failures."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ _HELP = {
     "quant_append_fn": "your FP8/NVFP4 append (kernels.append_paged_kv_quant)",
     "quant_decode_fn": "your FP8/NVFP4 decode (kernels.paged_decode_attention_quant)",
 }
-REFERENCES = {
+REFERENCES = {  # --reference: the Python references of every family that has one
     "append_fn": reference.append_paged_kv,
     "decode_fn": reference.paged_decode_attention,
     "prefill_fn": reference.paged_prefill_attention,
@@ -70,6 +71,12 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
     )
     parser.add_argument("--fault", action="append", default=[], choices=sorted(F.FAULTS), help="switch a fault on")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="PATH",
+        help="a saved --json report: print only what changed, exit 1 only on new failures",
+    )
     parser.add_argument("--no-isolate", action="store_true", help="run checks in this process (no crash isolation)")
     parser.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S", help="seconds per check")
     parser.add_argument(
@@ -101,8 +108,9 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
             isolate=False if args.no_isolate else None,
             timeout_s=args.timeout,
             poison_masked=poison,
+            baseline=args.baseline,
         )
-    except ValueError as err:  # an import path that does not resolve, an unknown fault
+    except ValueError as err:  # an import path that does not resolve, an unknown fault, a bad baseline
         parser.error(str(err))
     print(report)
     if args.json:

@@ -8,6 +8,15 @@ scenario that needs an undeclared feature with that reason, and draws generated 
 only inside the contract. It also says which cache layout the kernel takes (see
 :mod:`pagedkv_lib.cache_layouts`), so each case's pool is built in that layout.
 
+Before a grid case is judged outside, :meth:`Contract.project` moves it inside where an
+equivalent case exists: an excluded page size, head dim, GQA group, dtype or layout
+becomes the nearest admitted one the suite builds (:data:`SUBSTITUTES`; pages of 1 and
+5 become 16 and 32 for a kernel whose tile is one page of at least 16), sequences
+shorter than ``min_seq_len`` are dropped from their batch (as padding slots are
+dropped), and a ring window is dropped for a kernel without windows. The case records
+what changed under ``"substituted"``. Only a case with no admitted value to move to
+stays outside.
+
 Declare a contract when wrapping a kernel::
 
     @verify.contract(cache_layout="flat", head_dims="pow2", windows=False)
@@ -25,10 +34,19 @@ from dataclasses import dataclass, field, replace
 from ..cache_layouts import CACHE_LAYOUTS
 from ..indexing import is_power_of_two
 
-__all__ = ["Contract", "contract", "contract_of", "FULL"]
+__all__ = ["Contract", "contract", "contract_of", "admits", "FULL", "SUBSTITUTES"]
 
 _DTYPES = ("fp32", "fp16", "bf16")
 _LAYOUTS = ("NHD", "HND")
+# The values the suite builds, by case key, in the order a substitute is looked for:
+# an excluded value becomes the smallest admitted one at or above 4x it (a page of 1
+# or 5 becomes 16 or 32, not the same page twice), else the largest admitted one.
+SUBSTITUTES = {
+    "page_size": (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256),
+    "head_dim": (16, 32, 48, 64, 80, 96, 128, 256),
+    "group": (1, 2, 3, 4, 5, 6, 8, 16),
+}
+_DOMAIN_OF = {"page_size": "page_sizes", "head_dim": "head_dims", "group": "gqa_groups"}
 
 
 def _domain(name: str, value) -> None:
@@ -38,7 +56,8 @@ def _domain(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be None (any), 'pow2' or a tuple of ints")
 
 
-def _admits(domain, value: int) -> bool:
+def admits(domain, value: int) -> bool:
+    """Whether a contract domain (None: any, ``"pow2"``, or a tuple) admits ``value``."""
     if domain is None:
         return True
     if domain == "pow2":
@@ -84,15 +103,50 @@ class Contract:
             raise ValueError(f"min_seq_len={self.min_seq_len!r} must be an int >= 0")
 
     def project(self, case: dict) -> dict:
-        """``case`` with the optional features this contract leaves out switched off
-        (non-contiguous K/V made contiguous, padding slots dropped), so that the rest of
-        the case (its dims, dtype, lengths) is still checked rather than skipped."""
-        out = dict(case)
+        """``case`` moved inside this contract where an equivalent case exists (see the
+        module docstring): optional features it leaves out switched off (non-contiguous
+        K/V made contiguous, padding slots, short sequences and ring windows dropped),
+        excluded dims and dtypes replaced by admitted ones. ``out["substituted"]`` lists
+        the changes (``"page_size 5->32"``); a case already inside comes back equal."""
+        out, changes = dict(case), []
+
+        def change(key, new, label=None):
+            changes.append(f"{label or key} {_text(out[key])}->{_text(new)}")
+            out[key] = new
+
         if not self.strided_kv and out.get("noncontiguous"):
             out["noncontiguous"] = False
         if not self.padding and out.get("padding"):
             out["padding"] = 0
+        if not self.windows and out.get("window"):
+            change("window", None)
+        for key, allowed, universe in (("dtype", self.dtypes, _DTYPES), ("layout", self.layouts, _LAYOUTS)):
+            if key in out and out[key] not in allowed and out[key] in universe:
+                change(key, allowed[universe.index(out[key]) % len(allowed)])
+        for key, values in SUBSTITUTES.items():
+            domain = getattr(self, _DOMAIN_OF[key])
+            if key in out and not admits(domain, out[key]):
+                admitted = [v for v in values if admits(domain, v) and self._fits(key, v, out)]
+                if admitted:
+                    above = [v for v in admitted if v >= 4 * out[key]]
+                    change(key, above[0] if above else admitted[-1])
+        if self.min_seq_len and "seq_lens" in out:
+            kept = [n for n in out["seq_lens"] if n >= self.min_seq_len] or [self.min_seq_len]
+            if kept != list(out["seq_lens"]):
+                change("seq_lens", kept)
+        if self.min_seq_len and "requests" in out:
+            kept = tuple(r for r in out["requests"] if r[0] >= self.min_seq_len) or ((self.min_seq_len,) * 2,)
+            if kept != tuple(out["requests"]):
+                change("requests", kept)
+        if changes:
+            out["substituted"] = ", ".join(filter(None, [case.get("substituted", ""), *changes]))
         return out
+
+    def _fits(self, key: str, value: int, case: dict) -> bool:
+        """Whether ``value`` for ``key`` meets the layout's own rules (vLLM's x packing)."""
+        if key != "head_dim" or self.cache_layout != "vllm_x":
+            return True
+        return value % (16 // {"fp32": 4, "fp16": 2, "bf16": 2}[case.get("dtype", "fp32")]) == 0
 
     def outside(self, case: dict) -> str | None:
         """Why ``case`` (a grid, generated or scenario case) lies outside this contract,
@@ -107,9 +161,11 @@ class Contract:
             ("page_size", self.page_sizes, "page_size"),
             ("group", self.gqa_groups, "GQA group"),
         ):
-            if key in case and not _admits(domain, case[key]):
+            if key in case and not admits(domain, case[key]):
                 reasons.append(f"{label} {case[key]}")
         lens = case.get("seq_lens")
+        if case.get("requests") is not None:
+            lens = [n for n, _ in case["requests"]]
         if lens is not None and len(lens) and min(lens) < self.min_seq_len:
             reasons.append(f"a sequence of length {min(lens)} (< {self.min_seq_len})")
         if case.get("window") and not self.windows:
@@ -154,6 +210,10 @@ class Contract:
 
 
 FULL = Contract()
+
+
+def _text(value) -> str:
+    return "none" if value is None else str(list(value) if isinstance(value, tuple) else value)
 
 
 def contract(**fields):

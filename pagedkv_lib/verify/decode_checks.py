@@ -18,7 +18,7 @@ import math
 import torch
 
 from .. import reference, runtime
-from ..cache_layouts import to_native, to_paged
+from ..cache_layouts import to_paged
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..pool import PagedKVPool
 from ..window import RingWindow
@@ -27,6 +27,7 @@ from .contract import Contract, contract_of
 from .grid import accepts, cover
 from .guards import Guards
 from .report import CaseResult
+from .stale import restrict_poison
 
 __all__ = ["decode_grid", "long_decode_cases", "decode_inputs", "decode_case"]
 
@@ -120,6 +121,7 @@ def decode_inputs(case: dict):
     q = rand((len(lens), hk * case["group"], d), dtype, gen)
     if case.get("nan_query"):  # an honest kernel returns NaN for sequence 0's head 0 (and 0 for an empty one)
         q[: len(lens) - 1 or 1, 0, 0] = float("nan")
+    restrict_poison([pool.cache], tables, case.get("poison", True), case.get("seed", 0))
     return q, pool.cache, tables, torch.tensor(lens, dtype=torch.int32), window
 
 
@@ -136,12 +138,7 @@ def decode_case(decode_fn, case: dict, contract: Contract | None = None) -> Case
     expected = reference.paged_decode_attention(q, cache, tables, lens, layout=layout, window=window, precision="fp64")
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
     dev, guards = runtime.device(), Guards()
-    page_bytes = cache[0].numel() * cache.element_size()
-    native = to_native(cache, contract.cache_layout, layout)
-    if isinstance(native, torch.Tensor):
-        native = guards.place("cache", native.to(dev), page_bytes)
-    else:
-        native = tuple(guards.place(n, t.to(dev), page_bytes) for n, t in zip(("k_cache", "v_cache"), native))
+    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
     originals = {"q": q, "block_tables": tables, "seq_lens": lens}
     inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
     kwargs, notes = {}, []

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .append_checks import append_case
-from .contract import Contract, _admits
+from .contract import Contract, admits
 from .decode_checks import decode_case
 from .grid import accepts
 from .report import CaseResult
@@ -23,7 +23,7 @@ def _strategy(kind: str, fn, contract: Contract):
     from hypothesis import strategies as st
 
     def pick(values, domain=None, allowed=None):
-        keep = [v for v in values if (allowed is None or v in allowed) and _admits(domain, v)]
+        keep = [v for v in values if (allowed is None or v in allowed) and admits(domain, v)]
         return st.sampled_from(keep or values[:1])
 
     common = {

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cache_layouts import native_tensors, to_native
+
 __all__ = ["CANARY", "Guards"]
 
 CANARY = 0xA5  # the byte every guard region is filled with
@@ -64,3 +66,13 @@ class Guards:
                     f"the first at offset {first}"
                 )
         return lines
+
+    def place_pool(self, cache: torch.Tensor, cache_layout: str, layout: str, device) -> torch.Tensor | tuple:
+        """The suite pool ``cache`` (5-D, in ``layout``) converted to ``cache_layout``
+        (:func:`pagedkv_lib.cache_layouts.to_native`) and moved to ``device``, each of its
+        tensors between guards of at least one page's bytes: the object a kernel under
+        test receives (a tensor, or a ``(k_cache, v_cache)`` tuple)."""
+        page_bytes = cache[0].numel() * cache.element_size()
+        native = to_native(cache, cache_layout, layout)
+        placed = {n: self.place(n, t.to(device), page_bytes) for n, t in native_tensors(native).items()}
+        return placed["cache"] if isinstance(native, torch.Tensor) else (placed["k_cache"], placed["v_cache"])

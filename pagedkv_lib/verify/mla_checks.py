@@ -28,7 +28,9 @@ from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..reference import rope_reference
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .grid import accepts
+from .guards import Guards
 from .report import CaseResult
+from .stale import restrict_poison
 
 __all__ = [
     "mla_append_grid",
@@ -58,12 +60,15 @@ def _pool(num_pages: int, page_size: int, rank: int, rope: int, dtype, fused: bo
     return buf[..., :rank].clone(), buf[..., rank:].clone(), None
 
 
-def _to_device(ckv_cache, kpe_cache, buf, dev):
+def _to_device(ckv_cache, kpe_cache, buf, dev, guards: Guards):
     """A copy of the pool on ``dev`` (a copy on the CPU too, so the originals stay the
-    snapshot the result is compared with), two slices of one buffer kept as such."""
+    snapshot the result is compared with) between guard bytes of a page, two slices of
+    one buffer kept as such."""
     if buf is None:
-        return ckv_cache.to(dev, copy=True), kpe_cache.to(dev, copy=True), None
-    moved = buf.to(dev, copy=True)
+        placed = [guards.place(n, c.to(dev), c[0].numel() * c.element_size())
+                  for n, c in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache))]  # fmt: skip
+        return placed[0], placed[1], None
+    moved = guards.place("buffer", buf.to(dev), buf[0].numel() * buf.element_size())
     return moved[..., : ckv_cache.shape[2]], moved[..., ckv_cache.shape[2] :], moved
 
 
@@ -74,7 +79,7 @@ def mla_append_grid(full: bool = False) -> list[dict]:
     """Append cases: every dtype with every page size (1, 16, 64), each with another
     combination of widths, token count, padding, strided inputs, one-buffer pool and
     RoPE style (every style meets every dtype and every page size); then an empty
-    append, and with ``full`` 300 tokens at DeepSeek-V2's widths."""
+    append, pages of 5, and with ``full`` 300 tokens at DeepSeek-V2's widths."""
     big = (512, 64)
     rows = [  # (dims, num_tokens, padding, noncontiguous, fused, rope)
         (_SMALL[:2], 45, 3, False, False, None),
@@ -94,6 +99,8 @@ def mla_append_grid(full: bool = False) -> list[dict]:
         for j, ps in enumerate([1, 16, 64])
     ]
     cases.append({"dtype": "fp16", "page_size": 16, **dict(zip(keys, (_SMALL[:2], 0, 0, False, False, "gptj")))})
+    # A page size that is no power of two, 17 tokens over a 5-row page's last rows.
+    cases.append({"dtype": "fp16", "page_size": 5, **dict(zip(keys, (_ODD[:2], 17, 2, False, False, None)))})
     if full:
         cases.append({"dtype": "bf16", "page_size": 64, **dict(zip(keys, (big, 300, 5, True, True, "gptj")))})
     return cases
@@ -121,12 +128,14 @@ def mla_append_case(append_fn, case: dict) -> CaseResult:
         ckv, kpe = rand((n, rank), dtype, gen), rand((n, rope_dim), dtype, gen)
     want_c, want_p = ckv_cache.clone(), kpe_cache.clone()
     mla.append_paged_mla_kv(ckv, kpe, want_c, want_p, slots)  # RoPE keys are checked by value below
-    dev = runtime.device()
-    got_c, got_p, _ = _to_device(ckv_cache, kpe_cache, buf, dev)
-    ckv_dev, kpe_dev = ckv.to(dev, copy=True), kpe.to(dev, copy=True)  # ckv, kpe stay the snapshot
+    dev, guards = runtime.device(), Guards()
+    got_c, got_p, _ = _to_device(ckv_cache, kpe_cache, buf, dev, guards)
+    ckv_dev, kpe_dev, slots_dev = (
+        guards.place(n, t.to(dev)) for n, t in (("ckv", ckv), ("kpe", kpe), ("slot_mapping", slots))
+    )
     kwargs = {} if rope is None else {"rope": rope, "positions": positions.to(dev)}
     try:
-        append_fn(ckv_dev, kpe_dev, got_c, got_p, slots.to(dev), **kwargs)
+        append_fn(ckv_dev, kpe_dev, got_c, got_p, slots_dev, **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
         return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
     got_c, got_p = got_c.cpu(), got_p.cpu()
@@ -152,6 +161,7 @@ def mla_append_case(append_fn, case: dict) -> CaseResult:
         count, where = first_difference(after.cpu(), before)
         if count:
             notes.append(f"append modified its input {what} ({where})")
+    notes += guards.corrupted()
     ok = not notes
     return CaseResult(name, case, ok, max_abs, 0.0, 0.0, "; ".join(notes), ratio)
 
@@ -165,7 +175,7 @@ def mla_decode_grid(full: bool = False) -> list[dict]:
     batch with an empty or a one-token sequence or lengths around a page boundary),
     split count (1, the heuristic's, 3) and pool layout (two tensors or one buffer);
     then a page shared by two sequences, a pool of finite stale values, 1000 tokens in 7
-    splits, and with ``full`` the DeepSeek-V2 dimensions."""
+    splits, pages of 5, and with ``full`` the DeepSeek-V2 dimensions."""
     rows = [  # (num_heads, dims, seq_lens, num_splits, fused)
         (4, _SMALL, [0, 1, 37], 1, False),
         (5, _ODD, [300, 0, 129], None, True),
@@ -188,6 +198,8 @@ def mla_decode_grid(full: bool = False) -> list[dict]:
          "num_splits": 2, "shared_pages": True},
         {"dtype": "fp32", "page_size": 8, "num_heads": 2, "dims": _ODD, "seq_lens": [40, 3], "poison": False},
         {"dtype": "bf16", "page_size": 16, "num_heads": 2, "dims": _SMALL, "seq_lens": [1000, 2], "num_splits": 7},
+        # pages of 5 (no power of two), a sequence ending exactly on a page boundary
+        {"dtype": "fp32", "page_size": 5, "num_heads": 2, "dims": _ODD, "seq_lens": [10, 7, 1], "num_splits": 2},
     ]  # fmt: skip
     if full:
         cases.append(deepseek_v2_case())
@@ -233,6 +245,7 @@ def mla_decode_inputs(case: dict) -> dict:
             continue
         slots = slot_mapping(tables, torch.full((n,), b), torch.arange(n), ps)
         mla.append_paged_mla_kv(rand((n, rank), dtype, gen), rand((n, rope), dtype, gen), ckv_cache, kpe_cache, slots)
+    restrict_poison([ckv_cache, kpe_cache], tables, case.get("poison", True), case.get("seed", 0))
     # Weights scaled so q_latent and the output stay of order 1 (as trained weights do).
     w_uk = (torch.randn((heads, nope, rank), generator=gen) / math.sqrt(nope)).to(dtype)
     w_uv = (torch.randn((heads, v_dim, rank), generator=gen) / math.sqrt(rank)).to(dtype)
@@ -261,9 +274,11 @@ def mla_decode_case(decode_fn, case: dict) -> CaseResult:
     t = mla_decode_inputs(case)
     expected = mla.mla_decode_naive(*(t[a] for a in _ARGS), scale=t["scale"])
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
-    dev = runtime.device()
-    inputs = {a: t[a].to(dev, copy=True) for a in _ARGS}  # t stays the snapshot, even on the CPU
-    inputs["ckv_cache"], inputs["kpe_cache"], buf_dev = _to_device(t["ckv_cache"], t["kpe_cache"], t["buffer"], dev)
+    dev, guards = runtime.device(), Guards()
+    inputs = {a: guards.place(a, t[a].to(dev)) for a in _ARGS}  # copies: t stays the snapshot, even on the CPU
+    inputs["ckv_cache"], inputs["kpe_cache"], buf_dev = _to_device(
+        t["ckv_cache"], t["kpe_cache"], t["buffer"], dev, guards
+    )
     kwargs, notes = {"scale": t["scale"]}, []
     if "num_splits" in case:
         if accepts(decode_fn, "num_splits"):
@@ -290,5 +305,8 @@ def mla_decode_case(decode_fn, case: dict) -> CaseResult:
         if count:
             ok = False
             notes.append(f"decode wrote into the pool's buffer: {count} elements changed, first at {where}")
+    guard_notes = guards.corrupted()
+    ok = ok and not guard_notes
+    notes += guard_notes
     detail = "; ".join([detail, *notes]) if detail else "; ".join(notes)
     return CaseResult(name, case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)

@@ -22,13 +22,17 @@ import math
 import torch
 
 from .. import reference, runtime
+from ..cache_layouts import to_paged
 from ..formats import pad_block_tables, scatter_pages
 from ..pool import PagedKVPool
 from ..window import RingWindow
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
+from .contract import Contract, contract_of
 from .decode_checks import _write_sequence
-from .grid import cover
+from .grid import accepts, cover
+from .guards import Guards
 from .report import CaseResult
+from .stale import restrict_poison
 
 __all__ = ["prefill_grid", "long_prefill_cases", "prefill_inputs", "prefill_case", "locate_row"]
 
@@ -118,6 +122,7 @@ def prefill_inputs(case: dict):
     q = rand((sum(q_lens), hk * case["group"], d), dtype, gen)
     if case.get("nan_query"):  # an honest kernel returns NaN for the first query's head 0
         q[0, 0, 0] = float("nan")
+    restrict_poison([pool.cache], tables, case.get("poison", True), case.get("seed", 0))
     return q, pool.cache, qo_indptr, tables, torch.tensor(lens, dtype=torch.int32), window
 
 
@@ -130,25 +135,30 @@ def locate_row(row: int, qo_indptr, seq_lens) -> tuple[int, int, int]:
     return b, i, int(seq_lens[b]) - q_len + i
 
 
-def prefill_case(prefill_fn, case: dict) -> CaseResult:
+def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> CaseResult:
     """Run one prefill case: the output within tolerance of the float64 reference (the
     failure detail names the first (request, query, head) beyond it), and the pool,
-    ``q`` and the index tensors bit-for-bit unchanged."""
+    ``q`` and the index tensors bit-for-bit unchanged, nothing written next to them.
+    The pool is built in the kernel's declared cache layout."""
+    contract = contract or contract_of(prefill_fn)
+    reason = contract.outside(case)
+    if reason:
+        return CaseResult("prefill", case, None, outside=reason)
     q, cache, qo_indptr, tables, lens, window = prefill_inputs(case)
     layout = case["layout"]
     expected = reference.paged_prefill_attention(
         q, cache, qo_indptr, tables, lens, layout=layout, window=window, precision="fp64"
     )
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
-    dev = runtime.device()
-    inputs = {"q": q, "cache": cache, "qo_indptr": qo_indptr, "block_tables": tables, "seq_lens": lens}
-    # Copies, even on the CPU (where .to(dev) would return the very tensor compared with).
-    inputs = {name: t.to(dev, copy=True) for name, t in inputs.items()}
-    kwargs = {"layout": layout}
+    dev, guards = runtime.device(), Guards()
+    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
+    originals = {"q": q, "qo_indptr": qo_indptr, "block_tables": tables, "seq_lens": lens}
+    inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
+    kwargs = {"layout": layout} if accepts(prefill_fn, "layout") else {}
     if window is not None:
         kwargs["window"] = window
     try:
-        out = prefill_fn(*inputs.values(), **kwargs)
+        out = prefill_fn(inputs["q"], native, *(inputs[n] for n in ("qo_indptr", "block_tables", "seq_lens")), **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
         return CaseResult("prefill", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
     result = compare(out, expected, atol, rtol)
@@ -161,12 +171,15 @@ def prefill_case(prefill_fn, case: dict) -> CaseResult:
             f"query {i} (position {pos}), head {result.worst[1]}"
         )
         detail = f"{detail}; {where}" if detail else where
-    for name, before in (("cache", cache), ("q", q), ("qo_indptr", qo_indptr), ("block_tables", tables),
-                         ("seq_lens", lens)):  # fmt: skip
-        count, at = first_difference(inputs[name].cpu(), before, layout if name == "cache" else None)
+    dims = (cache.shape[0], case["page_size"], case["num_kv_heads"], case["head_dim"])
+    after = {"cache": to_paged(native, contract.cache_layout, layout, *dims).cpu()}
+    after.update({name: t.cpu() for name, t in inputs.items()})
+    for name, before in {"cache": cache, **originals}.items():
+        count, at = first_difference(after[name], before, layout if name == "cache" else None)
         if count:
-            ok = False
             what = "wrote into the pool" if name == "cache" else f"modified its input {name}"
             notes.append(f"prefill {what}: {count} elements changed, first at {at}")
+    notes += guards.corrupted()
+    ok = ok and not notes
     detail = "; ".join([x for x in (detail, *notes) if x])
     return CaseResult("prefill", case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)

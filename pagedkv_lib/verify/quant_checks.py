@@ -33,6 +33,7 @@ from ..quant_pool import QuantizedKVPool
 from ..window import RingWindow
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .grid import accepts, cover
+from .guards import Guards
 from .report import CaseResult
 
 __all__ = [
@@ -130,6 +131,17 @@ def _pool_differences(got: QuantizedKVPool, expected: QuantizedKVPool) -> list[s
     return notes
 
 
+def _guarded_pool(pool: QuantizedKVPool, guards: Guards) -> QuantizedKVPool:
+    """``pool`` (on the kernels' device) with its codes, scales and global scales each
+    between guard bytes of at least one page: a kernel writing past them is seen."""
+    page_bytes = pool.data[0].numel()
+    pool.data = guards.place("data", pool.data, page_bytes)
+    if pool.scales is not None:
+        pool.scales = guards.place("scales", pool.scales, pool.scales[0].numel() * pool.scales.element_size())
+    pool.global_scale = guards.place("global_scale", pool.global_scale)
+    return pool
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
 
@@ -159,13 +171,14 @@ def quant_append_case(quant_append_fn, case: dict) -> CaseResult:
     slots = slots[torch.randperm(n, generator=gen)]
     expected = pool.clone()
     quant_reference.append_paged_kv_quant(k, v, expected, slots)
-    dev = runtime.device()
-    got, k_dev, v_dev = pool.to(dev), k.to(dev), v.to(dev)
+    dev, guards = runtime.device(), Guards()
+    got = _guarded_pool(pool.to(dev), guards)
+    k_dev, v_dev, slots_dev = (guards.place(n, t.to(dev)) for n, t in (("k", k), ("v", v), ("slot_mapping", slots)))
     try:
-        quant_append_fn(k_dev, v_dev, got, slots.to(dev))
+        quant_append_fn(k_dev, v_dev, got, slots_dev)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
         return CaseResult("quant_append", case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
-    notes = _pool_differences(got, expected)
+    notes = _pool_differences(got, expected) + guards.corrupted()
     for name, before, after in (("k", k, k_dev), ("v", v, v_dev)):
         count, where = first_difference(after.cpu(), before)
         if count:
@@ -232,8 +245,10 @@ def quant_decode_case(quant_decode_fn, case: dict) -> CaseResult:
     q, pool, tables, lens, window = quant_decode_inputs(case)
     expected = quant_reference.paged_decode_attention_quant(q, pool, tables, lens, window=window, precision="fp64")
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
-    dev = runtime.device()
-    got_pool, q_dev = pool.to(dev), q.to(dev)
+    dev, guards = runtime.device(), Guards()
+    got_pool = _guarded_pool(pool.to(dev), guards)
+    q_dev, tables_dev, lens_dev = (guards.place(n, t.to(dev)) for n, t in (("q", q), ("block_tables", tables),
+                                                                            ("seq_lens", lens)))  # fmt: skip
     kwargs, notes = {}, []
     if window is not None:
         kwargs["window"] = window
@@ -243,7 +258,7 @@ def quant_decode_case(quant_decode_fn, case: dict) -> CaseResult:
         else:
             notes.append("quant_decode_fn takes no num_splits: ran with its own")
     try:
-        out = quant_decode_fn(q_dev, got_pool, tables.to(dev), lens.to(dev), **kwargs)
+        out = quant_decode_fn(q_dev, got_pool, tables_dev, lens_dev, **kwargs)
     except Exception as err:
         return CaseResult("quant_decode", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
     result = compare(out, expected, atol, rtol)
@@ -251,7 +266,7 @@ def quant_decode_case(quant_decode_fn, case: dict) -> CaseResult:
     if not ok and result.worst is not None and not detail:
         b, h = result.worst[:2]
         detail = f"first beyond tolerance: sequence {b} (length {int(lens[b])}), query head {h}"
-    changed = _pool_differences(got_pool, pool)
+    changed = _pool_differences(got_pool, pool) + guards.corrupted()
     count, where = first_difference(q_dev.cpu(), q)
     if count:
         changed.append(f"modified its input q ({where})")

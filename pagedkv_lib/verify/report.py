@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .baseline import BaselineDiff
+
 __all__ = ["CaseResult", "Report"]
 
 _STATUSES = ("pass", "FAIL", "skip", "outside")
@@ -18,8 +20,14 @@ class CaseResult:
     ``outside`` the kernel's declared contract (the reason). ``max_abs`` / ``max_rel`` are the
     errors against the reference and ``atol`` the absolute tolerance; ``tol_ratio`` is
     the largest ``|err| / (atol + rtol |ref|)`` by the pass rule (>= 1 fails; 0 for a
-    bit-exact check that passed). ``fns`` maps ``append_fn`` / ``decode_fn`` to the
-    import path (``"module:function"``) of the callable that ran, when it has one.
+    bit-exact check that passed). ``fns`` maps the callables this check ran
+    (``append_fn``, ``decode_fn``, ...) to their import paths (``"module:function"``),
+    None for one without. ``kind``: ``"kernel"`` (the check called a callable under
+    test), ``"self-check"`` (a check of the suite's own arithmetic, such as
+    ``int64_offsets``: it never counts as the kernel's pass) or ``"nothing"`` (a family
+    or run in which nothing of the kernel was checked: a failure). ``attribution``: why
+    a case that failed on non-finite outputs did, from re-runs with finite stale values
+    (:mod:`.stale`).
     """
 
     check: str
@@ -33,6 +41,8 @@ class CaseResult:
     faults: tuple[str, ...] = ()
     fns: dict[str, str | None] = field(default_factory=dict)
     outside: str | None = None
+    kind: str = "kernel"
+    attribution: str = ""
 
     @property
     def status(self) -> str:
@@ -43,23 +53,48 @@ class CaseResult:
 
     @property
     def repro(self) -> str:
-        """A line that re-runs this case when pasted. Callables without an import path
-        (lambdas, closures) appear as a name in capitals to replace with your own."""
+        """A line that re-runs this case when pasted: the callables it ran by import
+        path; one without (a lambda, a closure, a wrapped callable) by its argument name,
+        with a comment saying to bind that name to it first. "" for a "nothing checked"
+        result."""
+        if self.kind == "nothing":
+            return ""
         args = [repr(self.check.split("[")[0]), repr(self.case)]
+        local = []
         for arg, path in sorted(self.fns.items()):
-            args.append(f"{arg}={path!r}" if path else f"{arg}={arg.upper()}")
+            args.append(f"{arg}={path!r}" if path else f"{arg}={arg}")
+            if not path:
+                local.append(arg)
         if self.faults:
             args.append(f"faults={set(self.faults)!r}")
-        return f"from pagedkv_lib import verify; verify.run_case({', '.join(args)})"
+        line = f"from pagedkv_lib import verify; verify.run_case({', '.join(args)})"
+        if local:
+            names = ", ".join(local)
+            line += f"  # first bind {names} to your callable (it has no import path 'module:function')"
+        return line
 
 
 @dataclass
 class Report:
+    """The results of a run. ``baseline``: the changes against a saved report when the
+    run was given one (:mod:`.baseline`); the report then prints only those, and passes
+    unless there is a new failure."""
+
     results: list[CaseResult] = field(default_factory=list)
+    baseline: BaselineDiff | None = None
 
     @property
     def passed(self) -> bool:
+        """No new failure against the baseline when there is one; else no failure at all
+        (a run that checked nothing of the kernel carries a "nothing" failure)."""
+        if self.baseline is not None:
+            return not self.baseline.new_failures
         return all(r.passed is not False for r in self.results)
+
+    @property
+    def self_checks(self) -> list[CaseResult]:
+        """Checks of the suite's own arithmetic that never call the kernel."""
+        return [r for r in self.results if r.kind == "self-check"]
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -97,6 +132,7 @@ class Report:
         return {
             "passed": self.passed,
             "counts": counts,
+            "baseline": None if self.baseline is None else self.baseline.to_json(),
             "results": [
                 {
                     "check": r.check,
@@ -108,6 +144,8 @@ class Report:
                     "tol_ratio": number(r.tol_ratio),
                     "detail": r.outside or r.detail,
                     "faults": list(r.faults),
+                    "kind": r.kind,
+                    "attribution": r.attribution or None,
                     "repro": r.repro if r.passed is False else None,
                 }
                 for r in self.results
@@ -121,11 +159,30 @@ class Report:
         return pd.DataFrame(self.rows())
 
     def summary(self) -> str:
-        counts = {s: sum(r.status == s for r in self.results) for s in _STATUSES}
+        """Counts of the kernel's checks; the suite's self-checks apart."""
+        kernel = [r for r in self.results if r.kind != "self-check"]
+        counts = {s: sum(r.status == s for r in kernel) for s in _STATUSES}
         text = f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped"
-        return text + (f", {counts['outside']} outside the declared contract" if counts["outside"] else "")
+        text += f", {counts['outside']} outside the declared contract" if counts["outside"] else ""
+        selfs = self.self_checks
+        if selfs:
+            ok, bad = sum(r.passed is True for r in selfs), sum(r.passed is False for r in selfs)
+            text += f"; suite self-checks (they call no kernel, and count as no pass of it): {ok} passed, {bad} failed"
+        return text
+
+    def _baseline_text(self) -> str:
+        diff = self.baseline
+        lines = [diff.summary()]
+        for label, results in (("new failure", diff.new_failures), ("fixed", diff.fixed)):
+            lines += [f"  {label:<12} {r.check:<16} {_short(r.case)}  {r.detail}" for r in results]
+        lines += [f"  {'margin':<12} {r.check:<16} {_short(r.case)}  err/tol {a:.2g} -> {b:.2g}"
+                  for r, a, b in diff.margins]  # fmt: skip
+        lines += [f"reproduce: {r.repro}" for r in diff.new_failures]
+        return "\n".join(lines)
 
     def __str__(self) -> str:
+        if self.baseline is not None:
+            return self._baseline_text()
         lines = [f"{'check':<18} {'status':<6} {'max_abs':>9} {'err/tol':>8}  case / detail"]
         for row in self.rows():
             if row["status"] == "outside":
@@ -141,7 +198,8 @@ class Report:
             lines += [f"  {r.check:<16} {_short(r.case)}  ({r.outside})" for r in outside]
         lines.append(self.summary())
         for r in self.failures:
-            lines.append(f"reproduce: {r.repro}")
+            if r.repro:
+                lines.append(f"reproduce: {r.repro}")
         return "\n".join(lines)
 
     def plot(self, title: str = "conformance: margin by the pass rule"):

@@ -10,17 +10,21 @@ from dataclasses import dataclass
 
 from .. import faults as F
 from .. import quant_reference, reference, runtime
+from ..cache_layouts import CACHE_LAYOUTS
 from .append_checks import append_case, append_grid
-from .contract import Contract, contract_of
+from .baseline import case_key, diff_against
+from .contract import SUBSTITUTES, Contract, admits, contract_of
 from .decode_checks import decode_case, decode_grid
 from .generated import generated_cases
 from .grid import accepts
 from .isolation import can_isolate, run_isolated
 from .mla_checks import mla_append_case, mla_append_grid, mla_decode_case, mla_decode_grid
 from .prefill_checks import prefill_case, prefill_grid
+from .prefill_scenarios import PREFILL_SCENARIO_NEEDS, PREFILL_SCENARIOS
 from .quant_checks import check_quant_scales, quant_append_case, quant_append_grid, quant_decode_case, quant_decode_grid
 from .report import CaseResult, Report
 from .scenarios import SCENARIO_NEEDS, SCENARIOS
+from .stale import UNUSED_ROWS
 
 __all__ = ["run", "run_case", "callable_path", "resolve_callable", "Family", "FAMILIES", "CHECKS", "FN_ARGS"]
 
@@ -30,36 +34,48 @@ class Family:
     """A kind of grid case: the callable it checks (``fn_arg`` of :func:`run`), its grid,
     and how one case runs (``case(fn, case)``, or ``case(fn, case, contract)`` when it
     builds the pool in the kernel's declared cache layout). ``generated``: hypothesis
-    draws extra cases of this family."""
+    draws extra cases of this family. ``cache_layouts``: the contract cache layouts the
+    family builds (the MLA and quantized families pass their own pool objects, so only
+    the default). ``attributes_nan``: its cases poison unused slots with NaN, and a
+    non-finite failure is re-run with finite ones (:mod:`.stale`)."""
 
     check: str
     fn_arg: str
     grid: Callable[[bool], list[dict]]
     case: Callable[..., CaseResult]
     generated: bool = False
+    cache_layouts: tuple[str, ...] = CACHE_LAYOUTS
+    attributes_nan: bool = False
 
 
 FAMILIES = {
     f.check: f
     for f in (
         Family("append", "append_fn", append_grid, append_case, generated=True),
-        Family("decode", "decode_fn", decode_grid, decode_case, generated=True),
-        Family("prefill", "prefill_fn", prefill_grid, prefill_case),
-        Family("mla_append", "mla_append_fn", mla_append_grid, mla_append_case),
-        Family("mla_decode", "mla_decode_fn", mla_decode_grid, mla_decode_case),
-        Family("quant_append", "quant_append_fn", quant_append_grid, quant_append_case),
-        Family("quant_decode", "quant_decode_fn", quant_decode_grid, quant_decode_case),
+        Family("decode", "decode_fn", decode_grid, decode_case, generated=True, attributes_nan=True),
+        Family("prefill", "prefill_fn", prefill_grid, prefill_case, attributes_nan=True),
+        Family("mla_append", "mla_append_fn", mla_append_grid, mla_append_case, cache_layouts=("paged",)),
+        Family("mla_decode", "mla_decode_fn", mla_decode_grid, mla_decode_case, cache_layouts=("paged",),
+               attributes_nan=True),
+        Family("quant_append", "quant_append_fn", quant_append_grid, quant_append_case, cache_layouts=("paged",)),
+        Family("quant_decode", "quant_decode_fn", quant_decode_grid, quant_decode_case, cache_layouts=("paged",)),
     )
-}
+}  # fmt: skip
 # Scenarios drive a writer and a reader together: the callables under test, or the
 # reference for a side that is not given.
-ALL_SCENARIOS = {**SCENARIOS, "quant_scales": check_quant_scales}
-SCENARIO_SIDES = {name: ("append_fn", "decode_fn") for name in SCENARIOS} | {
-    "quant_scales": ("quant_append_fn", "quant_decode_fn")
-}
+ALL_SCENARIOS = {**SCENARIOS, **PREFILL_SCENARIOS, "quant_scales": check_quant_scales}
+SCENARIO_SIDES = (
+    {name: ("append_fn", "decode_fn") for name in SCENARIOS}
+    | {name: ("append_fn", "prefill_fn") for name in PREFILL_SCENARIOS}
+    | {"quant_scales": ("quant_append_fn", "quant_decode_fn")}
+)
+ALL_NEEDS = {**SCENARIO_NEEDS, **PREFILL_SCENARIO_NEEDS}
+# Checks of the suite's own arithmetic: they call no kernel, so never count as its pass.
+SELF_CHECKS = ("int64_offsets",)
 REFERENCES = {
     "append_fn": reference.append_paged_kv,
     "decode_fn": reference.paged_decode_attention,
+    "prefill_fn": reference.paged_prefill_attention,
     "quant_append_fn": quant_reference.append_paged_kv_quant,
     "quant_decode_fn": quant_reference.paged_decode_attention_quant,
 }
@@ -106,13 +122,22 @@ def callable_path(fn) -> str | None:
         return None
 
 
-def _guarded(name: str, scenario, writer, reader, faults, **case) -> CaseResult:
-    """Run a scenario; an exception inside it (the callable under test raised or crashed
-    in Python) is a failed check, not the end of the run."""
+def _guarded(name: str, scenario, writer, reader, faults, setting: dict, **case) -> CaseResult:
+    """Run a scenario (``setting``: its keyword-only ``cache_layout``); an exception
+    inside it (the callable under test raised or crashed in Python) is a failed check,
+    not the end of the run."""
     try:
-        return scenario(writer, reader, faults, **case)
+        return scenario(writer, reader, faults, **case, **setting)
     except Exception as err:
         return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
+
+
+def scenario_page_size(contracts: list[Contract]) -> int:
+    """The page size a scenario runs with: 4 when every contract admits it, else the
+    smallest admitted one from 4 up (16 for a kernel whose tile is one page of >= 16),
+    else the largest admitted (4 when none is)."""
+    admitted = [p for p in SUBSTITUTES["page_size"] if all(admits(c.page_sizes, p) for c in contracts)]
+    return next((p for p in admitted if p >= 4), admitted[-1] if admitted else 4)
 
 
 class _Session:
@@ -136,6 +161,7 @@ class _Session:
             declared = contracts.get(arg, contract_of(fn))
             if not isinstance(declared, Contract):
                 raise ValueError(f"contracts[{arg!r}] must be a verify.Contract, got {type(declared).__name__}")
+            _check_layout_support(arg, declared)
             self.contracts[arg] = declared
             self.fns[arg] = fn
         for fault, (arg, wrap) in FAULT_WRAPPERS.items():
@@ -146,42 +172,124 @@ class _Session:
             raise ValueError("isolate=True needs the interpreter backend on a platform with fork")
         self.timeout_s = timeout_s
 
-    def _stamp(self, result: CaseResult) -> CaseResult:
-        result.faults, result.fns = tuple(sorted(self.faults)), dict(self.paths)
+    def _stamp(self, result: CaseResult, args) -> CaseResult:
+        """``result`` with the faults and the import paths of the callables ``args`` it ran."""
+        result.faults = tuple(sorted(self.faults))
+        result.fns = {arg: self.paths[arg] for arg in args if arg in self.paths}
         return result
 
-    def execute(self, check: str, case: dict, job) -> CaseResult:
-        return self._stamp(run_isolated(job, check, case, self.timeout_s) if self.isolate else job())
+    def execute(self, check: str, case: dict, job, args) -> CaseResult:
+        return self._stamp(run_isolated(job, check, case, self.timeout_s) if self.isolate else job(), args)
+
+    def project(self, check: str, case: dict) -> dict:
+        """``case`` moved inside the contract of family ``check``'s callable."""
+        return self.contracts[FAMILIES[check].fn_arg].project(case)
 
     def case(self, check: str, case: dict) -> CaseResult:
-        """One grid (or generated) case of family ``check``."""
+        """One grid (or generated) case of family ``check``; a failure on non-finite
+        outputs comes back with its NaN attribution."""
+        family = FAMILIES[check]
+        case = self.project(check, case)
+        result = self._one(check, case)
+        if family.attributes_nan and result.passed is False and "non-finite" in result.detail:
+            self._attribute(check, case, result)
+        return result
+
+    def _one(self, check: str, case: dict) -> CaseResult:
         family = FAMILIES[check]
         fn, declared = self.fns[family.fn_arg], self.contracts[family.fn_arg]
-        case = declared.project(case)
         reason = declared.outside(case)
         if reason:
-            return self._stamp(CaseResult(check, case, None, outside=reason))
+            return self._stamp(CaseResult(check, case, None, outside=reason), [family.fn_arg])
         if accepts(family.case, "contract"):
-            return self.execute(check, case, lambda: family.case(fn, case, contract=declared))
-        return self.execute(check, case, lambda: family.case(fn, case))
+            return self.execute(check, case, lambda: family.case(fn, case, contract=declared), [family.fn_arg])
+        return self.execute(check, case, lambda: family.case(fn, case), [family.fn_arg])
+
+    def _attribute(self, check: str, case: dict, result: CaseResult) -> None:
+        """Re-run a case that failed on non-finite outputs with finite stale values in
+        the unused slots (:mod:`.stale`); if it then passes, say which unused rows the
+        kernel reads (NaN in only the tails, or only the free pages)."""
+        if case.get("poison", True) is not True:
+            return
+        if self._one(check, {**case, "poison": "none"}).passed is not True:
+            result.attribution = ("with finite stale values in the unused slots it still fails: "
+                                  "not (only) a read of unused rows")  # fmt: skip
+        else:
+            read = [
+                what for mode, what in UNUSED_ROWS.items() if self._one(check, {**case, "poison": mode}).passed is False
+            ]
+            which = " and ".join(read) if read else "but NaN in the tails or the free pages alone is harmless"
+            result.attribution = (
+                "passes with finite stale values in the unused slots: the kernel reads unused pool rows "
+                f"(0 * NaN is NaN), {which}"
+            )
+        result.detail = f"{result.detail}; NaN attribution: {result.attribution}"
 
     def scenario(self, name: str, **case) -> CaseResult:
         sides = SCENARIO_SIDES[name]
+        given = [arg for arg in sides if arg in self.fns]
         writer, reader = (self.fns.get(arg, REFERENCES[arg]) for arg in sides)
-        needs = SCENARIO_NEEDS.get(name, {})
-        for arg in sides:
-            reason = self.contracts[arg].outside(needs) if arg in self.contracts else None
+        declared = [self.contracts[arg] for arg in given]
+        scenario, setting = ALL_SCENARIOS[name], {}
+        if accepts(scenario, "cache_layout"):
+            layouts = sorted({c.cache_layout for c in declared})
+            if len(layouts) > 1:
+                reason = f"{' and '.join(given)} declare different cache layouts {layouts}"
+                return self._stamp(CaseResult(name, case, None, outside=reason), given)
+            setting["cache_layout"] = layouts[0] if layouts else "paged"
+        needs = dict(ALL_NEEDS.get(name, {}))
+        if accepts(scenario, "page_size"):
+            page_size = case.get("page_size", scenario_page_size(declared))
+            needs["page_size"] = page_size
+            if page_size != 4:
+                case = {**case, "page_size": page_size}
+        for arg in given:
+            reason = self.contracts[arg].outside(needs)
             if reason:
-                return self._stamp(CaseResult(name, case, None, outside=f"{arg} does not declare {reason}"))
-        scenario = ALL_SCENARIOS[name]
-        return self.execute(name, case, lambda: _guarded(name, scenario, writer, reader, self.faults, **case))
+                return self._stamp(CaseResult(name, case, None, outside=f"{arg} does not declare {reason}"), given)
+        result = self.execute(
+            name, case, lambda: _guarded(name, scenario, writer, reader, self.faults, setting, **case), given
+        )
+        if name in SELF_CHECKS:
+            result.kind = "self-check"
+        return result
 
     def generated(self, check: str, examples: int) -> list[CaseResult]:
         arg = FAMILIES[check].fn_arg
         results = generated_cases(
             check, self.fns[arg], examples, self.contracts[arg], lambda kind, case: self.case(kind, case)
         )
-        return [self._stamp(r) for r in results]
+        return [self._stamp(r, [arg]) for r in results]
+
+
+def _check_layout_support(arg: str, declared: Contract) -> None:
+    """ValueError when ``arg``'s family cannot build the cache layout its contract declares."""
+    for family in FAMILIES.values():
+        if family.fn_arg == arg and declared.cache_layout not in family.cache_layouts:
+            able = [f.check for f in FAMILIES.values() if declared.cache_layout in f.cache_layouts]
+            raise ValueError(
+                f"{arg} declares cache_layout={declared.cache_layout!r}, which the {family.check} family does not "
+                f"build (it passes its own pool object); the families that build it: {', '.join(able)}"
+            )
+
+
+def _nothing_checked(check: str, results: list[CaseResult], arg: str) -> CaseResult | None:
+    """A failure when none of ``results`` (a family's) called the kernel and got a verdict."""
+    if any(r.passed is not None for r in results):
+        return None
+    outside = sum(r.status == "outside" for r in results)
+    detail = (f"nothing checked: none of the {len(results)} cases ran {arg} ({outside} outside its declared "
+              "contract, the others skipped); a family that checks nothing of the kernel fails")  # fmt: skip
+    return CaseResult(check, {}, False, detail=detail, kind="nothing")
+
+
+def _grid(session: _Session, check: str, full: bool) -> list[dict]:
+    """The family's grid moved inside the contract (:meth:`Contract.project`), each case once."""
+    cases = {}
+    for case in FAMILIES[check].grid(full):
+        projected = session.project(check, case)
+        cases.setdefault(case_key(check, projected), projected)
+    return list(cases.values())
 
 
 def run(
@@ -201,12 +309,14 @@ def run(
     isolate: bool | None = None,
     timeout_s: float = 300.0,
     poison_masked: bool = True,
+    baseline=None,
 ) -> Report:
     """Run the case grids and the scenarios; return a :class:`Report`.
 
     The callables under test (each may be None: its grid is skipped), or their import
     paths ``"module:function"``; ``cache`` is the pool in the layout the kernel's
-    contract declares (:mod:`pagedkv_lib.cache_layouts`):
+    contract declares (:mod:`pagedkv_lib.cache_layouts`; the append, decode and prefill
+    families build every layout, the MLA and quantized ones only their own pools):
 
     * ``append_fn``: the signature of ``kernels.append_paged_kv`` (``fn(k, v, cache,
       slot_mapping, layout=...)``, optionally ``zero_v_tail=``);
@@ -219,21 +329,27 @@ def run(
     * ``quant_append_fn`` / ``quant_decode_fn``: those of ``kernels.append_paged_kv_quant``
       and ``kernels.paged_decode_attention_quant`` (:mod:`.quant_checks`).
 
-    A scenario runs when one of its two sides is given (``append_fn``/``decode_fn``,
-    or the quantized pair for ``quant_scales``), with the reference for the other.
+    A scenario runs when one of its two sides is given (``append_fn`` with
+    ``decode_fn`` or ``prefill_fn``, or the quantized pair for ``quant_scales``), with
+    the reference for the other, in pages the contracts admit.
 
     ``contracts``: ``{"append_fn": Contract(...), ...}``, overriding what the callables
-    declare with :func:`pagedkv_lib.verify.contract`;
-    cases outside a contract are reported as such, never as passes or failures.
-    ``isolate``: run every check in a child process, so that a crash or a hang (past
-    ``timeout_s`` seconds) fails its case and the run goes on; the default is on
-    wherever possible (the interpreter, with ``fork``). ``faults``: names from
-    :data:`pagedkv_lib.faults.FAULTS` to switch on. ``full``: the larger grids.
-    ``hypothesis_examples``: generated append and decode cases. ``checks``: a subset of
-    :data:`CHECKS`. ``poison_masked``: in Triton's interpreter, masked ``tl.load`` lanes
-    without ``other=`` read NaN (integers: a far out-of-range value) instead of 0, as
-    undefined as on a GPU (:func:`pagedkv_lib.runtime.masked_lanes_poisoned`; a no-op on
-    the GPU backend); ``False`` lets them read 0.
+    declare with :func:`pagedkv_lib.verify.contract`. Grid cases are moved inside a
+    contract where an equivalent case exists (:meth:`Contract.project`); the rest are
+    reported as outside it, never as passes or failures, and a family in which nothing
+    ran fails ("nothing checked"). A case that fails on non-finite outputs is re-run with
+    finite stale values (its ``attribution``). ``isolate``: run every check in a child
+    process, so that a crash or a hang (past ``timeout_s`` seconds) fails its case and
+    the run goes on; the default is on wherever possible (the interpreter, with
+    ``fork``). ``faults``: names from :data:`pagedkv_lib.faults.FAULTS` to switch on.
+    ``full``: the larger grids. ``hypothesis_examples``: generated append and decode
+    cases. ``checks``: a subset of :data:`CHECKS`. ``baseline``: a saved report (a path
+    to its JSON, its data, or a :class:`Report`): the report then lists only what
+    changed, and fails only on new failures (:mod:`.baseline`). ``poison_masked``: in Triton's interpreter, masked
+    ``tl.load`` lanes without ``other=`` read NaN (integers: a far out-of-range value)
+    instead of 0, as undefined as on a GPU
+    (:func:`pagedkv_lib.runtime.masked_lanes_poisoned`; a no-op on the GPU backend);
+    ``False`` lets them read 0.
     """
     fns = {"append_fn": append_fn, "decode_fn": decode_fn, "prefill_fn": prefill_fn}
     fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
@@ -247,12 +363,20 @@ def run(
     with runtime.masked_lanes_poisoned(poison_masked):
         for check, family in FAMILIES.items():
             if family.fn_arg in session.fns and check in wanted:
-                report.results += [session.case(check, c) for c in family.grid(full)]
+                results = [session.case(check, c) for c in _grid(session, check, full)]
                 if hypothesis_examples and family.generated:
-                    report.results += session.generated(check, hypothesis_examples)
+                    results += session.generated(check, hypothesis_examples)
+                nothing = _nothing_checked(check, results, family.fn_arg)
+                report.results += results + ([nothing] if nothing else [])
         for name, sides in SCENARIO_SIDES.items():
             if name in wanted and any(arg in session.fns for arg in sides):
                 report.results.append(session.scenario(name))
+    checked = any(r.passed is not None and r.kind == "kernel" for r in report.results)
+    if not checked and not any(r.kind == "nothing" for r in report.results):  # one "nothing checked" is enough
+        detail = "nothing checked: no check of this run called a kernel under test and got a verdict"
+        report.results.append(CaseResult("run", {}, False, detail=detail, kind="nothing"))
+    if baseline is not None:
+        report.baseline = diff_against(report.results, baseline)
     return report
 
 
