@@ -71,18 +71,19 @@ def solution_lines(exercise: Exercise, folder: Path | None = None) -> list[str]:
     signature (on one line) and the body of its solution region, in notebook order."""
     folder = folder or default_dir()
     solution = (folder / "solutions" / f"{exercise.stem}.py").read_text()
-    lines, inside = [], False
+    lines, inside, signature = [], False, ""
     for kind, text in parse_percent((folder / "src" / f"{exercise.stem}.py").read_text()):
         if kind != "code" or text.lstrip().startswith("check("):
             continue
         for line in solution_cell(text, solution).splitlines():
-            if line.strip() in (BEGIN, END):
-                inside = line.strip() == BEGIN
-                lines += [] if inside else ["", ""]  # two blank lines between functions, as ruff formats
+            if line.strip() == BEGIN:
+                inside, lines = True, lines + [signature]
+            elif line.strip() == END:
+                inside, lines = False, lines + ["", ""]  # two blank lines between functions, as ruff formats
             elif inside:
                 lines.append(line)
-            elif line.startswith("def "):  # the signature, on one line
-                lines.append(line if line.rstrip().endswith(":") else line.split("(")[0] + "(...):")
+            elif line.startswith("def "):  # the signature, on one line, shown if a region follows
+                signature = line if line.rstrip().endswith(":") else line.split("(")[0] + "(...):"
     return lines[:-2]
 
 
