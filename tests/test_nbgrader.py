@@ -1,10 +1,10 @@
 """The nbgrader course written from the exercise sources grades a class: three learners'
-submissions of exercises 02 and 03 (one correct, one with a typical wrong answer, one
-whose code raises inside the check) are autograded and exported with the expected
-scores, and the learner whose code raised gets the checker's message in the graded
-notebook. Each graded notebook starts a Jupyter kernel that imports torch (about 2.5 s on
-an idle 2-core machine), so the class grades two assignments; that every generated
-assignment's own solution passes its autograder cell is checked in-process, for 01-05."""
+submissions of exercise 03 (one correct, one with a typical wrong answer, one whose code
+raises inside the check) are autograded and exported with the expected scores, and each
+failing learner gets the checker's message in the graded notebook. Each graded notebook
+starts a Jupyter kernel that imports torch (2.5 s on an idle 2-core machine, twice that
+on a busy one), so the class grades one assignment; that every generated assignment's own
+solution passes its autograder cell is checked in-process, for 01-05."""
 
 import copy
 import csv
@@ -26,7 +26,7 @@ from pagedkv_lib.exercises.nbgrader_course import BEGIN, END, write_course
 # nbgrader's own gradebook code warns of a session flush (SQLAlchemy 2): not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
 
-GRADED = ["02", "03"]  # six kernels: three learners, two assignments
+GRADED = ["03"]  # three kernels: three learners, one assignment
 
 
 def _mistake(exercise: str, what: str):
@@ -35,9 +35,9 @@ def _mistake(exercise: str, what: str):
 
 
 # who submits what: an assignment missing from a learner's dict gets the reference answer
-WRONG = _mistake("slot_mapping", "takes the offset as pos // page_size")
+WRONG = _mistake("cow_append", "copies but keeps its reference")
 RAISES = _mistake("cow_append", "never allocates a page")  # IndexError inside the check
-CLASS = {"ada": {}, "ben": {"02_slot_mapping": WRONG}, "cy": {"03_cow_append": RAISES}}
+CLASS = {"ada": {}, "ben": {"03_cow_append": WRONG}, "cy": {"03_cow_append": RAISES}}
 
 
 def _printed(cell: dict) -> str:
@@ -84,7 +84,7 @@ def _grade(course, notebooks, api) -> None:
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """A course of exercises 02 and 03: released, submitted by CLASS, autograded, exported;
+    """A course of exercise 03: released, submitted by CLASS, autograded and exported;
     returns (course folder, {learner: {assignment: score}}); every check is worth 1 point."""
     course = tmp_path_factory.mktemp("course")
     notebooks = write_course(course, GRADED)
@@ -108,21 +108,17 @@ def graded(tmp_path_factory):
 
 def test_release_strips_every_solution_and_keeps_the_locked_check(graded):
     course, _ = graded
-    released = json.loads((course / "release" / "02_slot_mapping" / "02_slot_mapping.ipynb").read_text())
+    released = json.loads((course / "release" / "03_cow_append" / "03_cow_append.ipynb").read_text())
     text = json.dumps(released)
-    assert "pos % page_size" not in text and BEGIN not in text and "raise NotImplementedError()" in text
-    check = _grade_cells(released)["check_slot_mapping"]
+    assert "allocator.decref(shared)" not in text and BEGIN not in text and "raise NotImplementedError()" in text
+    check = _grade_cells(released)["check_cow_append"]
     assert check["metadata"]["nbgrader"]["locked"] and check["metadata"]["nbgrader"]["points"] == 1
-    assert 'check("slot_mapping", locate, locate_pow2, slot_mapping)' in "".join(check["source"])
+    assert 'check("cow_append", append_slots)' in "".join(check["source"])
 
 
 def test_a_class_of_three_is_graded_with_the_expected_scores(graded):
     _, scores = graded
-    assert scores == {
-        "ada": {"02_slot_mapping": 1.0, "03_cow_append": 1.0},
-        "ben": {"02_slot_mapping": 0.0, "03_cow_append": 1.0},
-        "cy": {"02_slot_mapping": 1.0, "03_cow_append": 0.0},
-    }
+    assert scores == {"ada": {"03_cow_append": 1.0}, "ben": {"03_cow_append": 0.0}, "cy": {"03_cow_append": 0.0}}
 
 
 def test_a_submission_whose_code_raises_is_graded_with_the_checkers_message(graded):
@@ -136,8 +132,8 @@ def test_a_submission_whose_code_raises_is_graded_with_the_checkers_message(grad
 
 def test_a_wrong_answer_is_graded_with_the_hint_that_names_it(graded):
     course, _ = graded
-    nb = json.loads((course / "autograded" / "ben" / "02_slot_mapping" / "02_slot_mapping.ipynb").read_text())
-    shown = _printed(_grade_cells(nb)["check_slot_mapping"])
+    nb = json.loads((course / "autograded" / "ben" / "03_cow_append" / "03_cow_append.ipynb").read_text())
+    shown = _printed(_grade_cells(nb)["check_cow_append"])
     assert WRONG.names in shown, shown
 
 
@@ -160,3 +156,14 @@ def test_every_generated_assignment_passes_its_own_autograder_cell(tmp_path, num
     shown = []
     exec(compile("\n\n".join("".join(c["source"]) for c in cells), str(notebook), "exec"), {"display": shown.append})
     assert len(shown) == 1 and shown[0].passed, shown
+
+
+def test_instructor_command_writes_the_course_and_refuses_bad_points(tmp_path, capsys):
+    from pagedkv_lib.exercises.cli import main
+
+    assert main(["nbgrader", str(tmp_path / "course"), "01", "06"]) == 0
+    assert (tmp_path / "course" / "nbgrader_config.py").read_text().count("c.Execute.timeout = 600") == 1
+    assert sorted(p.name for p in (tmp_path / "course" / "source").iterdir()) == ["01_kv_bytes", "06_append_kernel"]
+    with pytest.raises(SystemExit):
+        main(["nbgrader", str(tmp_path / "other"), "--points", "0"])
+    assert "points=0" in capsys.readouterr().err and not (tmp_path / "other").exists()
