@@ -20,7 +20,7 @@ from nbgrader.coursedir import CourseDirectory
 from nbgrader.plugins.export import CsvExportPlugin
 from traitlets.config import Config
 
-from pagedkv_lib.exercises.bookkeeping_mistakes import BOOKKEEPING_MISTAKES
+from pagedkv_lib.exercises.mistakes import MISTAKES
 from pagedkv_lib.exercises.nbgrader_course import BEGIN, END, write_course
 
 # nbgrader's own gradebook code warns of a session flush (SQLAlchemy 2): not ours to fix
@@ -30,7 +30,7 @@ GRADED = ["03"]  # three kernels: three learners, one assignment
 
 
 def _mistake(exercise: str, what: str):
-    (found,) = [m for m in BOOKKEEPING_MISTAKES if m.exercise == exercise and m.what.startswith(what)]
+    (found,) = [m for m in MISTAKES if m.exercise == exercise and m.what.startswith(what)]
     return found
 
 
@@ -126,7 +126,7 @@ def test_a_submission_whose_code_raises_is_graded_with_the_checkers_message(grad
     nb = json.loads((course / "autograded" / "cy" / "03_cow_append" / "03_cow_append.ipynb").read_text())
     cell = _grade_cells(nb)["check_cow_append"]
     shown = _printed(cell)
-    assert "FAIL cow_append, case 1 of 7" in shown and RAISES.names in shown, shown
+    assert "FAIL cow_append, case 1 of 7" in shown and RAISES.message in shown, shown
     assert [o["ename"] for o in cell["outputs"] if o["output_type"] == "error"] == ["AssertionError"]
 
 
@@ -134,7 +134,7 @@ def test_a_wrong_answer_is_graded_with_the_hint_that_names_it(graded):
     course, _ = graded
     nb = json.loads((course / "autograded" / "ben" / "03_cow_append" / "03_cow_append.ipynb").read_text())
     shown = _printed(_grade_cells(nb)["check_cow_append"])
-    assert WRONG.names in shown, shown
+    assert WRONG.message in shown, shown
 
 
 def test_course_generator_refuses_bad_points_and_unknown_exercises_before_writing(tmp_path):

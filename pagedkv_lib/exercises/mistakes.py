@@ -30,20 +30,78 @@ class Mistake:
 
 
 MISTAKES: tuple[Mistake, ...] = (
-    Mistake("kv_bytes", "counts K only", "2 * num_layers", "num_layers", "K and V are both cached"),
-    Mistake("kv_bytes", "rounds the pages down", "-(-n // page_size) * page_size", "n // page_size * page_size",
-            "round each sequence *up*"),
-    Mistake("slot_mapping", "takes the quotient for the row", "pos % page_size", "pos // page_size",
-            "the offset inside a page is the remainder pos % page_size"),
-    Mistake("slot_mapping", "misses the padding value", "if pos == -1:", "if pos == -2:", "position -1 marks padding"),
-    Mistake("cow_append", "writes into a shared page", "and allocator.refcount(block_table[-1]) > 1", "and False",
-            "Copy-on-write: allocate a page"),
-    Mistake("cow_append", "leaks the shared page's reference", "allocator.decref(shared)", "pass", "decref it"),
-    Mistake("ring_window", "forgets the bubble", "sink_tokens + bubble +", "sink_tokens +", "leave the bubble empty"),
-    Mistake("prefix_cache", "hashes blocks without their parent", "parent = block_hash(parent,",
-            "parent = block_hash(None,", "with its parent's hash"),
-    Mistake("prefix_cache", "counts a full hit as computing nothing", "hits -= 1", "pass",
-            "at least one token must be computed"),
+    # 01-05, the bookkeeping exercises
+    Mistake("kv_bytes", "counts K only, not K and V", "2 * num_layers", "num_layers", "K and V are both cached"),
+    Mistake(
+        "kv_bytes",
+        "rounds sequences down to whole pages",
+        "-(-n // page_size) * page_size",
+        "n // page_size * page_size",
+        "round each sequence *up*",
+    ),
+    Mistake(
+        "kv_bytes",
+        "divides by zero on an empty batch",
+        "    if allocated == 0:\n        return 0.0\n",
+        "",
+        "do not divide by zero",
+    ),
+    Mistake(
+        "slot_mapping",
+        "takes the offset as pos // page_size",
+        "pos % page_size",
+        "pos // page_size",
+        "the offset inside a page is the remainder",
+    ),
+    Mistake(
+        "slot_mapping",
+        "looks up padding (-1) in the block table",
+        "if pos == -1:",
+        "if pos == -2:",
+        "position -1 marks padding",
+    ),
+    Mistake(
+        "cow_append",
+        "writes into a shared page without copying it",
+        "and allocator.refcount(block_table[-1]) > 1",
+        "and False",
+        "Copy-on-write: allocate a page",
+    ),
+    Mistake(
+        "cow_append",
+        "copies but keeps its reference to the shared page",
+        "allocator.decref(shared)",
+        "pass",
+        "decref it",
+    ),
+    Mistake(
+        "cow_append",
+        "never allocates a page for tokens past the table (IndexError)",
+        "        if block == len(block_table):\n            block_table.append(allocator.allocate())\n",
+        "",
+        "append_slots raised IndexError",
+    ),
+    Mistake(
+        "ring_window",
+        "forgets the bubble after the sinks",
+        "sink_tokens + bubble +",
+        "sink_tokens +",
+        "leave the bubble empty",
+    ),
+    Mistake(
+        "prefix_cache",
+        "hashes each block alone, not chained to its parent",
+        "parent = block_hash(parent,",
+        "parent = block_hash(None,",
+        "with its parent's hash",
+    ),
+    Mistake(
+        "prefix_cache",
+        "serves a full hit without computing a token",
+        "hits -= 1",
+        "pass",
+        "at least one token must be computed",
+    ),
     # 06: the padding guard is the mistake the spec warns about most; without it a slot
     # of -1 addresses the row before page 0 (Triton divides and takes remainders toward
     # zero), so the kernel writes before the pool: a corrupted heap outside the check.
