@@ -109,10 +109,10 @@ def test_cli_exits_nonzero_only_when_a_check_fails():
 
 def test_cli_on_the_suites_kernels_lives_on_the_kernels_side():
     """``python -m kernels.verify`` runs the suite's kernels; the library's own command
-    line asks for the kernels to check instead of importing them."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kernels.verify", "--hypothesis", "0"], capture_output=True, text=True, timeout=300
-    )
+    line asks for the kernels to check instead of importing them. In-process: isolation
+    has tests of its own (tests/test_verify_foreign.py), and costs ~0.25 s a case."""
+    cmd = [sys.executable, "-m", "kernels.verify", "--hypothesis", "0", "--no-isolate"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "0 failed" in out.stdout, out.stdout + out.stderr
     bare = subprocess.run([sys.executable, "-m", "pagedkv_lib.verify"], capture_output=True, text=True)
     assert bare.returncode == 2 and "python -m kernels.verify" in bare.stderr
