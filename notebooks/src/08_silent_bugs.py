@@ -444,8 +444,7 @@ def whole_page_decode(q, cache, block_tables, seq_lens):
     return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens, bug="whole_page_loads")
 
 
-case = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 16, "group": 2, "num_kv_heads": 2,
-        "seq_lens": [40, 17, 1]}  # fmt: skip
+case = dict(layout="NHD", dtype="fp32", head_dim=64, page_size=16, group=2, num_kv_heads=2, seq_lens=[40, 17, 1])
 nan = verify.run_case("decode", case, decode_fn=whole_page_decode, isolate=False)
 print(nan.attribution)
 assert "the tail of a partly filled last page" in nan.attribution, "the whole-page reads should be attributed"
