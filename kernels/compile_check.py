@@ -3,7 +3,8 @@
 No GPU is needed. Two steps, each in its own processes:
 
 1. **record** (:mod:`kernels.launch_record`): run the verify grid, notebooks 06 and 07,
-   the exercise solutions and the benchmarks' default shapes in Triton's interpreter
+   the exercise solutions, the benchmarks' default shapes and the engine-convention
+   kernels in Triton's interpreter
    with GPU plans (``PAGEDKV_PLAN=gpu``), keeping every distinct specialization a GPU
    would compile;
 2. **compile** (:mod:`kernels.gpu_compile`): compile each one with ``triton.compile``

@@ -14,7 +14,9 @@ The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``,
 * ``notebooks``: the kernels notebooks 06 and 07 build in the page (executed, asserts on);
 * ``exercises``: the workshop's kernel solutions through the exercise checker;
 * ``benchmarks``: each benchmark's default GPU dtype, head size and tiles, on short
-  sequences (the tiles stop growing at 64 keys, so longer ones add no specialization).
+  sequences (the tiles stop growing at 64 keys, so longer ones add no specialization);
+* ``foreign``: the kernels written to vLLM's and nano-vllm's conventions
+  (:mod:`kernels.engine_styles`), in fp32, fp16 and bf16.
 
 Kernels defined outside ``kernels/`` (a notebook's or an exercise's) are recorded with
 the text of their file, so that the compile step can rebuild them without running it.
@@ -42,7 +44,7 @@ from triton.runtime import interpreter
 __all__ = ["SOURCES", "Recorder", "int_class", "record_sources"]
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("verify", "notebooks", "exercises", "benchmarks")
+SOURCES = ("verify", "notebooks", "exercises", "benchmarks", "foreign")
 INT32 = (-(2**31), 2**31 - 1)
 
 
@@ -234,6 +236,26 @@ def _run_benchmarks() -> None:
         quant_decode.paged_decode_attention_quant(q, pool, table, lens)
 
 
+def _run_foreign() -> None:
+    """The kernels written to other engines' conventions (:mod:`kernels.engine_styles`,
+    notebook 08 and the harness tests), once per dtype, recorded dry."""
+    from . import engine_styles
+
+    gen = torch.Generator().manual_seed(0)
+    blocks, block, heads, dim, n = 8, 16, 2, 64, 40
+    slots = torch.arange(n, dtype=torch.int64)
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)
+    lens = torch.tensor([n], dtype=torch.int32)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        kc, vc = (torch.zeros((blocks, block, heads, dim), dtype=dtype) for _ in range(2))
+        k = torch.randn((n, heads, dim), generator=gen).to(dtype)
+        engine_styles.store_kv_tuple(k, k, kc, vc, slots)
+        q = torch.randn((1, 2 * heads, dim), generator=gen).to(dtype)
+        engine_styles.decode_kv_tuple(q, kc, vc, table, lens)
+        qp = torch.randn((n, 2 * heads, dim), generator=gen).to(dtype)
+        engine_styles.prefill_kv_tuple(qp, kc, vc, torch.tensor([0, n], dtype=torch.int32), table, lens)
+
+
 RUNNERS = {  # (label, runner, dry)
     "verify": [("verify grid", _run_verify, False), ("bf16 prefill grid (dry)", _run_bf16_prefill, True)],
     "notebooks": [
@@ -241,6 +263,7 @@ RUNNERS = {  # (label, runner, dry)
     ],
     "exercises": [("exercise solutions", _run_exercises, False)],
     "benchmarks": [("benchmark shapes (dry)", _run_benchmarks, True)],
+    "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
 }
 
 
