@@ -118,7 +118,7 @@ test-gpu-plans: setup
 # and 07, the exercise solutions and the benchmarks' shapes, then compiles each for real
 # GPU targets and fails on a compile error, a spill or 255 registers.
 compile-check: setup
-	$(BIN)/python -m kernels.compile_check --out build/compile_check
+	$(BIN)/python -m kernels.compile_check --per-class --out build/compile_check
 
 # The quick inner loop (see CONTRIBUTING.md): what most changes break, in under 3 minutes.
 QUICK_IGNORE := --ignore=tests/test_browser.py --ignore=tests/test_browser_mutants.py \

@@ -3,8 +3,10 @@ for one case of a report, and the import paths that name the callables under tes
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -360,7 +362,7 @@ def run(
     if unknown:
         raise ValueError(f"checks={sorted(unknown)} unknown; choose from {', '.join(CHECKS)}")
     report = Report()
-    with runtime.masked_lanes_poisoned(poison_masked):
+    with runtime.masked_lanes_poisoned(poison_masked), _quiet_nan_arithmetic():
         for check, family in FAMILIES.items():
             if family.fn_arg in session.fns and check in wanted:
                 results = [session.case(check, c) for c in _grid(session, check, full)]
@@ -380,6 +382,18 @@ def run(
     return report
 
 
+@contextlib.contextmanager
+def _quiet_nan_arithmetic():
+    """The grids fill unused slots with NaN on purpose, and Triton's interpreter computes
+    with numpy, which warns each time a NaN meets a division or an exp: noise next to a
+    report (and install paths in a notebook's stored output), so those warnings are off."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", r"(invalid value|overflow|divide by zero) encountered", category=RuntimeWarning
+        )
+        yield
+
+
 def run_case(
     check: str, case: dict, faults=(), contracts=None, isolate: bool | None = None, poison_masked: bool = True, **fns
 ) -> CaseResult:
@@ -395,9 +409,9 @@ def run_case(
         arg = FAMILIES[check].fn_arg
         if arg not in session.fns:
             raise ValueError(f"run_case({check!r}, ...) needs {arg}: a callable or 'module:function'")
-        with runtime.masked_lanes_poisoned(poison_masked):
+        with runtime.masked_lanes_poisoned(poison_masked), _quiet_nan_arithmetic():
             return session.case(check, case)
     if check in ALL_SCENARIOS:
-        with runtime.masked_lanes_poisoned(poison_masked):
+        with runtime.masked_lanes_poisoned(poison_masked), _quiet_nan_arithmetic():
             return session.scenario(check, **case)
     raise ValueError(f"check={check!r} unknown; choose from {', '.join(CHECKS)}")
