@@ -120,14 +120,20 @@ def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
         span += (size - 1) * stride
 
 
+def _shared_bytes(t: torch.Tensor, other: torch.Tensor):
+    """The byte ranges of ``t`` and ``other`` when they overlap (same device), else None."""
+    if t.numel() == 0 or other.numel() == 0 or t.device != other.device:
+        return None
+    (a0, a1), (b0, b1) = _byte_range(t), _byte_range(other)
+    return ((a0, a1), (b0, b1)) if a0 < b1 and b0 < a1 else None
+
+
 def check_no_overlap(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
     """The memory ``t`` spans must not overlap the memory ``other`` spans. Compared as
     byte ranges, not storages: two storages (``torch.from_numpy``, ``from_blob``, an
     arena) can alias the same bytes."""
-    if t.numel() == 0 or other.numel() == 0 or t.device != other.device:
-        return
-    (a0, a1), (b0, b1) = _byte_range(t), _byte_range(other)
-    if a0 < b1 and b0 < a1:
+    if ranges := _shared_bytes(t, other):
+        (a0, a1), (b0, b1) = ranges
         raise ValueError(
             f"{name} overlaps the memory of {other_name} (bytes {a0:#x}..{a1:#x} and {b0:#x}..{b1:#x}); "
             f"the kernel writes {other_name if other_name == 'cache' else name}, so they must not share memory"
@@ -144,10 +150,8 @@ def check_disjoint(written, read) -> None:
     read = [(n, t) for n, t in read if t is not None]
     for i, (name, t) in enumerate(written):
         for other_name, other in written[i + 1 :] + read:
-            if t.numel() == 0 or other.numel() == 0 or t.device != other.device:
-                continue
-            (a0, a1), (b0, b1) = _byte_range(t), _byte_range(other)
-            if a0 < b1 and b0 < a1:
+            if ranges := _shared_bytes(t, other):
+                (a0, a1), (b0, b1) = ranges
                 raise ValueError(
                     f"{other_name} overlaps the memory of {name} (bytes {b0:#x}..{b1:#x} and {a0:#x}..{a1:#x}); "
                     f"the kernel writes {name}, so no other argument may share its memory"

@@ -68,6 +68,11 @@ def build_notebook(source: Path) -> dict:
         if kind == "code":
             cell.update(execution_count=None, outputs=[])
         cells.append(cell)
+    return notebook_of(cells)
+
+
+def notebook_of(cells: list[dict]) -> dict:
+    """An nbformat-4 notebook (a dict) of ``cells``, with a plain Python 3 kernelspec."""
     return {
         "cells": cells,
         "metadata": {

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 from .catalog import EXERCISES, Exercise, get
-from .files import default_dir, parse_percent
+from .files import default_dir, notebook_of, parse_percent
 
 __all__ = ["BEGIN", "END", "NBGRADER_CONFIG", "solution_cell", "course_notebook", "write_course"]
 
@@ -136,15 +136,7 @@ def course_notebook(exercise: Exercise, folder: Path | None = None, points: int 
         cells.append(cell)
     if not checked or not answered:
         raise ValueError(f"exercise {exercise.stem}: its source needs a check(...) cell and a stub to answer")
-    return {
-        "cells": cells,
-        "metadata": {
-            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-            "language_info": {"name": "python"},
-        },
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
+    return notebook_of(cells)
 
 
 def write_course(out: Path, names: list[str] | None = None, folder: Path | None = None, points: int = 1) -> list[Path]:
