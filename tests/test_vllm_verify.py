@@ -75,7 +75,7 @@ SHORT = {
 # ----------------------------------------------------------------------------- grids inside the contract
 
 
-def test_a_vllm_layout_kernel_gets_twenty_grid_cases_per_family_and_every_scenario():
+def test_a_vllm_layout_kernel_gets_over_twenty_grid_cases_inside_its_contract_and_every_scenario():
     fns = {"append_fn": vllm_store, "decode_fn": vllm_decode, "prefill_fn": vllm_prefill}
     session = verify.runner._Session(fns, (), None, False, 300.0)
     for check in FN:
