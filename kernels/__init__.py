@@ -6,6 +6,9 @@
 * :mod:`kernels.merge`: the split-KV merge;
 * :mod:`kernels.gather`: copy a batch's K/V out of the pool;
 * :mod:`kernels.addressing`: the device-side address formulas they all share;
+* :mod:`kernels.rope`: RoPE and plain head-tile copies for the write kernels;
+* :mod:`kernels.launch`: host-side launch helpers (int32 index copies, parallel
+  units, plan fingerprints);
 * :mod:`kernels.tiles`: tile sizes per backend; :mod:`kernels.validate`: launch checks;
 * :mod:`kernels.verify`: the conformance harness's command line, on these kernels.
 

@@ -1,6 +1,6 @@
 """Device-side addressing shared by every kernel: where a token's K or V row lives.
 
-One home for the three formulas every paged kernel needs, so the write, decode and
+One home for the formulas every paged kernel needs, so the write, decode and
 gather kernels (and the kernels added later) can never disagree:
 
 * :func:`row_offset`: element offset of token row ``row`` of physical ``page``,
@@ -10,7 +10,10 @@ gather kernels (and the kernels added later) can never disagree:
 * :func:`table_row_offset`: a logical cache row of one sequence through its page
   table (``page = table[row // page_size]``, ``row % page_size``);
 * :func:`kv_token_idx`: the ring window's row of a token position, the device twin of
-  :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`.
+  :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`;
+* :func:`token_rows`: ``(page, row, valid)`` of a tile of tokens being written, from
+  vLLM's ``slot_mapping`` or from FlashInfer's ``batch_indices`` / ``positions`` and CSR
+  page table (the write kernels of every family address tokens through it).
 
 Every index is widened to int64 *before* it is multiplied by a stride, so pools past
 2**31 elements are addressed exactly; int32 arithmetic would wrap silently.
@@ -24,7 +27,7 @@ import triton.language as tl
 
 from pagedkv_lib.window import RingWindow
 
-__all__ = ["ring_params", "row_offset", "cache_offset", "table_row_offset", "kv_token_idx"]
+__all__ = ["ring_params", "row_offset", "cache_offset", "table_row_offset", "kv_token_idx", "token_rows"]
 
 
 def ring_params(window: RingWindow | None) -> tuple[int, int, int]:
@@ -73,3 +76,41 @@ def kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW: tl.
         return tl.where(pos < sink_tokens, pos, ring)
     else:
         return pos
+
+
+@triton.jit
+def token_rows(
+    tokens,
+    num_tokens,
+    slot_mapping_ptr,
+    batch_indices_ptr,
+    positions_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    page_size,
+    sink_tokens,
+    bubble_len,
+    cyclic_cache_len,
+    CSR: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """``(page, row, valid)`` per token ``[BLOCK_T]``: from the slot or, with ``CSR``, from
+    request ``batch_indices[t]`` and position ``positions[t]`` through the ring window
+    and the CSR page table. Padding (slot, request or position ``-1``) and lanes past
+    ``num_tokens`` are invalid."""
+    in_range = tokens < num_tokens
+    if CSR:
+        batch = tl.load(batch_indices_ptr + tokens, mask=in_range, other=-1)
+        pos = tl.load(positions_ptr + tokens, mask=in_range, other=-1)
+        valid = in_range & (batch >= 0) & (pos >= 0)
+        cache_row = kv_token_idx(tl.where(valid, pos, 0), sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
+        first = tl.load(kv_indptr_ptr + batch, mask=valid, other=0)
+        page = tl.load(kv_indices_ptr + first + cache_row // page_size, mask=valid, other=0)
+        row = cache_row % page_size
+    else:
+        slot = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1)
+        valid = slot >= 0
+        slot = tl.where(valid, slot, 0)
+        page = slot // page_size
+        row = slot % page_size
+    return page, row, valid

@@ -41,7 +41,6 @@ from __future__ import annotations
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
 
 # isort: split
-import functools
 import math
 from dataclasses import dataclass
 
@@ -54,6 +53,7 @@ from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
 from .addressing import kv_token_idx, ring_params, table_row_offset
+from .launch import int32_on_device, parallel_units
 from .merge import launch_merge
 from .tiles import decode_tiles
 from .validate import (
@@ -220,21 +220,6 @@ def _decode_split_kernel(
 # --------------------------------------------------------------------------- planning
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    # Queried at call time (never at import), once per device.
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _parallel_units(device: torch.device) -> int:
-    """Programs the device runs at once: the SM count compiled; 1 in the interpreter,
-    which runs programs one after another (so splitting there only adds work), unless
-    it plans as on a GPU (``PAGEDKV_PLAN=gpu``: the SM count it was given)."""
-    if not runtime.BACKEND.interpreted and device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return runtime.PLANS.sm_count if runtime.gpu_plans() else 1
-
-
 def visible_lengths(seq_lens: torch.Tensor, window: RingWindow | None = None) -> torch.Tensor:
     """Keys each decode query attends to: ``seq_lens`` without a window, else
     ``min(len, sinks) + (len - max(sinks, len - (window - sinks)))`` clamped at 0."""
@@ -303,17 +288,6 @@ class DecodePlan:
         return self.kv_indptr is not None
 
 
-def _int32(x: torch.Tensor, device: torch.device, min_cols: int = 0) -> torch.Tensor:
-    """The int32 contiguous device copy the kernels index with (values were checked to fit).
-    A table with no columns (or an empty index list) still gets a valid pointer."""
-    t = x.to(device=device, dtype=torch.int32).contiguous()
-    if t.dim() == 2 and t.shape[1] == 0:
-        t = torch.zeros((t.shape[0], 1), dtype=torch.int32, device=device)
-    elif t.dim() == 1 and t.numel() < min_cols:
-        t = torch.zeros(min_cols, dtype=torch.int32, device=device)
-    return t
-
-
 def _check_attention_launch(q, cache, num_splits, index_tensors: dict) -> None:
     for name, t in (("q", q), ("cache", cache)):
         check_device(name, t)
@@ -330,7 +304,7 @@ def _make_plan(q, cache, layout, scale, window, max_visible: int, num_splits: in
     group = num_q_heads // dims.num_kv_heads
     block_g, block_n, block_d, num_warps = decode_tiles(group, head_dim, max_visible)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, dims.num_kv_heads, max_visible, block_n, _parallel_units(q.device))
+        num_splits = choose_num_splits(batch, dims.num_kv_heads, max_visible, block_n, parallel_units(q.device))
     return DecodePlan(
         layout=layout,
         cache=(tuple(cache.shape), cache.stride(), cache.dtype, cache.device),
@@ -372,7 +346,7 @@ def plan_decode(
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
     return _make_plan(
         q, cache, layout, scale, window, max_visible, num_splits,
-        block_tables=_int32(block_tables, q.device), seq_lens=_int32(seq_lens, q.device),
+        block_tables=int32_on_device(block_tables, q.device), seq_lens=int32_on_device(seq_lens, q.device),
     )  # fmt: skip
 
 
@@ -394,8 +368,9 @@ def plan_decode_csr(
     _check_attention_launch(q, cache, num_splits, index)
     max_visible = int(lens.max()) if lens.numel() else 0
     return _make_plan(
-        q, cache, layout, scale, None, max_visible, num_splits, kv_indptr=_int32(kv_indptr, q.device),
-        kv_indices=_int32(kv_indices, q.device, min_cols=1), kv_last_page_len=_int32(kv_last_page_len, q.device),
+        q, cache, layout, scale, None, max_visible, num_splits, kv_indptr=int32_on_device(kv_indptr, q.device),
+        kv_indices=int32_on_device(kv_indices, q.device, min_len=1),
+        kv_last_page_len=int32_on_device(kv_last_page_len, q.device),
     )  # fmt: skip
 
 

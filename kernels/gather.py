@@ -18,6 +18,7 @@ from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
 
 from .addressing import table_row_offset
+from .launch import fingerprint, int32_on_device
 from .tiles import gather_block_t, pow2
 from .validate import check_device, check_index_tensor, check_same_layout, host_copy
 
@@ -109,14 +110,11 @@ def plan_gather(
     indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(lens, 0)
     max_len = int(lens.max()) if lens.numel() else 0
-    table = block_tables.to(device=cache.device, dtype=torch.int32).contiguous()
-    if table.shape[1] == 0:  # a table with no columns still needs a valid pointer
-        table = torch.zeros((table.shape[0], 1), dtype=torch.int32, device=cache.device)
     return GatherPlan(
         layout=layout,
-        cache=(tuple(cache.shape), cache.stride(), cache.dtype, cache.device),
-        block_tables=table,
-        seq_lens=seq_lens.to(device=cache.device, dtype=torch.int32).contiguous(),
+        cache=fingerprint(cache),
+        block_tables=int32_on_device(block_tables, cache.device),
+        seq_lens=int32_on_device(seq_lens, cache.device),
         kv_indptr=indptr.to(cache.device),
         total=int(indptr[-1]),
         max_len=max_len,

@@ -58,9 +58,11 @@ import triton.language as tl
 from pagedkv_lib import checks, reference
 from pagedkv_lib.mla import default_scale
 
-from .addressing import row_offset, table_row_offset
-from .decode import _int32, _parallel_units, choose_num_splits
+from .addressing import row_offset, table_row_offset, token_rows
+from .decode import choose_num_splits
+from .launch import fingerprint, int32_on_device, parallel_units
 from .merge import launch_merge
+from .rope import ROPE_CODES, copy_tile, rope_cos_sin
 from .tiles import head_matvec_tiles, mla_append_block_t, mla_decode_tiles, pow2
 from .validate import (
     MAX_HEAD_DIM,
@@ -75,7 +77,6 @@ from .validate import (
     check_same_layout,
     host_copy,
 )
-from .write import ROPE_CODES, _copy_tile, _rope_cos_sin, _token_rows
 
 __all__ = [
     "MAX_KV_LORA_RANK",
@@ -117,7 +118,7 @@ def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos,
                BLOCK_P: tl.constexpr):  # fmt: skip
     """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst``, in fp32, rounded
     once (:func:`_round_to`). Pair ``i`` is features ``(i, i + half)`` (NeoX) or ``(2i,
-    2i + 1)`` (GPT-J), as :func:`kernels.write._rope_tile` pairs them."""
+    2i + 1)`` (GPT-J), as :func:`kernels.rope.rope_tile` pairs them."""
     pair = tl.arange(0, BLOCK_P)
     if NEOX:
         f1 = pair
@@ -170,7 +171,7 @@ def _mla_append_kernel(
     """Program ``t``: tokens ``t*BLOCK_T ...``, their latent row and their RoPE key."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     # No ring window for MLA: (sinks, bubble, cyclic length) are unused with HAS_WINDOW off.
-    page, row, valid = _token_rows(
+    page, row, valid = token_rows(
         tokens, num_tokens, slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
         page_size, 0, 0, 1, CSR, False,
     )  # fmt: skip
@@ -179,20 +180,20 @@ def _mla_append_kernel(
     mask_th = valid[:, None]
     dst_c = row_offset(page, row, stride_cc_page, stride_cc_n)
     dst_p = row_offset(page, row, stride_pc_page, stride_pc_n)
-    _copy_tile(
+    copy_tile(
         ckv_ptr, tok * stride_ct, 0, stride_cd, ckv_cache_ptr, dst_c, 0, stride_cc_d, head, mask_th, kv_lora_rank,
         BLOCK_R,
     )  # fmt: skip
     if ROPE != 0:
         pair = tl.arange(0, BLOCK_P // 2)
         pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
-        cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, pair < rope_dim // 2)
+        cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < rope_dim // 2)
         _rope_rows(
             kpe_ptr, tok * stride_pt, stride_pd, kpe_cache_ptr, dst_p, stride_pc_d, valid, cos, sin, rope_dim // 2,
             ROPE == 1, BLOCK_P // 2,
         )  # fmt: skip
     else:
-        _copy_tile(
+        copy_tile(
             kpe_ptr, tok * stride_pt, 0, stride_pd, kpe_cache_ptr, dst_p, 0, stride_pc_d, head, mask_th, rope_dim,
             BLOCK_P,
         )  # fmt: skip
@@ -366,10 +367,6 @@ def _mla_split_kernel(
 # --------------------------------------------------------------------------- launch checks
 
 
-def _fingerprint(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
 def _check_caches_disjoint(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> None:
     """The append writes both caches, so no element may belong to both. Disjoint byte
     ranges pass. Overlapping ranges pass only as two column slices of one ``[num_pages,
@@ -461,7 +458,7 @@ def _append_plan(ckv, ckv_cache, kpe_cache, rope, rope_theta, **index) -> MLAApp
     block_r, block_p = pow2(dims.kv_lora_rank), pow2(dims.qk_rope_head_dim)
     inv_freq = reference.rope_inv_freq(dims.qk_rope_head_dim, rope_theta).to(ckv_cache.device) if rope else None
     return MLAAppendPlan(
-        caches=(_fingerprint(ckv_cache), _fingerprint(kpe_cache)),
+        caches=(fingerprint(ckv_cache), fingerprint(kpe_cache)),
         num_tokens=ckv.shape[0],
         kv_lora_rank=dims.kv_lora_rank,
         qk_rope_head_dim=dims.qk_rope_head_dim,
@@ -730,9 +727,9 @@ def plan_mla_decode(
     )
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, head_blocks, max_len, block_n, _parallel_units(q_nope.device))
+        num_splits = choose_num_splits(batch, head_blocks, max_len, block_n, parallel_units(q_nope.device))
     return MLADecodePlan(
-        caches=(_fingerprint(ckv_cache), _fingerprint(kpe_cache)),
+        caches=(fingerprint(ckv_cache), fingerprint(kpe_cache)),
         weights=tuple((tuple(w.shape), w.dtype, w.device) for w in (w_uk, w_uv)),
         batch=batch,
         num_heads=num_heads,
@@ -752,8 +749,8 @@ def plan_mla_decode(
         num_splits=num_splits,
         absorb_tiles=head_matvec_tiles(batch, nope, dims.kv_lora_rank),
         up_tiles=head_matvec_tiles(batch, dims.kv_lora_rank, v_head_dim),
-        block_tables=_int32(table, q_nope.device),
-        seq_lens=_int32(lens, q_nope.device),
+        block_tables=int32_on_device(table, q_nope.device),
+        seq_lens=int32_on_device(lens, q_nope.device),
     )
 
 

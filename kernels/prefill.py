@@ -85,6 +85,7 @@ from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
 from .addressing import kv_token_idx, ring_params, table_row_offset
+from .launch import int32_on_device
 from .tiles import prefill_tiles
 from .validate import (
     INT32_MAX,
@@ -328,17 +329,6 @@ class PrefillPlan:
         return self.kv_indptr is not None
 
 
-def _int32(x: torch.Tensor, device: torch.device, min_len: int = 0) -> torch.Tensor:
-    """The int32 contiguous device copy the kernel indexes with (values were checked to
-    fit). A table with no columns or an empty list still gets a valid pointer."""
-    t = torch.as_tensor(x).to(device=device, dtype=torch.int32).contiguous()
-    if t.dim() == 2 and t.shape[1] == 0:
-        t = torch.zeros((t.shape[0], 1), dtype=torch.int32, device=device)
-    elif t.dim() == 1 and t.numel() < min_len:
-        t = torch.zeros(min_len, dtype=torch.int32, device=device)
-    return t
-
-
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     """The kernel's product mode (one of :data:`DOT_MODES`): ``"sum"`` in the
     interpreter; compiled, ``"fp32"`` for fp32 pools and for a ``q`` whose dtype differs
@@ -414,9 +404,9 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, **tables) -> PrefillPl
         dot_mode=mode,
         num_tiles=int(tile_request.numel()),
         visited_pairs=pairs * dims.num_kv_heads,
-        tile_request=_int32(tile_request, device, min_len=1),
-        tile_row=_int32(tile_row, device, min_len=1),
-        qo_indptr=_int32(qo, device),
+        tile_request=int32_on_device(tile_request, device, min_len=1),
+        tile_row=int32_on_device(tile_row, device, min_len=1),
+        qo_indptr=int32_on_device(qo, device),
         **{k: tables.get(k) for k in ("block_tables", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len")},
     )
 
@@ -439,7 +429,7 @@ def plan_prefill(
     _check_launch(q, cache, {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens})
     return _make_plan(
         q, cache, layout, scale, window, qo, lens,
-        block_tables=_int32(block_tables, q.device), seq_lens=_int32(seq_lens, q.device),
+        block_tables=int32_on_device(block_tables, q.device), seq_lens=int32_on_device(seq_lens, q.device),
     )  # fmt: skip
 
 
@@ -461,8 +451,9 @@ def plan_prefill_csr(
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
     _check_launch(q, cache, index)
     return _make_plan(
-        q, cache, layout, scale, None, qo, lens, kv_indptr=_int32(kv_indptr, q.device),
-        kv_indices=_int32(kv_indices, q.device, min_len=1), kv_last_page_len=_int32(kv_last_page_len, q.device),
+        q, cache, layout, scale, None, qo, lens, kv_indptr=int32_on_device(kv_indptr, q.device),
+        kv_indices=int32_on_device(kv_indices, q.device, min_len=1),
+        kv_last_page_len=int32_on_device(kv_last_page_len, q.device),
     )  # fmt: skip
 
 

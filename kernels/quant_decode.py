@@ -40,7 +40,8 @@ from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
 from .addressing import kv_token_idx, ring_params, row_offset
-from .decode import _int32, _parallel_units, choose_num_splits, visible_lengths
+from .decode import choose_num_splits, visible_lengths
+from .launch import int32_on_device, parallel_units
 from .merge import launch_merge
 from .quant_codes import e2m1_decode, fp8_decode
 from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint
@@ -296,7 +297,7 @@ def _make_plan(q, pool, scale, window, max_visible: int, num_splits, **tables) -
     group = num_q_heads // pool.num_kv_heads
     block_g, block_n, block_d, num_warps = quant_decode_tiles(group, head_dim, max_visible)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, pool.num_kv_heads, max_visible, block_n, _parallel_units(q.device))
+        num_splits = choose_num_splits(batch, pool.num_kv_heads, max_visible, block_n, parallel_units(q.device))
     return QuantDecodePlan(
         pool=pool_fingerprint(pool),
         format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)],
@@ -331,7 +332,7 @@ def plan_decode_quant(
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
     return _make_plan(
         q, pool, scale, window, max_visible, num_splits,
-        block_tables=_int32(block_tables, q.device), seq_lens=_int32(seq_lens, q.device),
+        block_tables=int32_on_device(block_tables, q.device), seq_lens=int32_on_device(seq_lens, q.device),
     )  # fmt: skip
 
 
@@ -346,8 +347,9 @@ def plan_decode_quant_csr(
     _check_launch(q, pool, num_splits, index)
     max_visible = int(lens.max()) if lens.numel() else 0
     return _make_plan(
-        q, pool, scale, None, max_visible, num_splits, kv_indptr=_int32(kv_indptr, q.device),
-        kv_indices=_int32(kv_indices, q.device, min_cols=1), kv_last_page_len=_int32(kv_last_page_len, q.device),
+        q, pool, scale, None, max_visible, num_splits, kv_indptr=int32_on_device(kv_indptr, q.device),
+        kv_indices=int32_on_device(kv_indices, q.device, min_len=1),
+        kv_last_page_len=int32_on_device(kv_last_page_len, q.device),
     )  # fmt: skip
 
 

@@ -42,8 +42,10 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import ring_params, row_offset
+from .addressing import ring_params, row_offset, token_rows
+from .launch import fingerprint
 from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
+from .rope import ROPE_CODES, rope_cos_sin, rope_tile
 from .tiles import quant_write_tiles
 from .validate import (
     check_device,
@@ -54,7 +56,7 @@ from .validate import (
     check_no_overlap,
     check_no_self_overlap,
 )
-from .write import ROPE_CODES, _launch_v_tail, _rope_cos_sin, _rope_tile, _token_rows, _v_tail_tensors
+from .write import launch_v_tail, v_tail_tensors
 
 __all__ = [
     "FORMAT_CODES",
@@ -79,7 +81,7 @@ FORMAT_CODES = {("fp8", "tensor"): 0, ("fp8", "token"): 1, ("nvfp4", "block"): 2
 @triton.jit
 def _load_rows(x_ptr, base, stride_h, stride_d, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, ROPE: tl.constexpr):
     """fp32 ``[BLOCK_T, BLOCK_H, F]`` of features ``feat [F]`` of each token's heads; with
-    ``ROPE`` rotated at ``pos`` exactly as :func:`kernels.write._rope_tile` rotates them
+    ``ROPE`` rotated at ``pos`` exactly as :func:`kernels.rope.rope_tile` rotates them
     (same operations in the same order: first feature of a pair ``x1 * c - x2 * s``,
     second ``x2 * c + x1 * s``). Lanes outside ``mask_th`` or past ``head_dim`` are 0."""
     f = feat.to(tl.int64)[None, None, :]
@@ -97,7 +99,7 @@ def _load_rows(x_ptr, base, stride_h, stride_d, heads, feat, mask_th, head_dim, 
             first = (feat % 2) == 0
             partner = tl.where(first, feat + 1, feat - 1)
             pair = feat // 2
-        cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, fmask)
+        cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, fmask)
         other = tl.load(ptr + partner.to(tl.int64)[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
         c = cos[:, None, :]
         s = sin[:, None, :]
@@ -226,7 +228,7 @@ def _quant_append_kernel(
     """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``: quantize and store K
     and V; head blocks past the KV heads rotate Q (only with ``HAS_Q``)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, row, valid = _token_rows(
+    page, row, valid = token_rows(
         tokens, num_tokens, slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
         page_size, sink_tokens, bubble_len, cyclic_cache_len, CSR, HAS_WINDOW,
     )  # fmt: skip
@@ -259,11 +261,11 @@ def _quant_append_kernel(
         )  # fmt: skip
     elif HAS_Q:
         pair = tl.arange(0, BLOCK_D // 2)
-        cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
+        cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
         heads = (hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
         base = tok * stride_qt
-        _rope_tile(
+        rope_tile(
             q_ptr, base, stride_qh, stride_qd, q_ptr, base, stride_qh, stride_qd, heads, mask_th, cos, sin,
             head_dim // 2, ROPE == 1, BLOCK_D // 2,
         )  # fmt: skip
@@ -277,7 +279,7 @@ def pool_fingerprint(pool) -> tuple:
     dtype, device)``: what a plan was checked against."""
 
     def fp(t):
-        return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+        return None if t is None else fingerprint(t)
 
     return (pool.kv_dtype, pool.scale_mode, pool.layout, fp(pool.data), fp(pool.scales), fp(pool.global_scale))
 
@@ -399,7 +401,7 @@ def plan_append_quant(
     check_index_tensor("slot_mapping", slot_mapping, fits_int32=False)
     if rope is not None:
         check_index_tensor("positions", positions, fits_int32=False)
-    tail = None if zero_v_tail is None else _v_tail_tensors(pool.shape_proxy, pool.layout, zero_v_tail, slots)
+    tail = None if zero_v_tail is None else v_tail_tensors(pool.shape_proxy, pool.layout, zero_v_tail, slots)
     return _plan(
         k, v, pool, q, rope, rope_theta, None, tail, slot_mapping=slot_mapping,
         positions=positions if rope is not None else None,
@@ -435,7 +437,7 @@ def plan_append_quant_csr(
         check_index_tensor(name, t, fits_int32=fits)
     tail = None
     if kv_last_page_len is not None:
-        tail = _v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), slots)
+        tail = v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), slots)
     return _plan(
         k, v, pool, q, rope, rope_theta, window, tail, batch_indices=batch_indices, positions=positions,
         kv_indptr=kv_indptr, kv_indices=kv_indices,
@@ -510,9 +512,9 @@ def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
 def _zero_tails(pool, kv_indptr, kv_indices, kv_last_page_len) -> None:
     """Zero the V tails in the codes and in the scale pool: the V-tail kernel of
     :mod:`kernels.write` works on any 5-D pool tensor, whatever its last dimension."""
-    _launch_v_tail(pool.data, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
+    launch_v_tail(pool.data, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
     if pool.scales is not None:
-        _launch_v_tail(pool.scales, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
+        launch_v_tail(pool.scales, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -579,4 +581,4 @@ def zero_paged_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len) -> No
     each request's last page, in place, so they dequantize to 0. Raises ValueError
     naming the argument before anything is written."""
     check_pool_launch(pool)
-    _zero_tails(pool, *_v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), None))
+    _zero_tails(pool, *v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), None))

@@ -15,6 +15,8 @@ import torch
 
 from pagedkv_lib import runtime
 
+from .launch import fingerprint
+
 __all__ = [
     "INT32_MAX",
     "KERNEL_DTYPES",
@@ -170,7 +172,7 @@ def check_same_layout(name: str, t: torch.Tensor, planned: tuple) -> None:
     """``t`` must have the ``(shape, strides, dtype, device)`` a plan was made for:
     page ids and offsets were checked against those, so anything else could address
     memory outside ``t``."""
-    got = (tuple(t.shape), t.stride(), t.dtype, t.device)
+    got = fingerprint(t)
     if got != planned:
         raise ValueError(
             f"{name} has shape {got[0]}, strides {got[1]}, {got[2]} on {got[3]}; the plan was made for "

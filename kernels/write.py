@@ -54,7 +54,9 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import cache_offset, kv_token_idx, ring_params, row_offset
+from .addressing import cache_offset, ring_params, row_offset, token_rows
+from .launch import fingerprint
+from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_tile
 from .tiles import write_tiles
 from .validate import (
     check_device,
@@ -76,134 +78,12 @@ __all__ = [
     "append_paged_kv",
     "append_paged_kv_csr",
     "zero_paged_v_tail",
+    # shared with the quantized write
+    "v_tail_tensors",
+    "launch_v_tail",
 ]
 
-ROPE_CODES = {None: 0, "neox": 1, "gptj": 2}  # the ROPE constexpr of the kernel
-
-
 # --------------------------------------------------------------------------- device code
-
-
-@triton.jit
-def _token_rows(
-    tokens,
-    num_tokens,
-    slot_mapping_ptr,
-    batch_indices_ptr,
-    positions_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    page_size,
-    sink_tokens,
-    bubble_len,
-    cyclic_cache_len,
-    CSR: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-):
-    """``(page, row, valid)`` per token ``[BLOCK_T]``: from the slot or, with ``CSR``, from
-    request ``batch_indices[t]`` and position ``positions[t]`` through the ring window
-    and the CSR page table. Padding (slot, request or position ``-1``) and lanes past
-    ``num_tokens`` are invalid."""
-    in_range = tokens < num_tokens
-    if CSR:
-        batch = tl.load(batch_indices_ptr + tokens, mask=in_range, other=-1)
-        pos = tl.load(positions_ptr + tokens, mask=in_range, other=-1)
-        valid = in_range & (batch >= 0) & (pos >= 0)
-        cache_row = kv_token_idx(tl.where(valid, pos, 0), sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
-        first = tl.load(kv_indptr_ptr + batch, mask=valid, other=0)
-        page = tl.load(kv_indices_ptr + first + cache_row // page_size, mask=valid, other=0)
-        row = cache_row % page_size
-    else:
-        slot = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1)
-        valid = slot >= 0
-        slot = tl.where(valid, slot, 0)
-        page = slot // page_size
-        row = slot % page_size
-    return page, row, valid
-
-
-@triton.jit
-def _rope_cos_sin(pos, inv_freq_ptr, pair, pair_mask):
-    """``cos, sin [BLOCK_T, BLOCK_P]`` (fp32) of angle ``pos * inv_freq[pair]``, formed and
-    reduced to ``[-pi, pi]`` in fp64 so the fp32 cosine sees a small, exact argument."""
-    inv_freq = tl.load(inv_freq_ptr + pair, mask=pair_mask, other=0.0)  # fp64
-    angle = pos.to(tl.float64)[:, None] * inv_freq[None, :]
-    # Float literals would be fp32 constants (2*pi off by 1.7e-7, times the turns):
-    # build both as fp64 scalars.
-    two_pi = tl.full([], 6.283185307179586, tl.float64)
-    inv_two_pi = tl.full([], 0.15915494309189535, tl.float64)
-    turns = tl.floor(angle * inv_two_pi + 0.5)
-    angle = (angle - turns * two_pi).to(tl.float32)
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def _rope_tile(
-    src_ptr,
-    src_base,
-    src_sh,
-    src_sd,
-    dst_ptr,
-    dst_base,
-    dst_sh,
-    dst_sd,
-    heads,
-    mask_th,
-    cos,
-    sin,
-    half,
-    NEOX: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-):
-    """Rotate one ``[BLOCK_T, BLOCK_H, head_dim]`` tile from ``src`` into ``dst`` (which may
-    be ``src``: Q rotates in place). Pair ``i`` is features ``(i, i + half)`` (NeoX) or
-    ``(2i, 2i + 1)`` (GPT-J). Both features of a pair are loaded as two tiles of the
-    same shape, so each thread stores only elements it loaded itself: an in-place
-    rotation cannot race with another thread's load of the partner feature."""
-    pair = tl.arange(0, BLOCK_P)
-    if NEOX:
-        f1 = pair
-        f2 = pair + half
-    else:
-        f1 = 2 * pair
-        f2 = 2 * pair + 1
-    f1 = f1.to(tl.int64)[None, None, :]
-    f2 = f2.to(tl.int64)[None, None, :]
-    h = heads.to(tl.int64)[None, :, None]
-    mask = mask_th[:, :, None] & (pair < half)[None, None, :]
-    s = src_base[:, None, None] + h * src_sh
-    x1 = tl.load(src_ptr + s + f1 * src_sd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src_ptr + s + f2 * src_sd, mask=mask, other=0.0).to(tl.float32)
-    c = cos[:, None, :]
-    sn = sin[:, None, :]
-    d = dst_base[:, None, None] + h * dst_sh
-    out_ty = dst_ptr.dtype.element_ty
-    tl.store(dst_ptr + d + f1 * dst_sd, (x1 * c - x2 * sn).to(out_ty), mask=mask)
-    tl.store(dst_ptr + d + f2 * dst_sd, (x2 * c + x1 * sn).to(out_ty), mask=mask)
-
-
-@triton.jit
-def _copy_tile(
-    src_ptr,
-    src_base,
-    src_sh,
-    src_sd,
-    dst_ptr,
-    dst_base,
-    dst_sh,
-    dst_sd,
-    heads,
-    mask_th,
-    head_dim,
-    BLOCK_D: tl.constexpr,
-):
-    """Copy one ``[BLOCK_T, BLOCK_H, head_dim]`` tile without leaving the source dtype
-    (bit-exact)."""
-    feat = tl.arange(0, BLOCK_D).to(tl.int64)[None, None, :]
-    h = heads.to(tl.int64)[None, :, None]
-    mask = mask_th[:, :, None] & (feat < head_dim)
-    x = tl.load(src_ptr + src_base[:, None, None] + h * src_sh + feat * src_sd, mask=mask)
-    tl.store(dst_ptr + dst_base[:, None, None] + h * dst_sh + feat * dst_sd, x, mask=mask)
 
 
 @triton.jit
@@ -251,7 +131,7 @@ def _append_kernel(
     """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``. Head blocks past the
     KV heads rotate Q (only with ``HAS_Q``); their programs write nothing to the cache."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, row, valid = _token_rows(
+    page, row, valid = token_rows(
         tokens,
         num_tokens,
         slot_mapping_ptr,
@@ -272,22 +152,22 @@ def _append_kernel(
     if ROPE != 0:
         pair = tl.arange(0, BLOCK_D // 2)
         pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
-        cos, sin = _rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
+        cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
     if hb < kv_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_th = valid[:, None] & (heads < num_kv_heads)[None, :]
         dst_k = row_offset(page, row, stride_page, stride_n)  # K of head 0, feature 0 of each token's row
         if ROPE != 0:
-            _rope_tile(
+            rope_tile(
                 k_ptr, tok * stride_kt, stride_kh, stride_kd, cache_ptr, dst_k, stride_h, stride_d, heads, mask_th,
                 cos, sin, head_dim // 2, ROPE == 1, BLOCK_D // 2,
             )  # fmt: skip
         else:
-            _copy_tile(
+            copy_tile(
                 k_ptr, tok * stride_kt, stride_kh, stride_kd, cache_ptr, dst_k, stride_h, stride_d, heads, mask_th,
                 head_dim, BLOCK_D,
             )  # fmt: skip
-        _copy_tile(
+        copy_tile(
             v_ptr, tok * stride_vt, stride_vh, stride_vd, cache_ptr, dst_k + stride_kv, stride_h, stride_d, heads,
             mask_th, head_dim, BLOCK_D,
         )  # fmt: skip
@@ -295,7 +175,7 @@ def _append_kernel(
         heads = (hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
         base = tok * stride_qt
-        _rope_tile(
+        rope_tile(
             q_ptr, base, stride_qh, stride_qd, q_ptr, base, stride_qh, stride_qd, heads, mask_th, cos, sin,
             head_dim // 2, ROPE == 1, BLOCK_D // 2,
         )  # fmt: skip
@@ -346,10 +226,6 @@ def _zero_v_tail_kernel(
 
 
 # --------------------------------------------------------------------------- plans
-
-
-def _fingerprint(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 @dataclass(frozen=True)
@@ -425,8 +301,12 @@ def _check_plan_index_apart(plan: AppendPlan, cache, q) -> None:
     check_disjoint([("cache", cache), ("q", q)], read)
 
 
-def _v_tail_tensors(cache, layout, zero_v_tail, written):
-    """Checks of V-tail zeroing (values, then launch); returns the three device tensors."""
+def v_tail_tensors(cache, layout, zero_v_tail, written):
+    """The three V-tail tensors ``(kv_indptr, kv_indices, kv_last_page_len)`` made
+    contiguous, after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args`
+    against ``cache`` in ``layout``, with ``written`` the slots this launch writes, or
+    None) and the launch checks; raises ``ValueError`` naming the argument. The
+    quantized write (:mod:`kernels.quant_write`) shares it."""
     if not isinstance(zero_v_tail, tuple) or len(zero_v_tail) != 3:
         raise ValueError("zero_v_tail must be a tuple (kv_indptr, kv_indices, kv_last_page_len)")
     for name, t in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), zero_v_tail):
@@ -441,7 +321,7 @@ def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, num_tokens, 
     inv_freq = reference.rope_inv_freq(dims.head_dim, rope_theta).to(cache.device) if rope else None
     return AppendPlan(
         layout=layout,
-        cache=_fingerprint(cache),
+        cache=fingerprint(cache),
         num_tokens=num_tokens,
         kv_rows=k.shape[0],
         num_kv_heads=dims.num_kv_heads,
@@ -484,7 +364,7 @@ def plan_append(
     if rope is not None:
         index["positions"] = (positions, False)
     _check_write_launch(k, v, cache, q, index)
-    tail = None if zero_v_tail is None else _v_tail_tensors(cache, layout, zero_v_tail, slots)
+    tail = None if zero_v_tail is None else v_tail_tensors(cache, layout, zero_v_tail, slots)
     return _plan(
         k, v, cache, layout, q, rope, rope_theta, None, tail, slots.numel(), slot_mapping=slot_mapping,
         positions=positions if rope is not None else None,
@@ -518,7 +398,7 @@ def plan_append_csr(
         "kv_indptr": (kv_indptr, True),
     }
     _check_write_launch(k, v, cache, q, index)
-    tail = None if zero_v_tail is None else _v_tail_tensors(cache, layout, zero_v_tail, slots)
+    tail = None if zero_v_tail is None else v_tail_tensors(cache, layout, zero_v_tail, slots)
     return _plan(
         k, v, cache, layout, q, rope, rope_theta, window, tail, slots.numel(), batch_indices=batch_indices,
         positions=positions, kv_indptr=kv_indptr, kv_indices=kv_indices,
@@ -553,7 +433,7 @@ def run_append(plan: AppendPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.
     if plan.num_tokens:
         _launch_append(plan, k, v, cache, q)
     if plan.v_tail is not None:
-        _launch_v_tail(cache, plan.layout, *plan.v_tail)
+        launch_v_tail(cache, plan.layout, *plan.v_tail)
 
 
 def _launch_append(plan: AppendPlan, k, v, cache, q) -> None:
@@ -591,7 +471,11 @@ def _launch_append(plan: AppendPlan, k, v, cache, q) -> None:
     )
 
 
-def _launch_v_tail(cache, layout, kv_indptr, kv_indices, kv_last_page_len) -> None:
+def launch_v_tail(cache, layout, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    """Zero the unused V rows of each sequence's last page of ``cache`` (a 5-D pool in
+    ``layout``, or a quantized pool's codes or scales laid out alike), in place, with
+    tensors already checked by :func:`v_tail_tensors`. Returns None; one launch, none
+    for an empty batch. The quantized write (:mod:`kernels.quant_write`) shares it."""
     dims = cache_dims(cache, layout)
     batch = kv_last_page_len.numel()
     if batch == 0:
@@ -711,4 +595,4 @@ def zero_paged_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: st
     check_kernel_dtype("cache", cache)
     check_no_self_overlap("cache", cache)
     check_in_storage("cache", cache)
-    _launch_v_tail(cache, layout, *_v_tail_tensors(cache, layout, (kv_indptr, kv_indices, kv_last_page_len), None))
+    launch_v_tail(cache, layout, *v_tail_tensors(cache, layout, (kv_indptr, kv_indices, kv_last_page_len), None))

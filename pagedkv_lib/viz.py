@@ -740,13 +740,14 @@ def row_status(got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, 
     0 untouched as it should be, 1 written right, 2 should be written but is wrong, 3
     should be untouched but changed (keys of :func:`plot_wrong_rows`'s legend). Rows
     are compared bit for bit, so NaN payloads count."""
-    from .verify.compare import _bits  # one home for the bit view
+    # One home for the bit view; imported here, as importing verify loads the whole harness.
+    from .verify.compare import bits
 
     def rows(t):
         t = t.detach().cpu()
         if layout == "HND":
             t = t.transpose(2, 3)
-        return _bits(t).flatten(3)  # [pages, 2, page_size, heads * dim]
+        return bits(t).flatten(3)  # [pages, 2, page_size, heads * dim]
 
     g, e, b = rows(got), rows(expected), rows(before)
     right = (g == e).all(-1).numpy()

@@ -406,13 +406,14 @@ assert torch.equal(q_dev[-2:], q[-2:]), "the padding tokens' query rows must be 
 #
 # `kernels/write.py` holds the kernel the suite ships (`kernels.append_paged_kv` and
 # `kernels.append_paged_kv_csr` launch it). Here is its core as the module holds it
-# today, and the helper that turns a tile of tokens into `(page, row, valid)`: the slot
-# form of step (a) and the CSR form of step (b) are both in it, chosen by a constexpr.
+# today, and the helper that turns a tile of tokens into `(page, row, valid)`
+# (`kernels/addressing.py: token_rows`, shared with the quantized and MLA writes): the
+# slot form of step (a) and the CSR form of step (b) are both in it, chosen by a constexpr.
 
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
 display(viz.source_code(production._append_kernel))
-display(viz.source_code(production._token_rows))
+display(viz.source_code(addressing.token_rows))
 
 # %% [markdown]
 # Read against step (c), it adds six things. Each is checked below.

@@ -22,7 +22,7 @@ import torch
 from .. import reference, runtime
 from ..pool import PagedKVPool, cache_dims
 from ..verify import TOLERANCES, append_case, append_grid, decode_case, decode_grid, long_decode_cases
-from ..verify.compare import DTYPES, _bits, compare, rand
+from ..verify.compare import DTYPES, bits, compare, rand
 from ..verify.decode_checks import decode_inputs
 from ..verify.guards import CANARY, Guards
 from .cases import Case, Mismatch, run_cases
@@ -106,7 +106,7 @@ def _append_hint(case: dict) -> str:
 
 def _where_token_landed(got_nhd, k, t: int) -> tuple[int, int] | None:
     """``(page, row)`` where token ``t``'s K (head 0) ended up in the pool, or None."""
-    hits = torch.nonzero((_bits(got_nhd[:, 0, :, 0]) == _bits(k[t, 0])).all(-1))
+    hits = torch.nonzero((bits(got_nhd[:, 0, :, 0]) == bits(k[t, 0])).all(-1))
     return (int(hits[0][0]), int(hits[0][1])) if len(hits) else None
 
 
@@ -130,7 +130,7 @@ def _diagnose_append(got, expected, before, k, v, slots, layout: str, name: str)
     n_wrong, n_changed = len(wrong), len(changed)
     expected_text = f"{int((status == 1).sum() + n_wrong)} K/V rows written exactly as the reference writes them"
     got_text = f"{n_wrong} of those rows wrong or missing, {n_changed} other rows changed"
-    if torch.equal(_bits(got), _bits(before)):
+    if torch.equal(bits(got), bits(before)):
         return Mismatch(
             expected_text,
             "the pool is exactly as it was: your kernel wrote nothing",
@@ -155,7 +155,7 @@ def _diagnose_append(got, expected, before, k, v, slots, layout: str, name: str)
                 detail += f"; token {t}'s K was written to page {landed[t][0]}, row {landed[t][1]}"
             if kv == 0 and landed[t] == (page, row):
                 heads_ok = [
-                    torch.equal(_bits(got_n[page, 0, row, h]), _bits(exp_n[page, 0, row, h]))
+                    torch.equal(bits(got_n[page, 0, row, h]), bits(exp_n[page, 0, row, h]))
                     for h in range(got_n.shape[3])
                 ]
                 if not all(heads_ok):
@@ -230,11 +230,11 @@ def _outside_pool(cache, k, v, slots) -> Mismatch | None:
 
 def _row_owner(row, before_row, k, v) -> str:
     """Whose data a pool row ``[heads, dim]`` holds, in words."""
-    if torch.equal(_bits(row), _bits(before_row)):
+    if torch.equal(bits(row), bits(before_row)):
         return "what it held before (nothing was written there)"
     for name, src in (("K", k), ("V", v)):
         for u in range(src.shape[0]):
-            if torch.equal(_bits(row[0]), _bits(src[u, 0])):
+            if torch.equal(bits(row[0]), bits(src[u, 0])):
                 return f"token {u}'s {name}"
     return "values of no token (a wrong source address, or part of a row)"
 

@@ -10,7 +10,7 @@ import torch
 
 from ..pool import cache_dims
 
-__all__ = ["TOLERANCES", "DTYPES", "Comparison", "compare", "bit_compare", "first_difference", "rand"]
+__all__ = ["TOLERANCES", "DTYPES", "Comparison", "compare", "bit_compare", "first_difference", "bits", "rand"]
 
 # (atol, rtol) of a decode output against the float64 reference; the pass rule is
 # |out - ref| <= atol + rtol * |ref| elementwise. rtol is half an ulp of the output
@@ -74,7 +74,10 @@ def compare(out, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> Comp
     return Comparison(tol_ratio <= 1.0, float(err.max()), max_rel, tol_ratio, worst, "")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits: a contiguous view as the signed integer dtype of its element
+    size (``uint8`` for one byte), same shape, so that ``==`` compares bit patterns
+    (NaN payloads and signed zeros included)."""
     return t.contiguous().view(_BITS[t.element_size()])
 
 
@@ -82,7 +85,7 @@ def first_difference(got: torch.Tensor, expected: torch.Tensor, layout: str | No
     """``(count, where)`` of elements whose bits differ between two same-shaped tensors;
     ``where`` names the first one, as ``page p, K|V, row r, head h, feature f`` for a
     5-D pool in ``layout``, else as an index tuple ("" when none differ)."""
-    differ = _bits(got) != _bits(expected)
+    differ = bits(got) != bits(expected)
     count = int(differ.sum())
     if not count:
         return 0, ""

@@ -29,7 +29,7 @@ from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison
 
-__all__ = ["decode_grid", "long_decode_cases", "decode_inputs", "decode_case"]
+__all__ = ["decode_grid", "long_decode_cases", "decode_inputs", "decode_case", "write_sequence"]
 
 
 def long_decode_cases() -> list[dict]:
@@ -80,7 +80,7 @@ def _window(case: dict) -> RingWindow | None:
     return RingWindow(size, sinks, case["page_size"])
 
 
-def _write_sequence(pool: PagedKVPool, table, b: int, n: int, window, gen) -> None:
+def write_sequence(pool: PagedKVPool, table, b: int, n: int, window, gen) -> None:
     """Write tokens ``0..n-1`` of sequence ``b`` (random K/V). Through a ring a later token
     overwrites an earlier one's row, so only the last token of every row is written."""
     slots = slot_mapping(table, torch.full((n,), b), torch.arange(n), pool.page_size, window)
@@ -117,7 +117,7 @@ def decode_inputs(case: dict):
     tables = pad_block_tables(rows, max(pages_each, default=0) + 1)
     for b, n in enumerate(lens):
         if not (shared and b == 1):
-            _write_sequence(pool, tables, b, n, window, gen)
+            write_sequence(pool, tables, b, n, window, gen)
     q = rand((len(lens), hk * case["group"], d), dtype, gen)
     if case.get("nan_query"):  # an honest kernel returns NaN for sequence 0's head 0 (and 0 for an empty one)
         q[: len(lens) - 1 or 1, 0, 0] = float("nan")

@@ -28,7 +28,7 @@ from ..pool import PagedKVPool
 from ..window import RingWindow
 from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .contract import Contract, contract_of
-from .decode_checks import _write_sequence
+from .decode_checks import write_sequence
 from .grid import accepts, cover
 from .guards import Guards
 from .report import CaseResult
@@ -117,7 +117,7 @@ def prefill_inputs(case: dict):
     for b, n in enumerate(lens):
         # Positions 0..n-1 in order (the chunk's own keys included), as the earlier
         # chunks and this one left them: through a ring only the last writer of a row stays.
-        _write_sequence(pool, tables, b, n, window, gen)
+        write_sequence(pool, tables, b, n, window, gen)
     qo_indptr = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
     q = rand((sum(q_lens), hk * case["group"], d), dtype, gen)
     if case.get("nan_query"):  # an honest kernel returns NaN for the first query's head 0

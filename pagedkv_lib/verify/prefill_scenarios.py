@@ -25,7 +25,7 @@ from ..manager import KVCacheManager
 from .bench import Bench, locate_output
 from .compare import rand
 from .report import CaseResult
-from .scenarios import _case, attention_oracle, finish
+from .scenarios import attention_oracle, finish, scenario_case
 
 __all__ = ["PREFILL_SCENARIOS", "PREFILL_SCENARIO_NEEDS", "check_prefill_chunks", "check_prefix_hit"]
 
@@ -49,7 +49,7 @@ def check_prefill_chunks(
     num_pages = -(-n // ps) + 2
     tables = pad_block_tables([torch.randperm(num_pages, generator=gen)[: -(-n // ps)].tolist()])
     pool = bench.pool(num_pages, ps, hk, d, fill=float("nan"))
-    worst, case = 0.0, _case(ps, prompt_len=n, chunk=chunk)
+    worst, case = 0.0, scenario_case(ps, prompt_len=n, chunk=chunk)
     for step, start in enumerate(range(0, n, chunk)):
         end = min(start + chunk, n)
         b, p = F.chunk_positions(torch.tensor([0, end - start]), torch.tensor([end]), "past_len_zero" in faults)
@@ -104,7 +104,7 @@ def check_prefix_hit(
     if not ok:
         detail += "; the queries after a mid-page prefix hit do not see exactly their own keys"
     setup = f"a hit of {hit} tokens ending mid-page, +{new} for B and +1 for A, pages of {ps}"
-    return finish("prefix_hit", bench, ok, detail or setup, max_abs, **_case(ps))
+    return finish("prefix_hit", bench, ok, detail or setup, max_abs, **scenario_case(ps))
 
 
 PREFILL_SCENARIO_NEEDS = {

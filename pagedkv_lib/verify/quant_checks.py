@@ -31,7 +31,7 @@ from .. import quant, quant_reference, runtime
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..quant_pool import QuantizedKVPool
 from ..window import RingWindow
-from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
+from .compare import DTYPES, TOLERANCES, bits, compare, first_difference, rand
 from .grid import accepts, cover
 from .guards import Guards
 from .report import CaseResult
@@ -114,7 +114,7 @@ def _pool_differences(got: QuantizedKVPool, expected: QuantizedKVPool) -> list[s
         count, _ = first_difference(a, b)
         if not count:
             continue
-        page, kv, i, j, last = (int(x) for x in torch.nonzero(_bits(a) != _bits(b))[0])
+        page, kv, i, j, last = (int(x) for x in torch.nonzero(bits(a) != bits(b))[0])
         row, head = (i, j) if got.layout == "NHD" else (j, i)
         what = {"data": "codes", "scales": "scales"}[name]
         unit = "byte" if name == "data" else "scale"
@@ -140,10 +140,6 @@ def _guarded_pool(pool: QuantizedKVPool, guards: Guards) -> QuantizedKVPool:
         pool.scales = guards.place("scales", pool.scales, pool.scales[0].numel() * pool.scales.element_size())
     pool.global_scale = guards.place("global_scale", pool.global_scale)
     return pool
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
 
 
 def quant_append_case(quant_append_fn, case: dict) -> CaseResult:

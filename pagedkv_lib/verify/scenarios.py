@@ -37,6 +37,7 @@ __all__ = [
     "SCENARIOS",
     "SCENARIO_NEEDS",
     "attention_oracle",
+    "scenario_case",
     "check_chunked_prefill",
     "check_ring_window",
     "check_v_tail",
@@ -69,7 +70,7 @@ def finish(name: str, bench: Bench, ok: bool, detail: str, max_abs: float, **cas
     return _scenario(name, ok, detail, max_abs, 1e-5, **case)
 
 
-def _case(page_size: int, **case) -> dict:
+def scenario_case(page_size: int, **case) -> dict:
     """A scenario's case as its report shows it: ``page_size`` only when not the default 4."""
     return case if page_size == 4 else {**case, "page_size": page_size}
 
@@ -90,7 +91,7 @@ def check_chunked_prefill(
     tables = pad_block_tables([torch.randperm(num_pages, generator=gen)[: -(-n // ps)].tolist()])
     expected = PagedKVPool(num_pages, ps, hk, d, torch.float32)
     pool = bench.pool(num_pages, ps, hk, d)
-    case = _case(ps, prompt_len=n, chunk=chunk)
+    case = scenario_case(ps, prompt_len=n, chunk=chunk)
     for step, start in enumerate(range(0, n, chunk)):
         end = min(start + chunk, n)
         b, p = F.chunk_positions(torch.tensor([0, end - start]), torch.tensor([end]), "past_len_zero" in faults)
@@ -148,7 +149,7 @@ def check_ring_window(
     ok, max_abs, detail = locate_output(out, expected, 1e-5, rows)
     setup = f"window {size}, {sinks} sinks, pages of {ps}"
     detail = f"{detail}; {setup}: the decode does not see exactly the sinks and the last tokens" if detail else setup
-    return finish("ring_window", bench, ok, detail, max_abs, **_case(ps, seq_lens=tuple(lens)))
+    return finish("ring_window", bench, ok, detail, max_abs, **scenario_case(ps, seq_lens=tuple(lens)))
 
 
 def check_v_tail(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None) -> CaseResult:
@@ -184,7 +185,7 @@ def check_v_tail(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layo
     detail = "; ".join(filter(None, [detail, *notes])) or f"seq_lens {lens}, pages of {ps}, NaN pool"
     if notes:
         detail += ": the write did not zero the V tail it was given"
-    return finish("v_tail", bench, ok and not notes, detail, max_abs, **_case(ps))
+    return finish("v_tail", bench, ok and not notes, detail, max_abs, **scenario_case(ps))
 
 
 def check_fork(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None) -> CaseResult:
@@ -232,7 +233,7 @@ def check_fork(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout
     if detail and not changed:
         detail += "; both read back what was written for them, so the decode reads the child's pages wrongly"
     detail = "; ".join([x for x in [detail, *changed] if x]) or f"prompt {prompt}, +3 each, pages of {ps}"
-    return finish("fork_cow", bench, ok and not changed, detail, max_abs, **_case(ps))
+    return finish("fork_cow", bench, ok and not changed, detail, max_abs, **scenario_case(ps))
 
 
 def check_reused_page(
@@ -265,7 +266,7 @@ def check_reused_page(
     ok, max_abs, detail = locate_output(out, attention_oracle(q[0], *data["C"], list(range(n)))[None], 1e-5, rows)
     reused = sorted(set(stale) & set(manager.block_table("D")))
     if ok:
-        return finish("reused_page", bench, ok, f"A freed; its pages {reused} now hold D", max_abs, **_case(ps))
+        return finish("reused_page", bench, ok, f"A freed; its pages {reused} now hold D", max_abs, **scenario_case(ps))
     k_t, v_t = reference.gather_paged_kv(pool.paged(), table, n)
     what_it_names = compare(out, attention_oracle(q[0], k_t, v_t, list(range(n)))[None], 1e-5)
     in_d = sorted(set(table) & set(manager.block_table("D")))
@@ -275,7 +276,7 @@ def check_reused_page(
     else:
         reason = (f"the table names C's own pages {own}, and the output is not attention over what they hold: "
                   "not a page-reuse bug (the decode itself is wrong; see the decode grid)")  # fmt: skip
-    return finish("reused_page", bench, False, f"{detail}; {reason}", max_abs, **_case(ps))
+    return finish("reused_page", bench, False, f"{detail}; {reason}", max_abs, **scenario_case(ps))
 
 
 def check_int64_offsets(append_fn, decode_fn, faults) -> CaseResult:
