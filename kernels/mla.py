@@ -31,7 +31,7 @@ addressing, the tile copy and the RoPE angles are the write kernel's own jit hel
 Numerics: every operand is converted to fp32 right after loading, ``q_latent`` and
 ``o_latent`` stay fp32 between the launches, and a computed value (the output, a rotated
 RoPE key) is rounded once to its dtype, to nearest-even on both backends
-(:func:`_round_to`: the interpreter's own fp32-to-bf16 conversion truncates). Products
+(:func:`round_to`: the interpreter's own fp32-to-bf16 conversion truncates). Products
 are broadcast-multiply and ``tl.sum`` (no ``tl.dot``: tf32 on a GPU, untrustworthy for
 fp16/bf16 in the interpreter, and dims >= 16). Masked lanes load 0 and
 score ``-inf``, so a NaN in an unused slot never reaches the output. Compiled, this is a
@@ -63,6 +63,7 @@ from .decode import choose_num_splits
 from .launch import fingerprint, int32_on_device, parallel_units
 from .merge import launch_merge
 from .rope import ROPE_CODES, copy_tile, rope_cos_sin
+from .rounding import round_to
 from .tiles import head_matvec_tiles, mla_append_block_t, mla_decode_tiles, pow2
 from .validate import (
     MAX_HEAD_DIM,
@@ -99,25 +100,10 @@ MAX_KV_LORA_RANK = 1024  # one latent row is one register tile of next_pow2(rank
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to nearest-even in ``dtype``. A GPU's fp32-to-bf16 conversion
-    rounds; Triton's interpreter (3.6 to 3.9) truncates, an error of up to one unit in
-    the last place instead of half. For bf16 the rounding is therefore done on the bits
-    (the GPU's answer on both backends); NaN keeps the plain conversion."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(x == x, rounded, x.to(tl.bfloat16))
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
 def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos, sin, half, NEOX: tl.constexpr,
                BLOCK_P: tl.constexpr):  # fmt: skip
     """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst``, in fp32, rounded
-    once (:func:`_round_to`). Pair ``i`` is features ``(i, i + half)`` (NeoX) or ``(2i,
+    once (:func:`round_to`). Pair ``i`` is features ``(i, i + half)`` (NeoX) or ``(2i,
     2i + 1)`` (GPT-J), as :func:`kernels.rope.rope_tile` pairs them."""
     pair = tl.arange(0, BLOCK_P)
     if NEOX:
@@ -132,8 +118,8 @@ def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos,
     x2 = tl.load(src + f2[None, :].to(tl.int64) * src_sd, mask=mask, other=0.0).to(tl.float32)
     out_ty = dst_ptr.dtype.element_ty
     dst = dst_ptr + dst_base[:, None]
-    tl.store(dst + f1[None, :].to(tl.int64) * dst_sd, _round_to(x1 * cos - x2 * sin, out_ty), mask=mask)
-    tl.store(dst + f2[None, :].to(tl.int64) * dst_sd, _round_to(x2 * cos + x1 * sin, out_ty), mask=mask)
+    tl.store(dst + f1[None, :].to(tl.int64) * dst_sd, round_to(x1 * cos - x2 * sin, out_ty), mask=mask)
+    tl.store(dst + f2[None, :].to(tl.int64) * dst_sd, round_to(x2 * cos + x1 * sin, out_ty), mask=mask)
 
 
 @triton.jit
@@ -241,7 +227,7 @@ def _head_matvec_kernel(
         acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
         i0 += BLOCK_I
     y_ptrs = y_ptr + offs_b[:, None] * stride_yb + h * stride_yh + offs_o[None, :] * stride_yo
-    tl.store(y_ptrs, _round_to(acc, y_ptr.dtype.element_ty), mask=b_mask[:, None] & o_mask[None, :])
+    tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty), mask=b_mask[:, None] & o_mask[None, :])
 
 
 @triton.jit

@@ -62,7 +62,7 @@ Masked key lanes load 0 and their scores are set to
 ``-inf``, so a NaN in an unused slot of a page never reaches the output; the keys a
 tile loads are all written positions, so ``0 * v`` of a key masked for one row only
 is exactly 0. A bf16 output is rounded to nearest in fp32 bits before the cast
-(:func:`_round_bf16`), because the interpreter's cast truncates.
+(:func:`kernels.rounding.round_to`), because the interpreter's cast truncates.
 
 The key loop is a ``while`` loop: Triton 3.6's interpreter cannot ``range()`` over a
 runtime bound.
@@ -86,6 +86,7 @@ from pagedkv_lib.window import RingWindow
 
 from .addressing import kv_token_idx, ring_params, table_row_offset
 from .launch import int32_on_device
+from .rounding import round_to
 from .tiles import prefill_tiles
 from .validate import (
     INT32_MAX,
@@ -112,17 +113,6 @@ DOT_MODES = ("sum", "fp32", "fp16", "bf16")  # index = the kernel's DOT constexp
 
 
 # --------------------------------------------------------------------------- device code
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 ``x`` rounded to the nearest bf16 (ties to even), still as fp32: Triton's
-    interpreter casts fp32 to bf16 by truncating the low 16 bits (up to one ulp of
-    error, measured on 3.6 and 3.9), while a value that is already a bf16 casts
-    exactly on either backend. Outputs are finite, so NaN/inf need no care."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -164,7 +154,6 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     IS_CSR: tl.constexpr,
     DOT: tl.constexpr,
-    OUT_BF16: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -273,15 +262,13 @@ def _prefill_kernel(
         tile += 1
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    if OUT_BF16:
-        o = _round_bf16(o)
     o_ptrs = (
         out_ptr
         + (q_start + qi).to(tl.int64)[:, None] * stride_ot
         + heads.to(tl.int64)[:, None] * stride_oh
         + offs_d[None, :] * stride_od
     )
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+    tl.store(o_ptrs, round_to(o, out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
 # --------------------------------------------------------------------------- planning
@@ -508,7 +495,6 @@ def _launch(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Te
         HAS_WINDOW=plan.window is not None,
         IS_CSR=csr,
         DOT=DOT_MODES.index(plan.dot_mode),
-        OUT_BF16=q.dtype == torch.bfloat16,
         num_warps=plan.num_warps,
     )
     return out

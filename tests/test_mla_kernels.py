@@ -24,6 +24,7 @@ import triton.language as tl
 
 import kernels
 import kernels.mla as kmla
+from kernels.rounding import round_to
 from kernels.validate import MAX_HEAD_DIM
 
 DEV = runtime.device()
@@ -249,7 +250,7 @@ def test_deepseek_v2_dimensions_match_the_naive_reference():
 def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(y_ptr + offs, kmla._round_to(x, y_ptr.dtype.element_ty), mask=offs < n)
+    tl.store(y_ptr + offs, round_to(x, y_ptr.dtype.element_ty), mask=offs < n)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 overflow to inf
