@@ -246,8 +246,8 @@ plt.show()
 # | the ring caps pages at `num_blocks` | max 4 pages for 200 tokens |
 # | a plain ring only takes one token per write; one more block takes `B + 1` | clobbered-key count |
 # | ring attention = windowed full-cache SDPA | max error < 1e-12 over 60 steps, GQA |
-# | reading by absolute position is wrong | error > 0.1 at every length past the sinks except multiples of 14 |
-# | ... and hidden at multiples of the ring's 14 rows | error < 1e-12 at lengths 14, 28, 42, 56 (it reads the right rows in another order) |
+# | reading by absolute position is wrong | error > 0.1 at every other length past the sinks |
+# | ... except at multiples of the ring's 14 rows | error < 1e-12 at lengths 14, 28, 42, 56 (right rows, other order) |
 #
 # ## Try this
 #
