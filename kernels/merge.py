@@ -25,11 +25,11 @@ from pagedkv_lib import checks
 from .tiles import merge_tiles
 from .validate import MAX_SPLITS, check_device
 
-__all__ = ["merge_partials", "launch_merge"]
+__all__ = ["merge_kernel", "merge_partials", "launch_merge"]
 
 
 @triton.jit
-def _merge_kernel(
+def merge_kernel(
     part_ptr,
     lse_ptr,
     out_ptr,
@@ -76,7 +76,7 @@ def launch_merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> No
     if batch == 0:
         return
     block_s, block_d = merge_tiles(splits, head_dim)
-    _merge_kernel[(batch, num_q_heads)](
+    merge_kernel[(batch, num_q_heads)](
         part,
         lse,
         out,

@@ -79,7 +79,7 @@ def decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int, int,
 # specializations at 64-96 registers, where larger tiles of the same kernel (more
 # registers) spill nothing, and the same tiles on sm_90 spill nothing. (kernel, arch):
 # bytes stored per thread.
-PTXAS_SPILL_QUIRKS = {("_quant_decode_split_kernel", 80): 4}
+PTXAS_SPILL_QUIRKS = {("quant_decode_split_kernel", 80): 4}
 
 
 def quant_decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int, int, int, int]:
