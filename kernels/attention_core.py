@@ -15,13 +15,17 @@ share are the ``@triton.jit`` helpers below, each kernel keeping only what is it
 3. :func:`split_tiles`: the tiles of one split-KV split;
 4. :func:`load_scaled_queries` and :func:`load_kv_tile`: a head group's queries in
    fp32 times ``scale * log2(e)``, and one K/V tile of the MHA pool;
-5. :func:`online_softmax_step`: one tile's update of the running max, sum and
-   accumulator, with the guard for rows that have seen no key yet;
-6. :func:`normalise` and :func:`store_partial`: the final division and the store of a
-   split's output and base-2 log-sum-exp.
+5. :func:`softmax_state` and :func:`online_softmax_step`: the running max, sum and
+   accumulator, and one tile's update of them, with the guard for rows that have seen
+   no key yet;
+6. :func:`store_partial`: the final division and the store of a split's output and
+   base-2 log-sum-exp.
 
 The order of floating-point operations is the one each kernel had before this module
-existed, so the results are bit for bit the same. Host side, :class:`PageTable` holds a
+existed, so the results are bit for bit the same. The helpers are few and coarse on
+purpose: in Triton's interpreter every call of a jit function (``tl.zeros`` and
+``tl.cdiv`` included) re-patches ``triton.language``, about as costly as a tile's
+arithmetic, so each helper replaces inline code one for one or better. Host side, :class:`PageTable` holds a
 read plan's page-table tensors and :func:`split_outputs` / :func:`window_args` /
 :func:`finish_splits` the launch steps the split-KV kernels share.
 """
@@ -46,13 +50,12 @@ from .merge import launch_merge
 __all__ = [
     "sequence_span",
     "visible_range",
-    "visible_position",
     "visible_keys",
     "split_tiles",
     "load_scaled_queries",
     "load_kv_tile",
     "online_softmax_step",
-    "normalise",
+    "softmax_state",
     "store_partial",
     "PageTable",
     "window_args",
@@ -100,7 +103,7 @@ def visible_range(end, first_end, sink_tokens, window_recent, HAS_WINDOW: tl.con
     and last query's position + 1).
 
     Enumerated key ``j`` in ``0 .. n_vis - 1`` is position ``j`` for ``j < n_sink``
-    (the sinks), else ``recent_start + (j - n_sink)`` (:func:`visible_position`); the
+    (the sinks), else ``recent_start + (j - n_sink)`` (:func:`visible_keys`); the
     recent range starts ``window_recent = window - sinks`` positions before
     ``first_end``. Without a window every position is visible (``n_sink = recent_start
     = n_vis = end``).
@@ -117,25 +120,20 @@ def visible_range(end, first_end, sink_tokens, window_recent, HAS_WINDOW: tl.con
 
 
 @triton.jit
-def visible_position(j, n_sink, recent_start):
-    """The position (int32, shape of ``j``) of enumerated visible key ``j``
-    (:func:`visible_range`)."""
-    return tl.where(j < n_sink, j, recent_start + (j - n_sink))
-
-
-@triton.jit
 def visible_keys(
     tile, offs_n, n_sink, recent_start, n_vis,
     sink_tokens, bubble_len, cyclic_cache_len,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """``(pos, row, valid)`` ``[BLOCK_N]`` of key tile ``tile``: each lane's position, its
+    """``(pos, row, valid)`` ``[BLOCK_N]`` of key tile ``tile``: each lane's position
+    (enumerated key ``j`` is ``j`` among the sinks, ``recent_start + (j - n_sink)`` after
+    them; :func:`visible_range`), its
     logical row in the sequence's cache (the ring's row with a window,
     :func:`kernels.addressing.kv_token_idx`) and whether it is a visible key at all
     (lanes past ``n_vis`` are masked)."""
     j = tile * BLOCK_N + offs_n
     valid = j < n_vis
-    pos = visible_position(j, n_sink, recent_start)
+    pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
     row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
     return pos, row, valid
 
@@ -146,8 +144,10 @@ def split_tiles(n_vis, split, num_splits, BLOCK_N: tl.constexpr):
     .. tile_hi - 1`` of the ``cdiv(n_vis, BLOCK_N)`` tiles, a contiguous run of
     ``cdiv(tiles, num_splits)``; ``tile_hi <= tile_lo`` is an empty split (its partial
     is zeros, its log-sum-exp ``-inf``)."""
-    num_tiles = tl.cdiv(n_vis, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    # tl.cdiv's own formula, written out: in the interpreter every jit call (tl.cdiv is
+    # one) re-patches triton.language, which costs more than the arithmetic.
+    num_tiles = (n_vis + (BLOCK_N - 1)) // BLOCK_N
+    tiles_per_split = (num_tiles + (num_splits - 1)) // num_splits
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     return tile_lo, tile_hi
@@ -204,11 +204,15 @@ def online_softmax_step(s, m_i, l_i, acc):
 
 
 @triton.jit
-def normalise(acc, l_i):
-    """``(o, has)``: ``acc / l_i`` per row (fp32 ``[BLOCK_M, BLOCK_D]``), zeros for a row
-    that saw no key (``has = l_i > 0`` false: an empty split, or length 0)."""
-    has = l_i > 0.0
-    return acc / tl.where(has, l_i, 1.0)[:, None], has
+def softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(m_i, l_i, acc)`` before the first key tile: running max ``-inf`` and sum 0
+    (fp32 ``[BLOCK_M]``), accumulator 0 (fp32 ``[BLOCK_M, BLOCK_D]``). ``tl.full``, not
+    ``tl.zeros``: the same values, without ``tl.zeros``' own jit call, which the
+    interpreter pays for."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0, tl.float32)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -224,7 +228,8 @@ def store_partial(
     ``out``'s dtype) and, with ``WRITE_LSE``, its base-2 log-sum-exp ``m_i + log2(l_i)``
     at ``lse[b, heads, split]`` (``-inf`` for a row without keys). With one split the
     caller passes the final output and ``stride_os = 0``."""
-    o, has = normalise(acc, l_i)
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # an empty split (or length 0) stores zeros
     b64 = b.to(tl.int64)
     o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])

@@ -59,6 +59,7 @@ from .attention_core import (
     load_scaled_queries,
     online_softmax_step,
     sequence_span,
+    softmax_state,
     split_outputs,
     split_tiles,
     store_partial,
@@ -142,9 +143,7 @@ def decode_split_kernel(
     q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, d_mask, stride_qb, stride_qh, stride_qd, qk_scale)
 
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_G, BLOCK_D)
     tile = tile_lo
     while tile < tile_hi:
         _, row, valid = visible_keys(

@@ -56,6 +56,7 @@ from .attention_core import (
     load_scaled_queries,
     online_softmax_step,
     sequence_span,
+    softmax_state,
     split_outputs,
     split_tiles,
     store_partial,
@@ -173,9 +174,7 @@ def mla_split_kernel(
 
     feat_c = offs_r.to(tl.int64) * stride_cc_d
     feat_p = offs_p.to(tl.int64) * stride_pc_d
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_H, BLOCK_R)
     tile = tile_lo
     while tile < tile_hi:
         j = tile * BLOCK_N + offs_n

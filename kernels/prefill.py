@@ -87,9 +87,9 @@ from pagedkv_lib.window import RingWindow
 from .attention_core import (
     PageTable,
     load_kv_tile,
-    normalise,
     online_softmax_step,
     sequence_span,
+    softmax_state,
     visible_keys,
     visible_range,
     window_args,
@@ -190,9 +190,7 @@ def prefill_kernel(
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     tile = 0
     while tile < num_key_tiles:
         pos, row, valid = visible_keys(
@@ -230,7 +228,7 @@ def prefill_kernel(
             acc += tl.dot(p_big, v) + tl.dot(p_small, v)
         tile += 1
 
-    o, _ = normalise(acc, l_i)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = (
         out_ptr
         + (q_start + qi).to(tl.int64)[:, None] * stride_ot

@@ -46,6 +46,7 @@ from .attention_core import (
     load_scaled_queries,
     online_softmax_step,
     sequence_span,
+    softmax_state,
     split_outputs,
     split_tiles,
     store_partial,
@@ -155,9 +156,7 @@ def quant_decode_split_kernel(
     k_gs = tl.load(gscale_ptr)
     v_gs = tl.load(gscale_ptr + 1)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_G, BLOCK_D)
     tile = tile_lo
     while tile < tile_hi:
         _, row, valid = visible_keys(
