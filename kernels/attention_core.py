@@ -35,6 +35,7 @@ from __future__ import annotations
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
 
 # isort: split
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,8 @@ __all__ = [
     "softmax_state",
     "store_partial",
     "PageTable",
+    "ReadPlan",
+    "read_plan_fields",
     "window_args",
     "split_outputs",
     "finish_splits",
@@ -286,6 +289,41 @@ class PageTable:
     def stride(self) -> int:
         """Elements between two rows of the padded table (0 for CSR: unused)."""
         return 0 if self.is_csr else self.block_tables.stride(0)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What every MHA read plan fixes (:class:`kernels.decode.DecodePlan`,
+    :class:`kernels.quant_decode.QuantDecodePlan`, :class:`kernels.prefill.PrefillPlan`
+    add their tiles and their pool's fingerprint): the query heads, the pool's heads and
+    page size, the softmax scale (natural units), the window and the page table."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int  # tokens per page
+    q_dtype: torch.dtype
+    scale: float
+    window: RingWindow | None
+    group: int  # query heads per KV head
+    table: PageTable
+
+
+def read_plan_fields(q: torch.Tensor, num_kv_heads: int, page_size: int, scale, window, table: PageTable) -> dict:
+    """The :class:`ReadPlan` fields of a launch with ``q [tokens, num_q_heads, head_dim]``
+    (values already checked); ``scale=None`` is ``1 / sqrt(head_dim)``."""
+    _, num_q_heads, head_dim = q.shape
+    return {
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "q_dtype": q.dtype,
+        "scale": 1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        "window": window,
+        "group": num_q_heads // num_kv_heads,
+        "table": table,
+    }
 
 
 def window_args(window: RingWindow | None) -> tuple[int, int, int, int]:

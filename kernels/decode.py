@@ -54,10 +54,12 @@ from pagedkv_lib.window import RingWindow
 
 from .attention_core import (
     PageTable,
+    ReadPlan,
     finish_splits,
     load_kv_tile,
     load_scaled_queries,
     online_softmax_step,
+    read_plan_fields,
     sequence_span,
     softmax_state,
     split_outputs,
@@ -71,12 +73,8 @@ from .launch import fingerprint, parallel_units
 from .tiles import decode_tiles
 from .validate import (
     MAX_SPLITS,
-    check_device,
-    check_head_dim,
-    check_index_tensor,
-    check_kernel_dtype,
-    check_num_splits,
     check_planned,
+    check_read_launch,
     check_same_layout,
     host_copy,
 )
@@ -84,6 +82,8 @@ from .validate import (
 __all__ = [
     "decode_split_kernel",
     "MIN_TOKENS_PER_SPLIT",
+    "SplitKVPlan",
+    "split_kv_fields",
     "DecodePlan",
     "choose_num_splits",
     "visible_lengths",
@@ -199,7 +199,35 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_visible: int, block_n: 
 
 
 @dataclass(frozen=True)
-class DecodePlan:
+class SplitKVPlan(ReadPlan):
+    """The fields a split-KV decode plan adds to :class:`~kernels.attention_core.ReadPlan`
+    (the MHA decode's and the quantized decode's): the batch, the tiles and the split
+    count."""
+
+    batch: int
+    block_g: int  # query heads of one GQA group, a power of two
+    block_n: int  # keys per loop iteration
+    block_d: int
+    num_splits: int
+    num_warps: int
+
+
+def split_kv_fields(q, num_kv_heads: int, page_size: int, scale, window, table, max_visible: int, num_splits, tiles):
+    """The :class:`SplitKVPlan` fields of a decode of ``q [batch, num_q_heads, head_dim]``:
+    ``tiles(group, head_dim, max_visible)`` gives ``(BLOCK_G, BLOCK_N, BLOCK_D,
+    num_warps)`` (:func:`kernels.tiles.decode_tiles` or its quantized twin) and
+    ``num_splits=None`` becomes :func:`choose_num_splits`'s count."""
+    fields = read_plan_fields(q, num_kv_heads, page_size, scale, window, table)
+    block_g, block_n, block_d, num_warps = tiles(fields["group"], fields["head_dim"], max_visible)
+    batch = q.shape[0]
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_visible, block_n, parallel_units(q.device))
+    split = {"block_g": block_g, "block_n": block_n, "block_d": block_d, "num_warps": num_warps}
+    return fields | split | {"batch": batch, "num_splits": num_splits}
+
+
+@dataclass(frozen=True)
+class DecodePlan(SplitKVPlan):
     """A validated decode launch: the tiles, the split count and the page table, fixed
     once by :func:`plan_decode` or :func:`plan_decode_csr` and launched by
     :func:`run_decode`.
@@ -210,61 +238,15 @@ class DecodePlan:
 
     layout: str
     cache: tuple  # (shape, strides, dtype, device) of the pool
-    batch: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    q_dtype: torch.dtype
-    scale: float
-    window: RingWindow | None
     max_visible: int  # keys the longest query attends to
-    group: int  # query heads per KV head
-    block_g: int
-    block_n: int
-    block_d: int
-    num_splits: int
-    num_warps: int
-    table: PageTable
-
-
-def _check_attention_launch(q, cache, num_splits, index_tensors: dict) -> None:
-    for name, t in (("q", q), ("cache", cache)):
-        check_device(name, t)
-        check_kernel_dtype(name, t)
-    check_head_dim(q.shape[2])
-    check_num_splits(num_splits)
-    for name, t in index_tensors.items():
-        check_index_tensor(name, t)
 
 
 def _make_plan(q, cache, layout, scale, window, max_visible: int, num_splits: int | None, table) -> DecodePlan:
     dims = cache_dims(cache, layout)
-    batch, num_q_heads, head_dim = q.shape
-    group = num_q_heads // dims.num_kv_heads
-    block_g, block_n, block_d, num_warps = decode_tiles(group, head_dim, max_visible)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, dims.num_kv_heads, max_visible, block_n, parallel_units(q.device))
-    return DecodePlan(
-        layout=layout,
-        cache=fingerprint(cache),
-        batch=batch,
-        num_q_heads=num_q_heads,
-        num_kv_heads=dims.num_kv_heads,
-        head_dim=head_dim,
-        page_size=dims.page_size,
-        q_dtype=q.dtype,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        window=window,
-        max_visible=max_visible,
-        group=group,
-        block_g=block_g,
-        block_n=block_n,
-        block_d=block_d,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        table=table,
+    fields = split_kv_fields(
+        q, dims.num_kv_heads, dims.page_size, scale, window, table, max_visible, num_splits, decode_tiles
     )
+    return DecodePlan(layout=layout, cache=fingerprint(cache), max_visible=max_visible, **fields)
 
 
 def plan_decode(
@@ -280,7 +262,8 @@ def plan_decode(
     """Validate a :func:`paged_decode_attention` call and fix its tiles and split count;
     nothing is launched. Arguments and errors as :func:`paged_decode_attention`."""
     _, lens = checks.check_decode_args(q, cache, host_copy(block_tables), host_copy(seq_lens), layout, window, scale)
-    _check_attention_launch(q, cache, num_splits, {"block_tables": block_tables, "seq_lens": seq_lens})
+    index = {"block_tables": block_tables, "seq_lens": seq_lens}
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2], num_splits)
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
     table = PageTable.padded(block_tables, seq_lens, q.device)
     return _make_plan(q, cache, layout, scale, window, max_visible, num_splits, table)
@@ -301,7 +284,7 @@ def plan_decode_csr(
     host = (host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
     *_, lens = checks.check_csr_decode_args(q, cache, *host, layout, scale)
     index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
-    _check_attention_launch(q, cache, num_splits, index)
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2], num_splits)
     max_visible = int(lens.max()) if lens.numel() else 0
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
     return _make_plan(q, cache, layout, scale, None, max_visible, num_splits, table)

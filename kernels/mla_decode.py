@@ -69,9 +69,8 @@ from .validate import (
     MAX_HEAD_DIM,
     MAX_KV_LORA_RANK,
     check_device,
-    check_index_tensor,
-    check_kernel_dtype,
     check_num_splits,
+    check_read_launch,
     check_same_layout,
     check_width,
     host_copy,
@@ -255,12 +254,8 @@ def plan_mla_decode(
     table, lens = checks.check_mla_decode_args(
         q_nope, q_pe, ckv_cache, kpe_cache, host_copy(block_tables), host_copy(seq_lens), w_uk, w_uv, scale
     )
-    tensors = {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache, "w_uk": w_uk}
-    for name, t in {**tensors, "w_uv": w_uv}.items():
-        check_device(name, t)
-        check_kernel_dtype(name, t)
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        check_index_tensor(name, t)
+    tensors = {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache}
+    check_read_launch(tensors | {"w_uk": w_uk, "w_uv": w_uv}, {"block_tables": block_tables, "seq_lens": seq_lens})
     check_num_splits(num_splits)
     dims = checks.mla_cache_dims(ckv_cache, kpe_cache)
     check_width("kv_lora_rank", dims.kv_lora_rank, MAX_KV_LORA_RANK)

@@ -86,8 +86,10 @@ from pagedkv_lib.window import RingWindow
 
 from .attention_core import (
     PageTable,
+    ReadPlan,
     load_kv_tile,
     online_softmax_step,
+    read_plan_fields,
     sequence_span,
     softmax_state,
     visible_keys,
@@ -99,11 +101,8 @@ from .rounding import round_to
 from .tiles import prefill_tiles
 from .validate import (
     INT32_MAX,
-    check_device,
-    check_head_dim,
-    check_index_tensor,
-    check_kernel_dtype,
     check_planned,
+    check_read_launch,
     check_same_layout,
     host_copy,
 )
@@ -242,7 +241,7 @@ def prefill_kernel(
 
 
 @dataclass(frozen=True)
-class PrefillPlan:
+class PrefillPlan(ReadPlan):
     """A validated prefill launch, fixed once by :func:`plan_prefill` or
     :func:`plan_prefill_csr` and launched by :func:`run_prefill`: the tiles, the dot
     mode, the tile list and the index tensors (int32, contiguous, on the device).
@@ -254,14 +253,6 @@ class PrefillPlan:
     layout: str
     cache: tuple  # (shape, strides, dtype, device) of the pool
     total_q: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    q_dtype: torch.dtype
-    scale: float
-    window: RingWindow | None
-    group: int  # query heads per KV head
     block_m: int  # (query, head) rows per tile
     block_n: int  # keys per loop iteration
     block_d: int
@@ -272,7 +263,6 @@ class PrefillPlan:
     tile_request: torch.Tensor  # [num_tiles] request of each tile
     tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
     qo_indptr: torch.Tensor  # [batch + 1]
-    table: PageTable
 
 
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
@@ -309,40 +299,22 @@ def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m
     return request[order], row0[order], int((keys * live_rows).sum())
 
 
-def _check_launch(q, cache, index_tensors: dict) -> None:
-    for name, t in (("q", q), ("cache", cache)):
-        check_device(name, t)
-        check_kernel_dtype(name, t)
-    check_head_dim(q.shape[2])
-    for name, t in index_tensors.items():
-        check_index_tensor(name, t)
-
-
 def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable) -> PrefillPlan:
     dims = cache_dims(cache, layout)
-    total_q, num_q_heads, head_dim = q.shape
-    group = num_q_heads // dims.num_kv_heads
+    fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, table)
+    group = fields["group"]
     q_lens = qo[1:] - qo[:-1]
     max_rows = int(q_lens.max()) * group if q_lens.numel() else 0
     if max_rows > INT32_MAX - 2**20:  # the kernel numbers a request's (query, head) rows in int32
         raise ValueError(f"a request has {max_rows} (query, head) rows; the kernel indexes them with int32")
     max_keys = int(lens.max()) if lens.numel() else 0
     mode = dot_mode(q.dtype, cache.dtype)
-    block_m, block_n, block_d, num_warps = prefill_tiles(group, head_dim, max_rows, max_keys, mode)
+    block_m, block_n, block_d, num_warps = prefill_tiles(group, fields["head_dim"], max_rows, max_keys, mode)
     tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window)
-    device = q.device
     return PrefillPlan(
         layout=layout,
         cache=fingerprint(cache),
-        total_q=total_q,
-        num_q_heads=num_q_heads,
-        num_kv_heads=dims.num_kv_heads,
-        head_dim=head_dim,
-        page_size=dims.page_size,
-        q_dtype=q.dtype,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        window=window,
-        group=group,
+        total_q=q.shape[0],
         block_m=block_m,
         block_n=block_n,
         block_d=block_d,
@@ -350,10 +322,10 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable) -> P
         dot_mode=mode,
         num_tiles=int(tile_request.numel()),
         visited_pairs=pairs * dims.num_kv_heads,
-        tile_request=int32_on_device(tile_request, device, min_len=1),
-        tile_row=int32_on_device(tile_row, device, min_len=1),
-        qo_indptr=int32_on_device(qo, device),
-        table=table,
+        tile_request=int32_on_device(tile_request, q.device, min_len=1),
+        tile_row=int32_on_device(tile_row, q.device, min_len=1),
+        qo_indptr=int32_on_device(qo, q.device),
+        **fields,
     )
 
 
@@ -372,7 +344,8 @@ def plan_prefill(
     qo, _, lens = checks.check_prefill_args(
         q, cache, host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens), layout, window, scale
     )
-    _check_launch(q, cache, {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens})
+    index = {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens}
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
     table = PageTable.padded(block_tables, seq_lens, q.device)
     return _make_plan(q, cache, layout, scale, window, qo, lens, table)
 
@@ -393,7 +366,7 @@ def plan_prefill_csr(
     qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale)
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
-    _check_launch(q, cache, index)
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
     return _make_plan(q, cache, layout, scale, None, qo, lens, table)
 

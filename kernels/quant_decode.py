@@ -54,20 +54,11 @@ from .attention_core import (
     visible_range,
     window_args,
 )
-from .decode import choose_num_splits, visible_lengths
-from .launch import parallel_units
+from .decode import SplitKVPlan, split_kv_fields, visible_lengths
 from .quant_codes import e2m1_decode, fp8_decode
 from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint
 from .tiles import quant_decode_tiles
-from .validate import (
-    check_device,
-    check_head_dim,
-    check_index_tensor,
-    check_kernel_dtype,
-    check_num_splits,
-    check_planned,
-    host_copy,
-)
+from .validate import check_planned, check_read_launch, host_copy
 
 __all__ = [
     "quant_decode_split_kernel",
@@ -192,65 +183,27 @@ def quant_decode_split_kernel(
 
 
 @dataclass(frozen=True)
-class QuantDecodePlan:
+class QuantDecodePlan(SplitKVPlan):
     """A validated quantized decode: tiles, split count and page table, fixed once and
     launched by :func:`run_decode_quant`. ``pool`` is the pool's
-    :func:`kernels.quant_write.pool_fingerprint`."""
+    :func:`kernels.quant_write.pool_fingerprint`, ``format`` its kernel code
+    (:data:`kernels.quant_write.FORMAT_CODES`)."""
 
     pool: tuple
     format: int
-    batch: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    q_dtype: torch.dtype
-    scale: float
-    window: RingWindow | None
-    group: int
-    block_g: int
-    block_n: int
-    block_d: int
-    num_splits: int
-    num_warps: int
-    table: PageTable
 
 
 def _check_launch(q, pool, num_splits, index_tensors: dict) -> None:
-    check_device("q", q)
-    check_kernel_dtype("q", q)
-    check_head_dim(q.shape[2])
-    check_num_splits(num_splits)
+    check_read_launch({"q": q}, {}, q.shape[2], num_splits)
     check_pool_launch(pool)
-    for name, t in index_tensors.items():
-        check_index_tensor(name, t)
+    check_read_launch({}, index_tensors)
 
 
 def _make_plan(q, pool, scale, window, max_visible: int, num_splits, table: PageTable) -> QuantDecodePlan:
-    batch, num_q_heads, head_dim = q.shape
-    group = num_q_heads // pool.num_kv_heads
-    block_g, block_n, block_d, num_warps = quant_decode_tiles(group, head_dim, max_visible)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, pool.num_kv_heads, max_visible, block_n, parallel_units(q.device))
-    return QuantDecodePlan(
-        pool=pool_fingerprint(pool),
-        format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)],
-        batch=batch,
-        num_q_heads=num_q_heads,
-        num_kv_heads=pool.num_kv_heads,
-        head_dim=head_dim,
-        page_size=pool.page_size,
-        q_dtype=q.dtype,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        window=window,
-        group=group,
-        block_g=block_g,
-        block_n=block_n,
-        block_d=block_d,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        table=table,
+    fields = split_kv_fields(
+        q, pool.num_kv_heads, pool.page_size, scale, window, table, max_visible, num_splits, quant_decode_tiles
     )
+    return QuantDecodePlan(pool=pool_fingerprint(pool), format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)], **fields)
 
 
 def plan_decode_quant(

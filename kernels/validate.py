@@ -34,6 +34,7 @@ __all__ = [
     "check_disjoint",
     "check_in_storage",
     "check_same_layout",
+    "check_read_launch",
     "check_planned",
     "MAX_KV_LORA_RANK",
     "check_width",
@@ -183,6 +184,21 @@ def check_same_layout(name: str, t: torch.Tensor, planned: tuple) -> None:
             f"{name} has shape {got[0]}, strides {got[1]}, {got[2]} on {got[3]}; the plan was made for "
             f"shape {planned[0]}, strides {planned[1]}, {planned[2]} on {planned[3]}"
         )
+
+
+def check_read_launch(tensors: dict, index_tensors: dict, head_dim: int | None = None, num_splits=None) -> None:
+    """The launch checks of a read kernel: every tensor of ``tensors`` (name -> tensor) on
+    the kernels' device in a kernel dtype, ``head_dim`` (unless None) one register tile,
+    ``num_splits`` None or ``1 .. MAX_SPLITS``, and every index tensor an int32/int64
+    tensor on the device whose values fit int32."""
+    for name, t in tensors.items():
+        check_device(name, t)
+        check_kernel_dtype(name, t)
+    if head_dim is not None:
+        check_head_dim(head_dim)
+    check_num_splits(num_splits)
+    for name, t in index_tensors.items():
+        check_index_tensor(name, t)
 
 
 def check_planned(name: str, t, shape: tuple, dtype: torch.dtype) -> None:
