@@ -174,16 +174,23 @@ def load_scaled_queries(
 def load_kv_tile(
     cache_ptr, table_row, row, valid, head_off, d_mask,
     page_size, stride_page, stride_kv, stride_n,
+    AS_FP32: tl.constexpr,
 ):  # fmt: skip
-    """``(k, v)`` ``[BLOCK_N, BLOCK_D]`` in the pool's dtype: one KV head's K and V at the
-    sequence's logical rows ``row`` (page ``table_row[row // page_size]``, element
-    offsets by the pool's strides; ``head_off [BLOCK_D]`` is the head's and features'
-    offset). Masked lanes load 0, so a NaN in an unused slot never enters a product."""
+    """``(k, v)`` ``[BLOCK_N, BLOCK_D]``: one KV head's K and V at the sequence's logical
+    rows ``row`` (page ``table_row[row // page_size]``, element offsets by the pool's
+    strides; ``head_off [BLOCK_D]`` is the head's and features' offset), in fp32 with
+    ``AS_FP32`` (each converted as it is loaded: converting after both loads costs the
+    compiled decode up to 4 registers more), else in the pool's dtype. Masked lanes load
+    0, so a NaN in an unused slot never enters a product."""
     tok_off = table_row_offset(table_row, row, page_size, valid, stride_page, stride_n)
     kv_ptrs = cache_ptr + tok_off[:, None] + head_off[None, :]
     kv_mask = valid[:, None] & d_mask[None, :]
     k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+    if AS_FP32:
+        k = k.to(tl.float32)
     v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0)
+    if AS_FP32:
+        v = v.to(tl.float32)
     return k, v
 
 

@@ -150,9 +150,7 @@ def decode_split_kernel(
             tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, HAS_WINDOW
         )
         k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
-                            stride_n)  # fmt: skip
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+                            stride_n, True)  # fmt: skip
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)

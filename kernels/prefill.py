@@ -196,7 +196,7 @@ def prefill_kernel(
             tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, HAS_WINDOW
         )
         k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
-                            stride_n)  # fmt: skip
+                            stride_n, False)  # fmt: skip
         if DOT <= 1:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
