@@ -128,12 +128,11 @@ def visible_keys(
     sink_tokens, bubble_len, cyclic_cache_len,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """``(pos, row, valid)`` ``[BLOCK_N]`` of key tile ``tile``: each lane's position
-    (enumerated key ``j`` is ``j`` among the sinks, ``recent_start + (j - n_sink)`` after
-    them; :func:`visible_range`), its
-    logical row in the sequence's cache (the ring's row with a window,
-    :func:`kernels.addressing.kv_token_idx`) and whether it is a visible key at all
-    (lanes past ``n_vis`` are masked)."""
+    """``(pos, row, valid)`` int32 ``[BLOCK_N]`` of key tile ``tile``: each lane's
+    position (enumerated key ``j`` is ``j`` among the sinks, ``recent_start + (j -
+    n_sink)`` after them; :func:`visible_range`), its logical row in the sequence's
+    cache (the ring's row with a window, :func:`kernels.addressing.kv_token_idx`) and
+    whether it is a visible key at all (lanes past ``n_vis`` are masked)."""
     j = tile * BLOCK_N + offs_n
     valid = j < n_vis
     pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
