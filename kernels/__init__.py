@@ -95,16 +95,13 @@ __all__ += [
 # fused RoPE on k_pe) and decode in the absorbed form with split-KV.
 from .mla import (  # noqa: E402
     MLAAppendPlan,
-    MLADecodePlan,
     append_paged_mla_kv,
     append_paged_mla_kv_csr,
-    mla_decode_attention,
     plan_append_mla,
     plan_append_mla_csr,
-    plan_mla_decode,
     run_append_mla,
-    run_mla_decode,
 )
+from .mla_decode import MLADecodePlan, mla_decode_attention, plan_mla_decode, run_mla_decode  # noqa: E402
 
 __all__ += [
     "append_paged_mla_kv",

@@ -52,23 +52,38 @@ from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import kv_token_idx, ring_params, table_row_offset
-from .launch import int32_on_device, parallel_units
-from .merge import launch_merge
+from .attention_core import (
+    PageTable,
+    ReadPlan,
+    finish_splits,
+    load_kv_tile,
+    load_scaled_queries,
+    online_softmax_step,
+    read_plan_fields,
+    sequence_span,
+    softmax_state,
+    split_outputs,
+    split_tiles,
+    store_partial,
+    visible_keys,
+    visible_range,
+    window_args,
+)
+from .launch import fingerprint, parallel_units
 from .tiles import decode_tiles
 from .validate import (
     MAX_SPLITS,
-    check_device,
-    check_head_dim,
-    check_index_tensor,
-    check_kernel_dtype,
-    check_num_splits,
+    check_planned,
+    check_read_launch,
     check_same_layout,
     host_copy,
 )
 
 __all__ = [
+    "decode_split_kernel",
     "MIN_TOKENS_PER_SPLIT",
+    "SplitKVPlan",
+    "split_kv_fields",
     "DecodePlan",
     "choose_num_splits",
     "visible_lengths",
@@ -87,79 +102,37 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the para
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    kv_last_page_len_ptr,
-    out_ptr,
-    lse_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qd,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
+def decode_split_kernel(
+    # pointers: the query, the pool, the page table (padded or CSR), the outputs
+    q_ptr, cache_ptr,
+    block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    out_ptr, lse_ptr,
+    # strides (elements): q [batch, heads, dim]; the pool's page, K/V, row, head, feature
+    stride_qb, stride_qh, stride_qd,
+    stride_page, stride_kv, stride_n, stride_h, stride_d,
     stride_table,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    qk_scale,
-    group,
-    head_dim,
-    page_size,
-    num_splits,
-    sink_tokens,
-    bubble_len,
-    cyclic_cache_len,
-    window_recent,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    IS_CSR: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):
+    # strides: the partial output [batch, heads, split, dim] and its lse [batch, heads, split]
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    # sizes
+    qk_scale, group, head_dim, page_size, num_splits,
+    # ring window (kernels.attention_core.window_args)
+    sink_tokens, bubble_len, cyclic_cache_len, window_recent,
+    # constexprs
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr, WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """Program ``(b, kv_head, split)``: the split's normalised partial output of every
+    query head of the KV head's GQA group, and its base-2 log-sum-exp."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    # The sequence's page list and length: a padded table row, or a CSR slice whose
-    # length follows from the page count and the last page's fill (FlashInfer's rule;
-    # the launcher checked that a request without pages has kv_last_page_len 0).
-    if IS_CSR:
-        start = tl.load(kv_indptr_ptr + b)
-        num_pages = tl.load(kv_indptr_ptr + b + 1) - start
-        seq_len = tl.maximum(num_pages - 1, 0) * page_size + tl.load(kv_last_page_len_ptr + b)
-        table_row = kv_indices_ptr + start.to(tl.int64)
-    else:
-        seq_len = tl.load(seq_lens_ptr + b)
-        table_row = block_tables_ptr + b.to(tl.int64) * stride_table
-
-    # Visible positions, enumerated 0..n_vis-1: without a window every position
-    # 0..seq_len-1; with one the sinks [0, n_sink) then [recent_start, seq_len).
-    if HAS_WINDOW:
-        n_sink = tl.minimum(seq_len, sink_tokens)
-        recent_start = tl.maximum(sink_tokens, seq_len - window_recent)
-        n_vis = n_sink + tl.maximum(seq_len - recent_start, 0)
-    else:
-        n_sink = seq_len
-        recent_start = seq_len
-        n_vis = seq_len
-
-    num_tiles = tl.cdiv(n_vis, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)  # <= tile_lo: an empty split
+    seq_len, table_row = sequence_span(
+        b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+        page_size, IS_CSR,
+    )  # fmt: skip
+    n_sink, recent_start, n_vis = visible_range(seq_len, seq_len, sink_tokens, window_recent, HAS_WINDOW)
+    tile_lo, tile_hi = split_tiles(n_vis, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -167,54 +140,27 @@ def _decode_split_kernel(
     g_mask = offs_g < group  # group 5 runs in BLOCK_G = 8 lanes
     d_mask = offs_d < head_dim  # head_dim 80 runs in BLOCK_D = 128 lanes
     heads = kv_head * group + offs_g
-
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    q = q * qk_scale  # scale * log2(e): scores come out in base 2 for exp2
+    q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, d_mask, stride_qb, stride_qh, stride_qd, qk_scale)
 
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-
+    m_i, l_i, acc = softmax_state(BLOCK_G, BLOCK_D)
     tile = tile_lo
     while tile < tile_hi:
-        j = tile * BLOCK_N + offs_n
-        valid = j < n_vis
-        pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-        row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
-        tok_off = table_row_offset(table_row, row, page_size, valid, stride_page, stride_n)
-        kv_ptrs = cache_ptr + tok_off[:, None] + head_off[None, :]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        # other=0.0 on both loads: masked lanes never carry a poisoned slot's NaN.
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0).to(tl.float32)
-
+        _, row, valid = visible_keys(
+            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, HAS_WINDOW
+        )
+        k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
+                            stride_n, True)  # fmt: skip
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # An all-masked row keeps m = -inf; subtracting 0 instead avoids -inf - -inf = NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+        m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)
+        acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         tile += 1
 
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]  # an empty split (or length 0) stores zeros
-    o_ptrs = (
-        out_ptr
-        + b.to(tl.int64) * stride_ob
-        + heads[:, None] * stride_oh
-        + split * stride_os
-        + offs_d[None, :] * stride_od
-    )
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    if WRITE_LSE:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
+    store_partial(
+        out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_d, g_mask, d_mask,
+        stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, WRITE_LSE,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- planning
@@ -251,10 +197,38 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_visible: int, block_n: 
 
 
 @dataclass(frozen=True)
-class DecodePlan:
-    """A validated decode launch: the tiles, the split count and the page-table tensors
-    (int32, contiguous, on the device), fixed once by :func:`plan_decode` or
-    :func:`plan_decode_csr` and launched by :func:`run_decode`.
+class SplitKVPlan(ReadPlan):
+    """The fields a split-KV decode plan adds to :class:`~kernels.attention_core.ReadPlan`
+    (the MHA decode's and the quantized decode's): the batch, the tiles and the split
+    count."""
+
+    batch: int
+    block_g: int  # query heads of one GQA group, a power of two
+    block_n: int  # keys per loop iteration
+    block_d: int
+    num_splits: int
+    num_warps: int
+
+
+def split_kv_fields(q, num_kv_heads: int, page_size: int, scale, window, table, max_visible: int, num_splits, tiles):
+    """The :class:`SplitKVPlan` fields of a decode of ``q [batch, num_q_heads, head_dim]``:
+    ``tiles(group, head_dim, max_visible)`` gives ``(BLOCK_G, BLOCK_N, BLOCK_D,
+    num_warps)`` (:func:`kernels.tiles.decode_tiles` or its quantized twin) and
+    ``num_splits=None`` becomes :func:`choose_num_splits`'s count."""
+    fields = read_plan_fields(q, num_kv_heads, page_size, scale, window, table)
+    block_g, block_n, block_d, num_warps = tiles(fields["group"], fields["head_dim"], max_visible)
+    batch = q.shape[0]
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_visible, block_n, parallel_units(q.device))
+    split = {"block_g": block_g, "block_n": block_n, "block_d": block_d, "num_warps": num_warps}
+    return fields | split | {"batch": batch, "num_splits": num_splits}
+
+
+@dataclass(frozen=True)
+class DecodePlan(SplitKVPlan):
+    """A validated decode launch: the tiles, the split count and the page table, fixed
+    once by :func:`plan_decode` or :func:`plan_decode_csr` and launched by
+    :func:`run_decode`.
 
     ``q`` and ``cache`` given to :func:`run_decode` must have the planned shapes, dtypes
     and device (``cache`` also its strides: page ids were checked against it).
@@ -262,69 +236,15 @@ class DecodePlan:
 
     layout: str
     cache: tuple  # (shape, strides, dtype, device) of the pool
-    batch: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    q_dtype: torch.dtype
-    scale: float
-    window: RingWindow | None
     max_visible: int  # keys the longest query attends to
-    group: int  # query heads per KV head
-    block_g: int
-    block_n: int
-    block_d: int
-    num_splits: int
-    num_warps: int
-    block_tables: torch.Tensor | None  # padded form: [batch, max_blocks]
-    seq_lens: torch.Tensor | None  # padded form: [batch]
-    kv_indptr: torch.Tensor | None  # CSR form: [batch + 1]
-    kv_indices: torch.Tensor | None  # CSR form: [nnz_pages] (at least 1 entry)
-    kv_last_page_len: torch.Tensor | None  # CSR form: [batch]
-
-    @property
-    def is_csr(self) -> bool:
-        return self.kv_indptr is not None
 
 
-def _check_attention_launch(q, cache, num_splits, index_tensors: dict) -> None:
-    for name, t in (("q", q), ("cache", cache)):
-        check_device(name, t)
-        check_kernel_dtype(name, t)
-    check_head_dim(q.shape[2])
-    check_num_splits(num_splits)
-    for name, t in index_tensors.items():
-        check_index_tensor(name, t)
-
-
-def _make_plan(q, cache, layout, scale, window, max_visible: int, num_splits: int | None, **tables) -> DecodePlan:
+def _make_plan(q, cache, layout, scale, window, max_visible: int, num_splits: int | None, table) -> DecodePlan:
     dims = cache_dims(cache, layout)
-    batch, num_q_heads, head_dim = q.shape
-    group = num_q_heads // dims.num_kv_heads
-    block_g, block_n, block_d, num_warps = decode_tiles(group, head_dim, max_visible)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, dims.num_kv_heads, max_visible, block_n, parallel_units(q.device))
-    return DecodePlan(
-        layout=layout,
-        cache=(tuple(cache.shape), cache.stride(), cache.dtype, cache.device),
-        batch=batch,
-        num_q_heads=num_q_heads,
-        num_kv_heads=dims.num_kv_heads,
-        head_dim=head_dim,
-        page_size=dims.page_size,
-        q_dtype=q.dtype,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        window=window,
-        max_visible=max_visible,
-        group=group,
-        block_g=block_g,
-        block_n=block_n,
-        block_d=block_d,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        **{k: tables.get(k) for k in ("block_tables", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len")},
+    fields = split_kv_fields(
+        q, dims.num_kv_heads, dims.page_size, scale, window, table, max_visible, num_splits, decode_tiles
     )
+    return DecodePlan(layout=layout, cache=fingerprint(cache), max_visible=max_visible, **fields)
 
 
 def plan_decode(
@@ -339,15 +259,12 @@ def plan_decode(
 ) -> DecodePlan:
     """Validate a :func:`paged_decode_attention` call and fix its tiles and split count;
     nothing is launched. Arguments and errors as :func:`paged_decode_attention`."""
-    table, lens = checks.check_decode_args(
-        q, cache, host_copy(block_tables), host_copy(seq_lens), layout, window, scale
-    )
-    _check_attention_launch(q, cache, num_splits, {"block_tables": block_tables, "seq_lens": seq_lens})
+    _, lens = checks.check_decode_args(q, cache, host_copy(block_tables), host_copy(seq_lens), layout, window, scale)
+    index = {"block_tables": block_tables, "seq_lens": seq_lens}
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2], num_splits)
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
-    return _make_plan(
-        q, cache, layout, scale, window, max_visible, num_splits,
-        block_tables=int32_on_device(block_tables, q.device), seq_lens=int32_on_device(seq_lens, q.device),
-    )  # fmt: skip
+    table = PageTable.padded(block_tables, seq_lens, q.device)
+    return _make_plan(q, cache, layout, scale, window, max_visible, num_splits, table)
 
 
 def plan_decode_csr(
@@ -365,83 +282,47 @@ def plan_decode_csr(
     host = (host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
     *_, lens = checks.check_csr_decode_args(q, cache, *host, layout, scale)
     index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
-    _check_attention_launch(q, cache, num_splits, index)
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2], num_splits)
     max_visible = int(lens.max()) if lens.numel() else 0
-    return _make_plan(
-        q, cache, layout, scale, None, max_visible, num_splits, kv_indptr=int32_on_device(kv_indptr, q.device),
-        kv_indices=int32_on_device(kv_indices, q.device, min_len=1),
-        kv_last_page_len=int32_on_device(kv_last_page_len, q.device),
-    )  # fmt: skip
+    table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
+    return _make_plan(q, cache, layout, scale, None, max_visible, num_splits, table)
 
 
 def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials: bool = False):
     """Launch a planned decode. Returns ``[batch, num_q_heads, head_dim]`` in ``q.dtype``;
     with ``partials=True`` stage 1 alone, ``(partials [batch, num_q_heads, num_splits,
     head_dim] fp32, lse [batch, num_q_heads, num_splits] fp32)`` (see
-    :func:`paged_decode_attention_partials`). ``q`` and ``cache`` must match the plan."""
+    :func:`paged_decode_attention_partials`). ``q`` and ``cache`` must match the plan
+    (ValueError otherwise)."""
     check_same_layout("cache", cache, plan.cache)
-    if not isinstance(q, torch.Tensor) or tuple(q.shape) != (plan.batch, plan.num_q_heads, plan.head_dim):
-        raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan was made for another q")
-    if q.dtype != plan.q_dtype:
-        raise ValueError(f"q.dtype={q.dtype}; the plan was made for {plan.q_dtype}")
-    check_device("q", q)
-    return _launch(plan, q, cache, partials)
-
-
-def _launch(plan: DecodePlan, q, cache, partials: bool):
-    batch, num_q_heads, head_dim, splits = plan.batch, plan.num_q_heads, plan.head_dim, plan.num_splits
-    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if splits == 1 and not partials:
-        part, lse = out, out  # stage 1 writes the final rows; lse_ptr is unused
-        part_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
-        lse_strides = (0, 0, 0)
-    else:
-        part = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part.stride(), lse.stride()
-    if batch == 0:
+    check_planned("q", q, (plan.batch, plan.num_q_heads, plan.head_dim), plan.q_dtype)
+    out = torch.empty((plan.batch, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
+    part, lse, part_strides, lse_strides = split_outputs(out, plan.num_splits, partials)
+    if plan.batch == 0:
         return (part, lse) if partials else out
-    sinks, bubble, cyclic = ring_params(plan.window)
-    recent = 0 if plan.window is None else plan.window.max_attention_window - plan.window.sink_tokens
-    csr = plan.is_csr
-    dummy = plan.kv_indptr if csr else plan.seq_lens  # never dereferenced
-    _decode_split_kernel[(batch, plan.num_kv_heads, splits)](
-        q,
-        cache,
-        dummy if csr else plan.block_tables,
-        dummy if csr else plan.seq_lens,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
-        plan.kv_last_page_len if csr else dummy,
-        part,
-        lse,
+    # fmt: off
+    decode_split_kernel[(plan.batch, plan.num_kv_heads, plan.num_splits)](
+        # pointers
+        q, cache,
+        *plan.table.pointers(),
+        part, lse,
+        # strides
         *q.stride(),
         *cache_strides(cache, plan.layout),
-        0 if csr else plan.block_tables.stride(0),
+        plan.table.stride,
         *part_strides,
         *lse_strides,
-        plan.scale * math.log2(math.e),
-        plan.group,
-        head_dim,
-        plan.page_size,
-        splits,
-        sinks,
-        bubble,
-        cyclic,
-        recent,
-        BLOCK_G=plan.block_g,
-        BLOCK_N=plan.block_n,
-        BLOCK_D=plan.block_d,
-        HAS_WINDOW=plan.window is not None,
-        IS_CSR=csr,
-        WRITE_LSE=part is not out,
+        # sizes
+        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size, plan.num_splits,
+        # ring window
+        *window_args(plan.window),
+        # constexprs
+        BLOCK_G=plan.block_g, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, WRITE_LSE=part is not out,
         num_warps=plan.num_warps,
     )
-    if partials:
-        return part, lse
-    if part is not out:
-        launch_merge(part, lse, out)
-    return out
+    # fmt: on
+    return finish_splits(out, part, lse, partials)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -486,8 +367,7 @@ def paged_decode_attention(
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
         ``num_splits``, ``scale``, ``window``) before anything is launched.
     """
-    plan = plan_decode(q, cache, block_tables, seq_lens, scale, layout, num_splits, window)
-    return _launch(plan, q, cache, partials=False)
+    return run_decode(plan_decode(q, cache, block_tables, seq_lens, scale, layout, num_splits, window), q, cache)
 
 
 def paged_decode_attention_partials(
@@ -509,7 +389,7 @@ def paged_decode_attention_partials(
     :func:`paged_decode_attention`. Arguments and errors as there.
     """
     plan = plan_decode(q, cache, block_tables, seq_lens, scale, layout, num_splits, window)
-    return _launch(plan, q, cache, partials=True)
+    return run_decode(plan, q, cache, partials=True)
 
 
 def paged_decode_attention_csr(
@@ -536,4 +416,4 @@ def paged_decode_attention_csr(
     Other arguments, result and errors as :func:`paged_decode_attention`.
     """
     plan = plan_decode_csr(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale, layout, num_splits)
-    return _launch(plan, q, cache, partials=False)
+    return run_decode(plan, q, cache)

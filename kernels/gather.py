@@ -27,28 +27,17 @@ __all__ = ["GatheredKV", "GatherPlan", "plan_gather", "run_gather", "gather_page
 
 @triton.jit
 def _gather_kernel(
-    cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_indptr_ptr,
-    k_ptr,
-    v_ptr,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
+    # pointers: the pool, the padded page table, the output's row offsets, the outputs
+    cache_ptr, block_tables_ptr, seq_lens_ptr, out_indptr_ptr, k_ptr, v_ptr,
+    # strides (elements): the pool's page, K/V, row, head, feature; the table; k and v
+    stride_page, stride_kv, stride_n, stride_h, stride_d,
     stride_table,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    num_kv_heads,
-    head_dim,
-    page_size,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    stride_ot, stride_oh, stride_od,
+    # sizes
+    num_kv_heads, head_dim, page_size,
+    # constexprs
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """Program ``(b, t)``: copy token rows ``t*BLOCK_T ...`` of sequence ``b`` (all heads)."""
     b = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -131,23 +120,20 @@ def run_gather(plan: GatherPlan, cache: torch.Tensor) -> GatheredKV:
     v = torch.empty_like(k)
     if plan.total == 0:
         return GatheredKV(k, v, plan.kv_indptr)
+    # fmt: off
     _gather_kernel[(plan.seq_lens.numel(), triton.cdiv(plan.max_len, plan.block_t))](
-        cache,
-        plan.block_tables,
-        plan.seq_lens,
-        plan.kv_indptr,
-        k,
-        v,
+        # pointers
+        cache, plan.block_tables, plan.seq_lens, plan.kv_indptr, k, v,
+        # strides
         *cache_strides(cache, plan.layout),
         plan.block_tables.stride(0),
         *k.stride(),
-        dims.num_kv_heads,
-        dims.head_dim,
-        dims.page_size,
-        BLOCK_T=plan.block_t,
-        BLOCK_H=pow2(dims.num_kv_heads),
-        BLOCK_D=pow2(dims.head_dim),
+        # sizes
+        dims.num_kv_heads, dims.head_dim, dims.page_size,
+        # constexprs
+        BLOCK_T=plan.block_t, BLOCK_H=pow2(dims.num_kv_heads), BLOCK_D=pow2(dims.head_dim),
     )
+    # fmt: on
     return GatheredKV(k, v, plan.kv_indptr)
 
 

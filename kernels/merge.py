@@ -25,29 +25,22 @@ from pagedkv_lib import checks
 from .tiles import merge_tiles
 from .validate import MAX_SPLITS, check_device
 
-__all__ = ["merge_partials", "launch_merge"]
+__all__ = ["merge_kernel", "merge_partials", "launch_merge"]
 
 
 @triton.jit
-def _merge_kernel(
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_pd,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    num_splits,
-    head_dim,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def merge_kernel(
+    # pointers: the partials [batch, heads, splits, dim], their lse [batch, heads, splits], the output
+    part_ptr, lse_ptr, out_ptr,
+    # strides (elements)
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    # sizes
+    num_splits, head_dim,
+    # constexprs
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """Program ``(b, h)``: merge the ``num_splits`` partials of row ``b``, head ``h``."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -76,18 +69,20 @@ def launch_merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> No
     if batch == 0:
         return
     block_s, block_d = merge_tiles(splits, head_dim)
-    _merge_kernel[(batch, num_q_heads)](
-        part,
-        lse,
-        out,
+    # fmt: off
+    merge_kernel[(batch, num_q_heads)](
+        # pointers
+        part, lse, out,
+        # strides
         *part.stride(),
         *lse.stride(),
         *out.stride(),
-        splits,
-        head_dim,
-        BLOCK_S=block_s,
-        BLOCK_D=block_d,
+        # sizes
+        splits, head_dim,
+        # constexprs
+        BLOCK_S=block_s, BLOCK_D=block_d,
     )
+    # fmt: on
 
 
 def merge_partials(partials: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -84,21 +84,31 @@ from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import kv_token_idx, ring_params, table_row_offset
-from .launch import int32_on_device
+from .attention_core import (
+    PageTable,
+    ReadPlan,
+    load_kv_tile,
+    online_softmax_step,
+    read_plan_fields,
+    sequence_span,
+    softmax_state,
+    visible_keys,
+    visible_range,
+    window_args,
+)
+from .launch import fingerprint, int32_on_device
 from .rounding import round_to
 from .tiles import prefill_tiles
 from .validate import (
     INT32_MAX,
-    check_device,
-    check_head_dim,
-    check_index_tensor,
-    check_kernel_dtype,
+    check_planned,
+    check_read_launch,
     check_same_layout,
     host_copy,
 )
 
 __all__ = [
+    "prefill_kernel",
     "DOT_MODES",
     "dot_mode",
     "PrefillPlan",
@@ -116,61 +126,39 @@ DOT_MODES = ("sum", "fp32", "fp16", "bf16")  # index = the kernel's DOT constexp
 
 
 @triton.jit
-def _prefill_kernel(
-    q_ptr,
-    cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    kv_last_page_len_ptr,
-    qo_indptr_ptr,
-    tile_request_ptr,
-    tile_row_ptr,
+def prefill_kernel(
+    # pointers: the queries, the pool, the page table (padded or CSR), the ragged query
+    # index, the tile list, the output
+    q_ptr, cache_ptr,
+    block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    qo_indptr_ptr, tile_request_ptr, tile_row_ptr,
     out_ptr,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
+    # strides (elements): q [total_q, heads, dim]; the pool's page, K/V, row, head, feature
+    stride_qt, stride_qh, stride_qd,
+    stride_page, stride_kv, stride_n, stride_h, stride_d,
     stride_table,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    qk_scale,
-    group,
-    head_dim,
-    page_size,
-    sink_tokens,
-    bubble_len,
-    cyclic_cache_len,
-    window_recent,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    IS_CSR: tl.constexpr,
-    DOT: tl.constexpr,
-):
+    # strides: the output [total_q, heads, dim]
+    stride_ot, stride_oh, stride_od,
+    # sizes
+    qk_scale, group, head_dim, page_size,
+    # ring window (kernels.attention_core.window_args)
+    sink_tokens, bubble_len, cyclic_cache_len, window_recent,
+    # constexprs
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
+    head) rows of one request."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(tile_request_ptr + tile_id)
     row0 = tl.load(tile_row_ptr + tile_id)  # first (query, head) row of this tile in its request
     q_start = tl.load(qo_indptr_ptr + b)
     q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
-
-    # The request's page list and KV length (padded table row, or CSR slice as in decode).
-    if IS_CSR:
-        start = tl.load(kv_indptr_ptr + b)
-        num_pages = tl.load(kv_indptr_ptr + b + 1) - start
-        seq_len = tl.maximum(num_pages - 1, 0) * page_size + tl.load(kv_last_page_len_ptr + b)
-        table_row = kv_indices_ptr + start.to(tl.int64)
-    else:
-        seq_len = tl.load(seq_lens_ptr + b)
-        table_row = block_tables_ptr + b.to(tl.int64) * stride_table
+    seq_len, table_row = sequence_span(
+        b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+        page_size, IS_CSR,
+    )  # fmt: skip
     past = seq_len - q_len  # absolute position of the request's query 0
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -197,33 +185,18 @@ def _prefill_kernel(
     # with a window only the sinks and the recent range of its first query onwards.
     p_lo = past + row0 // group
     p_hi = past + tl.minimum((row0 + BLOCK_M - 1) // group, q_len - 1)
-    if HAS_WINDOW:
-        n_sink = tl.minimum(p_hi + 1, sink_tokens)
-        recent_start = tl.maximum(sink_tokens, p_lo - window_recent + 1)
-        n_vis = n_sink + tl.maximum(p_hi + 1 - recent_start, 0)
-    else:
-        n_sink = p_hi + 1
-        recent_start = p_hi + 1
-        n_vis = p_hi + 1
+    n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, HAS_WINDOW)
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
+    m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     tile = 0
     while tile < num_key_tiles:
-        j = tile * BLOCK_N + offs_n
-        valid = j < n_vis
-        pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-        row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
-        tok_off = table_row_offset(table_row, row, page_size, valid, stride_page, stride_n)
-        kv_ptrs = cache_ptr + tok_off[:, None] + head_off[None, :]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        # other=0.0: a masked lane never carries a poisoned slot's NaN into a product.
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0)
+        pos, row, valid = visible_keys(
+            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, HAS_WINDOW
+        )
+        k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
+                            stride_n, False)  # fmt: skip
         if DOT <= 1:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -239,13 +212,7 @@ def _prefill_kernel(
         if HAS_WINDOW:
             see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
         s = tl.where(see, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps m = -inf; subtract 0 to avoid -inf - -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
+        m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)
         if DOT == 0:
             acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         elif DOT == 1:
@@ -258,7 +225,6 @@ def _prefill_kernel(
             p_big = p.to(tl.bfloat16)
             p_small = (p - p_big.to(tl.float32)).to(tl.bfloat16)
             acc += tl.dot(p_big, v) + tl.dot(p_small, v)
-        m_i = m_new
         tile += 1
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -275,7 +241,7 @@ def _prefill_kernel(
 
 
 @dataclass(frozen=True)
-class PrefillPlan:
+class PrefillPlan(ReadPlan):
     """A validated prefill launch, fixed once by :func:`plan_prefill` or
     :func:`plan_prefill_csr` and launched by :func:`run_prefill`: the tiles, the dot
     mode, the tile list and the index tensors (int32, contiguous, on the device).
@@ -287,14 +253,6 @@ class PrefillPlan:
     layout: str
     cache: tuple  # (shape, strides, dtype, device) of the pool
     total_q: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    q_dtype: torch.dtype
-    scale: float
-    window: RingWindow | None
-    group: int  # query heads per KV head
     block_m: int  # (query, head) rows per tile
     block_n: int  # keys per loop iteration
     block_d: int
@@ -305,15 +263,6 @@ class PrefillPlan:
     tile_request: torch.Tensor  # [num_tiles] request of each tile
     tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
     qo_indptr: torch.Tensor  # [batch + 1]
-    block_tables: torch.Tensor | None  # padded form: [batch, max_blocks]
-    seq_lens: torch.Tensor | None  # padded form: [batch]
-    kv_indptr: torch.Tensor | None  # CSR form: [batch + 1]
-    kv_indices: torch.Tensor | None  # CSR form: [nnz_pages] (at least 1 entry)
-    kv_last_page_len: torch.Tensor | None  # CSR form: [batch]
-
-    @property
-    def is_csr(self) -> bool:
-        return self.kv_indptr is not None
 
 
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
@@ -350,40 +299,22 @@ def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m
     return request[order], row0[order], int((keys * live_rows).sum())
 
 
-def _check_launch(q, cache, index_tensors: dict) -> None:
-    for name, t in (("q", q), ("cache", cache)):
-        check_device(name, t)
-        check_kernel_dtype(name, t)
-    check_head_dim(q.shape[2])
-    for name, t in index_tensors.items():
-        check_index_tensor(name, t)
-
-
-def _make_plan(q, cache, layout, scale, window, qo, lens, **tables) -> PrefillPlan:
+def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable) -> PrefillPlan:
     dims = cache_dims(cache, layout)
-    total_q, num_q_heads, head_dim = q.shape
-    group = num_q_heads // dims.num_kv_heads
+    fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, table)
+    group = fields["group"]
     q_lens = qo[1:] - qo[:-1]
     max_rows = int(q_lens.max()) * group if q_lens.numel() else 0
     if max_rows > INT32_MAX - 2**20:  # the kernel numbers a request's (query, head) rows in int32
         raise ValueError(f"a request has {max_rows} (query, head) rows; the kernel indexes them with int32")
     max_keys = int(lens.max()) if lens.numel() else 0
     mode = dot_mode(q.dtype, cache.dtype)
-    block_m, block_n, block_d, num_warps = prefill_tiles(group, head_dim, max_rows, max_keys, mode)
+    block_m, block_n, block_d, num_warps = prefill_tiles(group, fields["head_dim"], max_rows, max_keys, mode)
     tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window)
-    device = q.device
     return PrefillPlan(
         layout=layout,
-        cache=(tuple(cache.shape), cache.stride(), cache.dtype, cache.device),
-        total_q=total_q,
-        num_q_heads=num_q_heads,
-        num_kv_heads=dims.num_kv_heads,
-        head_dim=head_dim,
-        page_size=dims.page_size,
-        q_dtype=q.dtype,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        window=window,
-        group=group,
+        cache=fingerprint(cache),
+        total_q=q.shape[0],
         block_m=block_m,
         block_n=block_n,
         block_d=block_d,
@@ -391,10 +322,10 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, **tables) -> PrefillPl
         dot_mode=mode,
         num_tiles=int(tile_request.numel()),
         visited_pairs=pairs * dims.num_kv_heads,
-        tile_request=int32_on_device(tile_request, device, min_len=1),
-        tile_row=int32_on_device(tile_row, device, min_len=1),
-        qo_indptr=int32_on_device(qo, device),
-        **{k: tables.get(k) for k in ("block_tables", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len")},
+        tile_request=int32_on_device(tile_request, q.device, min_len=1),
+        tile_row=int32_on_device(tile_row, q.device, min_len=1),
+        qo_indptr=int32_on_device(qo, q.device),
+        **fields,
     )
 
 
@@ -413,11 +344,10 @@ def plan_prefill(
     qo, _, lens = checks.check_prefill_args(
         q, cache, host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens), layout, window, scale
     )
-    _check_launch(q, cache, {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens})
-    return _make_plan(
-        q, cache, layout, scale, window, qo, lens,
-        block_tables=int32_on_device(block_tables, q.device), seq_lens=int32_on_device(seq_lens, q.device),
-    )  # fmt: skip
+    index = {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens}
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    table = PageTable.padded(block_tables, seq_lens, q.device)
+    return _make_plan(q, cache, layout, scale, window, qo, lens, table)
 
 
 def plan_prefill_csr(
@@ -436,67 +366,42 @@ def plan_prefill_csr(
     qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale)
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
-    _check_launch(q, cache, index)
-    return _make_plan(
-        q, cache, layout, scale, None, qo, lens, kv_indptr=int32_on_device(kv_indptr, q.device),
-        kv_indices=int32_on_device(kv_indices, q.device, min_len=1),
-        kv_last_page_len=int32_on_device(kv_last_page_len, q.device),
-    )  # fmt: skip
+    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
+    return _make_plan(q, cache, layout, scale, None, qo, lens, table)
 
 
 def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Launch a planned prefill; returns ``[total_q, num_q_heads, head_dim]`` in
     ``q.dtype``. ``q`` and ``cache`` must match the plan (ValueError otherwise)."""
     check_same_layout("cache", cache, plan.cache)
-    if not isinstance(q, torch.Tensor) or tuple(q.shape) != (plan.total_q, plan.num_q_heads, plan.head_dim):
-        raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan was made for another q")
-    if q.dtype != plan.q_dtype:
-        raise ValueError(f"q.dtype={q.dtype}; the plan was made for {plan.q_dtype}")
-    check_device("q", q)
-    return _launch(plan, q, cache)
-
-
-def _launch(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    check_planned("q", q, (plan.total_q, plan.num_q_heads, plan.head_dim), plan.q_dtype)
     # Every row belongs to one request, whose tiles cover all its (query, head) rows.
     out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
     if plan.num_tiles == 0:  # no queries at all
         return out
-    sinks, bubble, cyclic = ring_params(plan.window)
-    recent = 0 if plan.window is None else plan.window.max_attention_window - plan.window.sink_tokens
-    csr = plan.is_csr
-    dummy = plan.qo_indptr  # never dereferenced
-    _prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
-        q,
-        cache,
-        dummy if csr else plan.block_tables,
-        dummy if csr else plan.seq_lens,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
-        plan.kv_last_page_len if csr else dummy,
-        plan.qo_indptr,
-        plan.tile_request,
-        plan.tile_row,
+    # fmt: off
+    prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
+        # pointers
+        q, cache,
+        *plan.table.pointers(),
+        plan.qo_indptr, plan.tile_request, plan.tile_row,
         out,
+        # strides
         *q.stride(),
         *cache_strides(cache, plan.layout),
-        0 if csr else plan.block_tables.stride(0),
+        plan.table.stride,
         *out.stride(),
-        plan.scale * math.log2(math.e),
-        plan.group,
-        plan.head_dim,
-        plan.page_size,
-        sinks,
-        bubble,
-        cyclic,
-        recent,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_D=plan.block_d,
-        HAS_WINDOW=plan.window is not None,
-        IS_CSR=csr,
-        DOT=DOT_MODES.index(plan.dot_mode),
+        # sizes
+        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
+        # ring window
+        *window_args(plan.window),
+        # constexprs
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
         num_warps=plan.num_warps,
     )
+    # fmt: on
     return out
 
 
@@ -550,8 +455,7 @@ def paged_prefill_attention(
         ``qo_indptr``, ``scale``, ``window``, chunk length through a ring) before
         anything is allocated or launched.
     """
-    plan = plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale)
-    return _launch(plan, q, cache)
+    return run_prefill(plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale), q, cache)
 
 
 def paged_prefill_attention_csr(
@@ -574,4 +478,4 @@ def paged_prefill_attention_csr(
     Other arguments, result and errors as :func:`paged_prefill_attention`.
     """
     plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
-    return _launch(plan, q, cache)
+    return run_prefill(plan, q, cache)

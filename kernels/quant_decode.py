@@ -3,8 +3,8 @@
 The quantized twin of :mod:`kernels.decode`: the same split-KV grid ``(batch,
 num_kv_heads, num_splits)``, GQA group per program, ``while`` loop over tiles of
 ``BLOCK_N`` logical tokens, online softmax in base 2 and the same merge
-(:mod:`kernels.merge`); the split heuristic, tiles and page-table preparation are
-reused from :mod:`kernels.decode`. What changes is the load: each K and V tile is
+(:mod:`kernels.merge`), all from :mod:`kernels.attention_core`; the split heuristic
+is :mod:`kernels.decode`'s. What changes is the load: each K and V tile is
 read as codes and dequantized in the inner loop, in fp32, with the codecs of
 :mod:`kernels.quant_codes`:
 
@@ -39,23 +39,29 @@ from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import kv_token_idx, ring_params, row_offset
-from .decode import choose_num_splits, visible_lengths
-from .launch import int32_on_device, parallel_units
-from .merge import launch_merge
+from .addressing import row_offset
+from .attention_core import (
+    PageTable,
+    finish_splits,
+    load_scaled_queries,
+    online_softmax_step,
+    sequence_span,
+    softmax_state,
+    split_outputs,
+    split_tiles,
+    store_partial,
+    visible_keys,
+    visible_range,
+    window_args,
+)
+from .decode import SplitKVPlan, split_kv_fields, visible_lengths
 from .quant_codes import e2m1_decode, fp8_decode
 from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint
 from .tiles import quant_decode_tiles
-from .validate import (
-    check_device,
-    check_head_dim,
-    check_index_tensor,
-    check_kernel_dtype,
-    check_num_splits,
-    host_copy,
-)
+from .validate import check_planned, check_read_launch, host_copy
 
 __all__ = [
+    "quant_decode_split_kernel",
     "QuantDecodePlan",
     "plan_decode_quant",
     "plan_decode_quant_csr",
@@ -70,21 +76,11 @@ __all__ = [
 
 @triton.jit
 def _dequant_tile(
-    data_ptr,
-    scales_ptr,
-    gs,
-    base,
-    sbase,
-    kv_head,
-    offs_d,
-    valid,
-    kv_mask,
-    stride_h,
-    stride_d,
-    sstride_h,
-    sstride_g,
+    data_ptr, scales_ptr, gs,
+    base, sbase, kv_head, offs_d, valid, kv_mask,
+    stride_h, stride_d, sstride_h, sstride_g,
     FORMAT: tl.constexpr,
-):
+):  # fmt: skip
     """fp32 ``[BLOCK_N, BLOCK_D]`` values of one head's K or V rows: data rows at element
     offsets ``base [BLOCK_N]``, scale rows at ``sbase``; masked lanes are 0."""
     h = kv_head.to(tl.int64)
@@ -107,82 +103,39 @@ def _dequant_tile(
 
 
 @triton.jit
-def _quant_decode_split_kernel(
-    q_ptr,
-    data_ptr,
-    scales_ptr,
-    gscale_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    kv_last_page_len_ptr,
-    out_ptr,
-    lse_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qd,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
-    sstride_page,
-    sstride_kv,
-    sstride_n,
-    sstride_h,
-    sstride_g,
+def quant_decode_split_kernel(
+    # pointers: the query, the pool's codes, scales and [k, v] global scales, the page
+    # table (padded or CSR), the outputs
+    q_ptr, data_ptr, scales_ptr, gscale_ptr,
+    block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    out_ptr, lse_ptr,
+    # strides (elements): q; the codes' and the scales' page, K/V, row, head, feature/group
+    stride_qb, stride_qh, stride_qd,
+    stride_page, stride_kv, stride_n, stride_h, stride_d,
+    sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
     stride_table,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    qk_scale,
-    group,
-    head_dim,
-    page_size,
-    num_splits,
-    sink_tokens,
-    bubble_len,
-    cyclic_cache_len,
-    window_recent,
-    FORMAT: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    IS_CSR: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):
+    # strides: the partial output [batch, heads, split, dim] and its lse [batch, heads, split]
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    # sizes
+    qk_scale, group, head_dim, page_size, num_splits,
+    # ring window (kernels.attention_core.window_args)
+    sink_tokens, bubble_len, cyclic_cache_len, window_recent,
+    # constexprs
+    FORMAT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr, WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """Program ``(b, kv_head, split)``: as :func:`kernels.decode.decode_split_kernel`, with
+    K and V dequantized from codes and scales in the inner loop."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    # The sequence's page list and length, as in kernels.decode.
-    if IS_CSR:
-        start = tl.load(kv_indptr_ptr + b)
-        num_pages = tl.load(kv_indptr_ptr + b + 1) - start
-        seq_len = tl.maximum(num_pages - 1, 0) * page_size + tl.load(kv_last_page_len_ptr + b)
-        table_row = kv_indices_ptr + start.to(tl.int64)
-    else:
-        seq_len = tl.load(seq_lens_ptr + b)
-        table_row = block_tables_ptr + b.to(tl.int64) * stride_table
-    if HAS_WINDOW:
-        n_sink = tl.minimum(seq_len, sink_tokens)
-        recent_start = tl.maximum(sink_tokens, seq_len - window_recent)
-        n_vis = n_sink + tl.maximum(seq_len - recent_start, 0)
-    else:
-        n_sink = seq_len
-        recent_start = seq_len
-        n_vis = seq_len
-
-    num_tiles = tl.cdiv(n_vis, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    seq_len, table_row = sequence_span(
+        b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+        page_size, IS_CSR,
+    )  # fmt: skip
+    n_sink, recent_start, n_vis = visible_range(seq_len, seq_len, sink_tokens, window_recent, HAS_WINDOW)
+    tile_lo, tile_hi = split_tiles(n_vis, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -190,21 +143,16 @@ def _quant_decode_split_kernel(
     g_mask = offs_g < group
     d_mask = offs_d < head_dim
     heads = kv_head * group + offs_g
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    q = q * qk_scale  # scale * log2(e): scores in base 2
+    q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, d_mask, stride_qb, stride_qh, stride_qd, qk_scale)
     k_gs = tl.load(gscale_ptr)
     v_gs = tl.load(gscale_ptr + 1)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_G, BLOCK_D)
     tile = tile_lo
     while tile < tile_hi:
-        j = tile * BLOCK_N + offs_n
-        valid = j < n_vis
-        pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-        row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
+        _, row, valid = visible_keys(
+            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, HAS_WINDOW
+        )
         # One table lookup; the codes and the scales of a row share its (page, row).
         page = tl.load(table_row + row // page_size, mask=valid, other=0)
         slot_row = row % page_size
@@ -219,104 +167,43 @@ def _quant_decode_split_kernel(
             data_ptr, scales_ptr, v_gs, base + stride_kv, sbase + sstride_kv, kv_head, offs_d, valid, kv_mask,
             stride_h, stride_d, sstride_h, sstride_g, FORMAT,
         )  # fmt: skip
-
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+        m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)
+        acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         tile += 1
 
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    o_ptrs = (
-        out_ptr
-        + b.to(tl.int64) * stride_ob
-        + heads[:, None] * stride_oh
-        + split * stride_os
-        + offs_d[None, :] * stride_od
-    )
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    if WRITE_LSE:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
+    store_partial(
+        out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_d, g_mask, d_mask,
+        stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, WRITE_LSE,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- planning
 
 
 @dataclass(frozen=True)
-class QuantDecodePlan:
-    """A validated quantized decode: tiles, split count and int32 page-table tensors, fixed
-    once and launched by :func:`run_decode_quant`. ``pool`` is the pool's
-    :func:`kernels.quant_write.pool_fingerprint`."""
+class QuantDecodePlan(SplitKVPlan):
+    """A validated quantized decode: tiles, split count and page table, fixed once and
+    launched by :func:`run_decode_quant`. ``pool`` is the pool's
+    :func:`kernels.quant_write.pool_fingerprint`, ``format`` its kernel code
+    (:data:`kernels.quant_write.FORMAT_CODES`)."""
 
     pool: tuple
     format: int
-    batch: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    q_dtype: torch.dtype
-    scale: float
-    window: RingWindow | None
-    group: int
-    block_g: int
-    block_n: int
-    block_d: int
-    num_splits: int
-    num_warps: int
-    block_tables: torch.Tensor | None
-    seq_lens: torch.Tensor | None
-    kv_indptr: torch.Tensor | None
-    kv_indices: torch.Tensor | None
-    kv_last_page_len: torch.Tensor | None
-
-    @property
-    def is_csr(self) -> bool:
-        return self.kv_indptr is not None
 
 
 def _check_launch(q, pool, num_splits, index_tensors: dict) -> None:
-    check_device("q", q)
-    check_kernel_dtype("q", q)
-    check_head_dim(q.shape[2])
-    check_num_splits(num_splits)
+    check_read_launch({"q": q}, {}, q.shape[2], num_splits)
     check_pool_launch(pool)
-    for name, t in index_tensors.items():
-        check_index_tensor(name, t)
+    check_read_launch({}, index_tensors)
 
 
-def _make_plan(q, pool, scale, window, max_visible: int, num_splits, **tables) -> QuantDecodePlan:
-    batch, num_q_heads, head_dim = q.shape
-    group = num_q_heads // pool.num_kv_heads
-    block_g, block_n, block_d, num_warps = quant_decode_tiles(group, head_dim, max_visible)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, pool.num_kv_heads, max_visible, block_n, parallel_units(q.device))
-    return QuantDecodePlan(
-        pool=pool_fingerprint(pool),
-        format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)],
-        batch=batch,
-        num_q_heads=num_q_heads,
-        num_kv_heads=pool.num_kv_heads,
-        head_dim=head_dim,
-        page_size=pool.page_size,
-        q_dtype=q.dtype,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        window=window,
-        group=group,
-        block_g=block_g,
-        block_n=block_n,
-        block_d=block_d,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        **{k: tables.get(k) for k in ("block_tables", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len")},
+def _make_plan(q, pool, scale, window, max_visible: int, num_splits, table: PageTable) -> QuantDecodePlan:
+    fields = split_kv_fields(
+        q, pool.num_kv_heads, pool.page_size, scale, window, table, max_visible, num_splits, quant_decode_tiles
     )
+    return QuantDecodePlan(pool=pool_fingerprint(pool), format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)], **fields)
 
 
 def plan_decode_quant(
@@ -330,10 +217,8 @@ def plan_decode_quant(
     )
     _check_launch(q, pool, num_splits, {"block_tables": block_tables, "seq_lens": seq_lens})
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
-    return _make_plan(
-        q, pool, scale, window, max_visible, num_splits,
-        block_tables=int32_on_device(block_tables, q.device), seq_lens=int32_on_device(seq_lens, q.device),
-    )  # fmt: skip
+    table = PageTable.padded(block_tables, seq_lens, q.device)
+    return _make_plan(q, pool, scale, window, max_visible, num_splits, table)
 
 
 def plan_decode_quant_csr(
@@ -346,87 +231,48 @@ def plan_decode_quant_csr(
     index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
     _check_launch(q, pool, num_splits, index)
     max_visible = int(lens.max()) if lens.numel() else 0
-    return _make_plan(
-        q, pool, scale, None, max_visible, num_splits, kv_indptr=int32_on_device(kv_indptr, q.device),
-        kv_indices=int32_on_device(kv_indices, q.device, min_len=1),
-        kv_last_page_len=int32_on_device(kv_last_page_len, q.device),
-    )  # fmt: skip
+    table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
+    return _make_plan(q, pool, scale, None, max_visible, num_splits, table)
 
 
 def run_decode_quant(plan: QuantDecodePlan, q, pool, partials: bool = False):
     """Launch a planned quantized decode; returns ``[batch, num_q_heads, head_dim]`` in
     ``q.dtype`` (with ``partials=True`` the per-split ``(partials, lse)`` as
-    :func:`kernels.decode.run_decode`). ``q`` and ``pool`` must match the plan."""
+    :func:`kernels.decode.run_decode`). ``q`` and ``pool`` must match the plan
+    (ValueError otherwise)."""
     if pool_fingerprint(pool) != plan.pool:
         raise ValueError(f"pool is {pool_fingerprint(pool)}; the plan was made for {plan.pool}")
-    if not isinstance(q, torch.Tensor) or tuple(q.shape) != (plan.batch, plan.num_q_heads, plan.head_dim):
-        raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan was made for another q")
-    if q.dtype != plan.q_dtype:
-        raise ValueError(f"q.dtype={q.dtype}; the plan was made for {plan.q_dtype}")
-    check_device("q", q)
-    return _launch(plan, q, pool, partials)
-
-
-def _launch(plan: QuantDecodePlan, q, pool, partials: bool):
-    batch, num_q_heads, head_dim, splits = plan.batch, plan.num_q_heads, plan.head_dim, plan.num_splits
-    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if splits == 1 and not partials:
-        part, lse = out, out
-        part_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
-        lse_strides = (0, 0, 0)
-    else:
-        part = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part.stride(), lse.stride()
-    if batch == 0:
+    check_planned("q", q, (plan.batch, plan.num_q_heads, plan.head_dim), plan.q_dtype)
+    out = torch.empty((plan.batch, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
+    part, lse, part_strides, lse_strides = split_outputs(out, plan.num_splits, partials)
+    if plan.batch == 0:
         return (part, lse) if partials else out
-    sinks, bubble, cyclic = ring_params(plan.window)
-    recent = 0 if plan.window is None else plan.window.max_attention_window - plan.window.sink_tokens
-    csr = plan.is_csr
-    dummy = plan.kv_indptr if csr else plan.seq_lens  # never dereferenced
     scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
     sstrides = cache_strides(pool.scales, pool.layout) if pool.scales is not None else (0, 0, 0, 0, 0)
-    _quant_decode_split_kernel[(batch, plan.num_kv_heads, splits)](
-        q,
-        pool.data,
-        scales,
-        pool.global_scale,
-        dummy if csr else plan.block_tables,
-        dummy if csr else plan.seq_lens,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
-        plan.kv_last_page_len if csr else dummy,
-        part,
-        lse,
+    # fmt: off
+    quant_decode_split_kernel[(plan.batch, plan.num_kv_heads, plan.num_splits)](
+        # pointers
+        q, pool.data, scales, pool.global_scale,
+        *plan.table.pointers(),
+        part, lse,
+        # strides
         *q.stride(),
         *cache_strides(pool.data, pool.layout),
         *sstrides,
-        0 if csr else plan.block_tables.stride(0),
+        plan.table.stride,
         *part_strides,
         *lse_strides,
-        plan.scale * math.log2(math.e),
-        plan.group,
-        head_dim,
-        plan.page_size,
-        splits,
-        sinks,
-        bubble,
-        cyclic,
-        recent,
-        FORMAT=plan.format,
-        BLOCK_G=plan.block_g,
-        BLOCK_N=plan.block_n,
-        BLOCK_D=plan.block_d,
-        HAS_WINDOW=plan.window is not None,
-        IS_CSR=csr,
-        WRITE_LSE=part is not out,
+        # sizes
+        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size, plan.num_splits,
+        # ring window
+        *window_args(plan.window),
+        # constexprs
+        FORMAT=plan.format, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, WRITE_LSE=part is not out,
         num_warps=plan.num_warps,
     )
-    if partials:
-        return part, lse
-    if part is not out:
-        launch_merge(part, lse, out)
-    return out
+    # fmt: on
+    return finish_splits(out, part, lse, partials)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -452,8 +298,7 @@ def paged_decode_attention_quant(
     argument before anything is launched. The Python twin is
     :func:`pagedkv_lib.quant_reference.paged_decode_attention_quant`.
     """
-    plan = plan_decode_quant(q, pool, block_tables, seq_lens, scale, num_splits, window)
-    return _launch(plan, q, pool, partials=False)
+    return run_decode_quant(plan_decode_quant(q, pool, block_tables, seq_lens, scale, num_splits, window), q, pool)
 
 
 def paged_decode_attention_quant_csr(
@@ -468,4 +313,4 @@ def paged_decode_attention_quant_csr(
     """:func:`paged_decode_attention_quant` over a CSR page table (FlashInfer's format),
     as :func:`kernels.decode.paged_decode_attention_csr`."""
     plan = plan_decode_quant_csr(q, pool, kv_indptr, kv_indices, kv_last_page_len, scale, num_splits)
-    return _launch(plan, q, pool, partials=False)
+    return run_decode_quant(plan, q, pool)

@@ -18,12 +18,23 @@ import triton
 
 __all__ = [
     "pow2",
+    # write
     "write_tiles",
+    # decode and its split-KV merge
     "decode_tiles",
+    "merge_tiles",
+    # quantized KV (FP8 / NVFP4)
+    "quant_write_tiles",
     "quant_decode_tiles",
     "PTXAS_SPILL_QUIRKS",
+    # prefill
+    "prefill_tiles",
+    # gather
     "gather_block_t",
-    "merge_tiles",
+    # MLA latent cache
+    "mla_append_block_t",
+    "mla_decode_tiles",
+    "head_matvec_tiles",
 ]
 
 
@@ -35,6 +46,9 @@ def pow2(n: int) -> int:
 def _interpreter_plans() -> bool:
     # Interpreter tiles unless planning as on a GPU (compiled, or PAGEDKV_PLAN=gpu).
     return not runtime.gpu_plans()
+
+
+# --------------------------------------------------------------------------------- write
 
 
 def write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -50,6 +64,9 @@ def write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, in
         block_h, budget = min(heads, max(1, 512 // block_d)), 2048
     block_t = max(1, min(pow2(num_tokens), budget // (block_h * block_d)))
     return block_t, block_h, block_d
+
+
+# ------------------ decode (kernels/decode.py) and the split-KV merge (kernels/merge.py)
 
 
 def decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int, int, int, int]:
@@ -74,12 +91,28 @@ def decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int, int,
     return block_g, block_n, block_d, num_warps
 
 
-# Spills that are not register pressure, measured and allowed by kernels.compile_check
-# (any other spill fails it): ptxas spills 4 B on sm_80 in a few NVFP4 decode
-# specializations at 64-96 registers, where larger tiles of the same kernel (more
-# registers) spill nothing, and the same tiles on sm_90 spill nothing. (kernel, arch):
-# bytes stored per thread.
-PTXAS_SPILL_QUIRKS = {("_quant_decode_split_kernel", 80): 4}
+def merge_tiles(num_splits: int, head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_S, BLOCK_D)`` of the split-KV merge: all splits and the whole head at once."""
+    return pow2(num_splits), pow2(head_dim)
+
+
+# ------------------------ quantized KV (kernels/quant_write.py, kernels/quant_decode.py)
+
+
+def quant_write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, BLOCK_D)`` of a quantizing append: tokens x heads x the whole head
+    (``BLOCK_D = next_pow2(head_dim)``, at least 16 so an NVFP4 head splits into blocks of
+    16). Interpreted: as :func:`write_tiles`. Compiled: half its budget (about 1024
+    elements), as each element keeps its fp32 value, its code and a share of a block's
+    amax and scale live at once; untuned, no GPU has measured it yet."""
+    block_d = max(pow2(head_dim), 16)
+    heads = pow2(num_heads)
+    if _interpreter_plans():
+        block_h, budget = heads, 2**17
+    else:
+        block_h, budget = min(heads, max(1, 256 // block_d)), 1024
+    block_t = max(1, min(pow2(num_tokens), budget // (block_h * block_d)))
+    return block_t, block_h, block_d
 
 
 def quant_decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int, int, int, int]:
@@ -97,23 +130,15 @@ def quant_decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int
     return block_g, max(min(n, pow2(max_visible)), 4), block_d, 8
 
 
-def gather_block_t(num_kv_heads: int, head_dim: int, max_len: int) -> int:
-    """Tokens per program of the materializing gather (a copy of ``BLOCK_T`` token rows x
-    all heads): about 2**12 elements compiled, 2**16 interpreted, a power of two."""
-    budget = (1 << 16) if _interpreter_plans() else (1 << 12)
-    block_t = max(1, min(pow2(max_len), budget // (pow2(num_kv_heads) * pow2(head_dim))))
-    return 1 << (block_t.bit_length() - 1)
+# Spills that are not register pressure, measured and allowed by kernels.compile_check
+# (any other spill fails it): ptxas spills 4 B on sm_80 in a few NVFP4 decode
+# specializations at 64-96 registers, where larger tiles of the same kernel (more
+# registers) spill nothing, and the same tiles on sm_90 spill nothing. (kernel, arch):
+# bytes stored per thread.
+PTXAS_SPILL_QUIRKS = {("quant_decode_split_kernel", 80): 4}
 
 
-def merge_tiles(num_splits: int, head_dim: int) -> tuple[int, int]:
-    """``(BLOCK_S, BLOCK_D)`` of the split-KV merge: all splits and the whole head at once."""
-    return pow2(num_splits), pow2(head_dim)
-
-
-# --------------------------------------------------------------------------- prefill
-# (added with kernels/prefill.py)
-
-__all__ += ["prefill_tiles"]
+# ---------------------------------------------------------- prefill (kernels/prefill.py)
 
 
 # Compiled prefill tiles ``(BLOCK_M, BLOCK_N, num_warps)`` by product mode and BLOCK_D:
@@ -174,9 +199,18 @@ def prefill_tiles(
     return block_m, block_n, block_d, num_warps
 
 
-# =========================================================================== MLA (kernels/mla.py)
+# ------------------------------------------------------------ gather (kernels/gather.py)
 
-__all__ += ["mla_append_block_t", "mla_decode_tiles", "head_matvec_tiles"]
+
+def gather_block_t(num_kv_heads: int, head_dim: int, max_len: int) -> int:
+    """Tokens per program of the materializing gather (a copy of ``BLOCK_T`` token rows x
+    all heads): about 2**12 elements compiled, 2**16 interpreted, a power of two."""
+    budget = (1 << 16) if _interpreter_plans() else (1 << 12)
+    block_t = max(1, min(pow2(max_len), budget // (pow2(num_kv_heads) * pow2(head_dim))))
+    return 1 << (block_t.bit_length() - 1)
+
+
+# ------------------------------ MLA latent cache (kernels/mla.py, kernels/mla_decode.py)
 
 
 def mla_append_block_t(num_tokens: int, row_width: int) -> int:
@@ -220,25 +254,3 @@ def head_matvec_tiles(batch: int, in_dim: int, out_dim: int) -> tuple[int, int, 
         block_b, block_o, budget = min(pow2(batch), 4), min(pow2(out_dim), 64), 1 << 13
     block_i = max(16, min(pow2(in_dim), budget // (block_b * block_o)))
     return block_b, 1 << (block_i.bit_length() - 1), block_o
-
-
-# =========================================================================== quantized KV
-# Tiles of kernels/quant_write.py (kernels/quant_decode.py uses quant_decode_tiles above).
-
-__all__ += ["quant_write_tiles"]
-
-
-def quant_write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_H, BLOCK_D)`` of a quantizing append: tokens x heads x the whole head
-    (``BLOCK_D = next_pow2(head_dim)``, at least 16 so an NVFP4 head splits into blocks of
-    16). Interpreted: as :func:`write_tiles`. Compiled: half its budget (about 1024
-    elements), as each element keeps its fp32 value, its code and a share of a block's
-    amax and scale live at once; untuned, no GPU has measured it yet."""
-    block_d = max(pow2(head_dim), 16)
-    heads = pow2(num_heads)
-    if _interpreter_plans():
-        block_h, budget = heads, 2**17
-    else:
-        block_h, budget = min(heads, max(1, 256 // block_d)), 1024
-    block_t = max(1, min(pow2(num_tokens), budget // (block_h * block_d)))
-    return block_t, block_h, block_d

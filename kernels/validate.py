@@ -34,12 +34,18 @@ __all__ = [
     "check_disjoint",
     "check_in_storage",
     "check_same_layout",
+    "check_read_launch",
+    "check_planned",
+    "MAX_KV_LORA_RANK",
+    "check_width",
+    "check_caches_disjoint",
 ]
 
 INT32_MAX = 2**31 - 1
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SPLITS = 256  # the split-KV merge loads all of a row's splits at once
 MAX_HEAD_DIM = 256  # one head is one register tile of next_pow2(head_dim) lanes
+MAX_KV_LORA_RANK = 1024  # one MLA latent row is one register tile of next_pow2(rank) lanes
 
 
 def check_device(name: str, t: torch.Tensor) -> None:
@@ -178,3 +184,67 @@ def check_same_layout(name: str, t: torch.Tensor, planned: tuple) -> None:
             f"{name} has shape {got[0]}, strides {got[1]}, {got[2]} on {got[3]}; the plan was made for "
             f"shape {planned[0]}, strides {planned[1]}, {planned[2]} on {planned[3]}"
         )
+
+
+def check_read_launch(tensors: dict, index_tensors: dict, head_dim: int | None = None, num_splits=None) -> None:
+    """The launch checks of a read kernel: every tensor of ``tensors`` (name -> tensor) on
+    the kernels' device in a kernel dtype, ``head_dim`` (unless None) one register tile,
+    ``num_splits`` None or ``1 .. MAX_SPLITS``, and every index tensor an int32/int64
+    tensor on the device whose values fit int32."""
+    for name, t in tensors.items():
+        check_device(name, t)
+        check_kernel_dtype(name, t)
+    if head_dim is not None:
+        check_head_dim(head_dim)
+    check_num_splits(num_splits)
+    for name, t in index_tensors.items():
+        check_index_tensor(name, t)
+
+
+def check_planned(name: str, t, shape: tuple, dtype: torch.dtype) -> None:
+    """A query given to a ``run_*`` must have the ``shape`` and ``dtype`` its plan was
+    made for, on the kernels' device (the tiles and the output were sized for them)."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(getattr(t, 'shape', ()))}; the plan was made for another {name}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}.dtype={t.dtype}; the plan was made for {dtype}")
+    check_device(name, t)
+
+
+def check_width(name: str, width: int, limit: int) -> None:
+    """A row of ``width`` features must fit one register tile (``limit`` lanes)."""
+    if width > limit:
+        raise ValueError(f"{name}={width} is wider than one register tile allows ({limit})")
+
+
+def check_caches_disjoint(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> None:
+    """The MLA append writes both caches, so no element may belong to both. Disjoint
+    byte ranges pass. Overlapping ranges pass only as two column slices of one
+    ``[num_pages, page_size, width]`` buffer (vLLM's layout): the same page and row
+    strides, unit feature strides, the latent and RoPE parts side by side, and the
+    combined row not reaching into the next one."""
+    try:
+        check_no_overlap("kpe_cache", kpe_cache, "ckv_cache", ckv_cache)
+        return
+    except ValueError as err:
+        overlap = err
+    size = ckv_cache.element_size()
+    gap = kpe_cache.data_ptr() - ckv_cache.data_ptr()
+    rank, rope = ckv_cache.shape[2], kpe_cache.shape[2]
+    delta = gap // size
+    side_by_side = (
+        ckv_cache.stride()[:2] == kpe_cache.stride()[:2]
+        and ckv_cache.stride(2) == 1
+        and kpe_cache.stride(2) == 1
+        and gap % size == 0
+        and (delta >= rank or delta <= -rope)
+    )
+    if side_by_side:
+        width = max(rank, delta + rope) - min(0, delta)
+        rows = torch.empty_strided((*ckv_cache.shape[:2], width), (*ckv_cache.stride()[:2], 1), device="meta")
+        try:
+            check_no_self_overlap("the combined latent rows", rows)
+            return
+        except ValueError:
+            pass
+    raise overlap

@@ -15,7 +15,8 @@ from pagedkv_lib import runtime
 from pagedkv_lib.verify import cli, contract
 
 from .decode import paged_decode_attention
-from .mla import append_paged_mla_kv, mla_decode_attention
+from .mla import append_paged_mla_kv
+from .mla_decode import mla_decode_attention
 from .prefill import paged_prefill_attention
 from .quant_decode import paged_decode_attention_quant
 from .quant_write import append_paged_kv_quant

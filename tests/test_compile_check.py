@@ -30,18 +30,18 @@ BROKEN_BF16 = """            p_hi = p.to(tl.bfloat16)
 PTXAS_LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_other' for 'sm_90a'
 ptxas info    : Used 40 registers
-ptxas info    : Compiling entry function '_prefill_kernel' for 'sm_90a'
-ptxas info    : Function properties for _prefill_kernel
+ptxas info    : Compiling entry function 'prefill_kernel' for 'sm_90a'
+ptxas info    : Function properties for prefill_kernel
     5168 bytes stack frame, 5168 bytes spill stores, 11020 bytes spill loads
 ptxas info    : Used 96 registers, used 1 barriers, 5168 bytes cumulative stack size
 """
 
 
 def test_ptxas_log_gives_the_named_kernels_registers_and_spills():
-    assert parse_ptxas(PTXAS_LOG, "_prefill_kernel") == (96, 5168, 11020)
+    assert parse_ptxas(PTXAS_LOG, "prefill_kernel") == (96, 5168, 11020)
     assert parse_ptxas(PTXAS_LOG, "_other") == (40, 0, 0)
     with pytest.raises(ValueError, match="no 'Used N registers'"):
-        parse_ptxas("ptxas info : 0 bytes gmem", "_prefill_kernel")
+        parse_ptxas("ptxas info : 0 bytes gmem", "prefill_kernel")
 
 
 def _result(**kw):
@@ -55,11 +55,11 @@ def test_budget_fails_a_spill_a_full_register_file_and_a_compile_error():
     assert "does not compile for sm_90" in compile_check.check_budget("k", _result(error="CompilationError: x"), False)
     assert compile_check.check_budget("k", _result(spill_stores=8), budgeted=False) is None  # sampled archs
     quirk = _result(arch=80, spill_stores=4, spill_loads=4, registers=64)  # the one listed in kernels.tiles
-    assert compile_check.check_budget("_quant_decode_split_kernel", quirk, True) is None
+    assert compile_check.check_budget("quant_decode_split_kernel", quirk, True) is None
     assert "spills on sm_80" in compile_check.check_budget(
-        "_quant_decode_split_kernel", quirk | {"spill_stores": 8}, True
+        "quant_decode_split_kernel", quirk | {"spill_stores": 8}, True
     )
-    assert "spills on sm_80" in compile_check.check_budget("_decode_split_kernel", quirk, True)
+    assert "spills on sm_80" in compile_check.check_budget("decode_split_kernel", quirk, True)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def _bf16_prefill_record(path: Path) -> dict:
     args |= {name: ["i", "1"] for name in ("stride_qd", "stride_d", "stride_od")} | {"qk_scale": ["f"]}
     consts = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 64, "HAS_WINDOW": False, "IS_CSR": False, "DOT": 3}
     args |= {k: ["c", v] for k, v in consts.items()}
-    return {"kernel": "_prefill_kernel", "module": None, "file": str(path), "args": args, "options": {"num_warps": 4}}
+    return {"kernel": "prefill_kernel", "module": None, "file": str(path), "args": args, "options": {"num_warps": 4}}
 
 
 def test_bf16_prefill_compiles_for_sm90_and_the_rebound_loop_names_would_not():

@@ -322,7 +322,7 @@ class _NoLaunch:
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    monkeypatch.setattr(prefill, "_prefill_kernel", _NoLaunch())
+    monkeypatch.setattr(prefill, "prefill_kernel", _NoLaunch())
 
 
 def _args():

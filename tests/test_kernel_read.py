@@ -426,7 +426,7 @@ class _NoLaunch:
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    for module, name in ((decode, "_decode_split_kernel"), (merge, "_merge_kernel"), (gather, "_gather_kernel")):
+    for module, name in ((decode, "decode_split_kernel"), (merge, "merge_kernel"), (gather, "_gather_kernel")):
         monkeypatch.setattr(module, name, _NoLaunch())
 
 

@@ -1,4 +1,4 @@
-"""The MLA Triton kernels (kernels/mla.py) against the float64 references.
+"""The MLA Triton kernels (kernels/mla.py, kernels/mla_decode.py) against the float64 references.
 
 Runs in Triton's interpreter on CPU and compiled on CUDA (``runtime.device()``). The
 grids are the conformance harness's MLA grids (:mod:`pagedkv_lib.verify.mla_checks`),
@@ -23,9 +23,8 @@ import triton
 import triton.language as tl
 
 import kernels
-import kernels.mla as kmla
 from kernels.rounding import round_to
-from kernels.validate import MAX_HEAD_DIM
+from kernels.validate import MAX_HEAD_DIM, MAX_KV_LORA_RANK
 
 DEV = runtime.device()
 DECODE_ARGS = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "block_tables", "seq_lens", "w_uk", "w_uv")
@@ -217,7 +216,7 @@ def test_decode_launch_checks_name_the_argument():
 @pytest.mark.parametrize(
     "rank,rope,message",
     [
-        (kmla.MAX_KV_LORA_RANK + 1, 4, "kv_lora_rank=1025 is wider"),
+        (MAX_KV_LORA_RANK + 1, 4, "kv_lora_rank=1025 is wider"),
         (8, MAX_HEAD_DIM + 2, "qk_rope_head_dim=258 is wider"),
     ],
 )

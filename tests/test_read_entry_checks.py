@@ -20,8 +20,7 @@ from pagedkv_lib.verify.quant_checks import quant_decode_inputs
 
 # isort: split
 import kernels
-from kernels import decode, prefill, quant_decode
-from kernels import mla as mla_kernels
+from kernels import decode, mla_decode, prefill, quant_decode
 
 DEV = runtime.device()
 SHAPE = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 8, "group": 2, "num_kv_heads": 1}
@@ -36,11 +35,11 @@ class _NoLaunch:
 def no_launch(monkeypatch):
     """Any launch fails the test: every case here must be refused before one."""
     for module, name in (
-        (decode, "_decode_split_kernel"),
-        (prefill, "_prefill_kernel"),
-        (quant_decode, "_quant_decode_split_kernel"),
-        (mla_kernels, "_head_matvec_kernel"),
-        (mla_kernels, "_mla_split_kernel"),
+        (decode, "decode_split_kernel"),
+        (prefill, "prefill_kernel"),
+        (quant_decode, "quant_decode_split_kernel"),
+        (mla_decode, "head_matvec_kernel"),
+        (mla_decode, "mla_split_kernel"),
     ):
         monkeypatch.setattr(module, name, _NoLaunch())
 

@@ -99,4 +99,4 @@ check("decode_kernel", decode)
 # then the block-table lookup, then the masks, then the rescale by `alpha` across tiles.
 # The checker's picture shows the rows the failing sequence must read, numbered by tile.
 # Solution: `exercises/solutions/08_decode_kernel.py`; the suite's production kernel is
-# `kernels/decode.py: _decode_split_kernel` (it adds GQA groups per program and split-KV).
+# `kernels/decode.py: decode_split_kernel` (it adds GQA groups per program and split-KV).

@@ -69,6 +69,7 @@ import triton.language as tl
 from IPython.display import display
 
 import kernels
+from kernels import attention_core
 from kernels import decode as production
 from kernels import merge as production_merge
 
@@ -517,14 +518,19 @@ for splits in (1, 2, 9):
 # %% [markdown]
 # ## The production kernel, and what it adds
 #
-# `kernels/decode.py: _decode_split_kernel` is stage 1 of the suite's decode kernel (with
-# one split it writes the output directly), `kernels/merge.py: _merge_kernel` stage 2.
-# As the modules hold them today:
+# `kernels/decode.py: decode_split_kernel` is stage 1 of the suite's decode kernel (with
+# one split it writes the output directly), `kernels/merge.py: merge_kernel` stage 2.
+# The steps every paged read kernel shares (the sequence's span, the visible range
+# under a window, the split's tiles, the online-softmax step, the store of a partial)
+# are written once in `kernels/attention_core.py` and called by the decode, quantized
+# decode, MLA decode and prefill kernels alike; below, the decode kernel and the core's
+# softmax step, as the modules hold them today:
 
 # %% tags=["nbval-ignore-output"]
 # (shows the modules' current source; shown, not compared)
-display(viz.source_code(production._decode_split_kernel))
-display(viz.source_code(production_merge._merge_kernel))
+display(viz.source_code(production.decode_split_kernel))
+display(viz.source_code(attention_core.online_softmax_step))
+display(viz.source_code(production_merge.merge_kernel))
 
 # %% [markdown]
 # Against step (c), point by point (each checked below):
@@ -540,7 +546,8 @@ display(viz.source_code(production_merge._merge_kernel))
 #    our `tl.arange(0, HEAD_DIM)` needs a power of two.
 # 3. **Empty sequences and empty splits.** A length-0 sequence never enters the loop:
 #    step (a) then divides 0 by 0. Production keeps `m` finite for rows that saw no key
-#    (`m_safe`), stores zeros where `l_i == 0`, and its merge gives a weightless split
+#    (`m_safe` in `online_softmax_step`), stores zeros where `l_i == 0`
+#    (`attention_core.normalise`), and its merge gives a weightless split
 #    nothing, even a NaN partial.
 # 4. **A split count chosen for the device.** `choose_num_splits` splits only when the
 #    batch alone leaves SMs idle, gives every split at least 256 tokens, and never splits

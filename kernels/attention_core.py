@@ -1,0 +1,365 @@
+"""The attention core: what every paged read kernel does the same way, written once.
+
+Decode (:mod:`kernels.decode`), quantized decode (:mod:`kernels.quant_decode`), MLA
+decode (:mod:`kernels.mla_decode`) and prefill (:mod:`kernels.prefill`) walk a
+sequence's keys in tiles of ``BLOCK_N`` and keep an online softmax in base 2, as
+Triton's fused-attention tutorial does with its ``_attn_fwd_inner``. The steps they
+share are the ``@triton.jit`` helpers below, each kernel keeping only what is its own
+(the dequantization, the latent scores, the causal mask and the ``tl.dot`` modes):
+
+1. :func:`sequence_span`: the sequence's length and page-table row, from a padded
+   table or a CSR slice (FlashInfer's last-page-length rule);
+2. :func:`visible_range` and :func:`visible_keys`: which positions a ring window
+   leaves visible, enumerated ``0 .. n_vis - 1`` (the sinks, then the recent range),
+   and the cache row of each;
+3. :func:`split_tiles`: the tiles of one split-KV split;
+4. :func:`load_scaled_queries` and :func:`load_kv_tile`: a head group's queries in
+   fp32 times ``scale * log2(e)``, and one K/V tile of the MHA pool;
+5. :func:`softmax_state` and :func:`online_softmax_step`: the running max, sum and
+   accumulator, and one tile's update of them, with the guard for rows that have seen
+   no key yet;
+6. :func:`store_partial`: the final division and the store of a split's output and
+   base-2 log-sum-exp.
+
+The order of floating-point operations is the one each kernel had before this module
+existed, so the results are bit for bit the same. The helpers are few and coarse on
+purpose: in Triton's interpreter every call of a jit function (``tl.zeros`` and
+``tl.cdiv`` included) re-patches ``triton.language``, about as costly as a tile's
+arithmetic, so each helper replaces inline code one for one or better. Host side, :class:`PageTable` holds a
+read plan's page-table tensors and :func:`split_outputs` / :func:`window_args` /
+:func:`finish_splits` the launch steps the split-KV kernels share.
+"""
+
+from __future__ import annotations
+
+from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
+
+# isort: split
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv_lib.window import RingWindow
+
+from .addressing import kv_token_idx, ring_params, table_row_offset
+from .launch import int32_on_device
+from .merge import launch_merge
+
+__all__ = [
+    "sequence_span",
+    "visible_range",
+    "visible_keys",
+    "split_tiles",
+    "load_scaled_queries",
+    "load_kv_tile",
+    "online_softmax_step",
+    "softmax_state",
+    "store_partial",
+    "PageTable",
+    "ReadPlan",
+    "read_plan_fields",
+    "window_args",
+    "split_outputs",
+    "finish_splits",
+]
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def sequence_span(
+    b,
+    block_tables_ptr, seq_lens_ptr, stride_table,
+    kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    page_size,
+    IS_CSR: tl.constexpr,
+):  # fmt: skip
+    """``(seq_len, table_row)`` of request ``b`` (int32 scalar): its length in tokens
+    (int32) and a pointer to its first page id.
+
+    Padded: ``seq_lens[b]`` and row ``b`` of ``block_tables [batch, max_blocks]``
+    (``stride_table`` elements apart). CSR: pages ``kv_indices[kv_indptr[b] ..
+    kv_indptr[b + 1]]``, the length ``(pages - 1) * page_size + kv_last_page_len[b]``
+    (FlashInfer's rule; the launcher checked that a request without pages has
+    ``kv_last_page_len`` 0, which the ``max(.., 0)`` then turns into length 0).
+    """
+    if IS_CSR:
+        start = tl.load(kv_indptr_ptr + b)
+        num_pages = tl.load(kv_indptr_ptr + b + 1) - start
+        seq_len = tl.maximum(num_pages - 1, 0) * page_size + tl.load(kv_last_page_len_ptr + b)
+        table_row = kv_indices_ptr + start.to(tl.int64)
+    else:
+        seq_len = tl.load(seq_lens_ptr + b)
+        table_row = block_tables_ptr + b.to(tl.int64) * stride_table
+    return seq_len, table_row
+
+
+@triton.jit
+def visible_range(end, first_end, sink_tokens, window_recent, HAS_WINDOW: tl.constexpr):
+    """``(n_sink, recent_start, n_vis)`` (int32 scalars) of the keys at positions
+    ``0 .. end - 1`` that a ring window leaves visible to queries ending at ``first_end
+    .. end`` (a decode query: ``first_end == end == seq_len``; a prefill tile: its first
+    and last query's position + 1).
+
+    Enumerated key ``j`` in ``0 .. n_vis - 1`` is position ``j`` for ``j < n_sink``
+    (the sinks), else ``recent_start + (j - n_sink)`` (:func:`visible_keys`); the
+    recent range starts ``window_recent = window - sinks`` positions before
+    ``first_end``. Without a window every position is visible (``n_sink = recent_start
+    = n_vis = end``).
+    """
+    if HAS_WINDOW:
+        n_sink = tl.minimum(end, sink_tokens)
+        recent_start = tl.maximum(sink_tokens, first_end - window_recent)
+        n_vis = n_sink + tl.maximum(end - recent_start, 0)
+    else:
+        n_sink = end
+        recent_start = end
+        n_vis = end
+    return n_sink, recent_start, n_vis
+
+
+@triton.jit
+def visible_keys(
+    tile, offs_n, n_sink, recent_start, n_vis,
+    sink_tokens, bubble_len, cyclic_cache_len,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """``(pos, row, valid)`` int32 ``[BLOCK_N]`` of key tile ``tile``: each lane's
+    position (enumerated key ``j`` is ``j`` among the sinks, ``recent_start + (j -
+    n_sink)`` after them; :func:`visible_range`), its logical row in the sequence's
+    cache (the ring's row with a window, :func:`kernels.addressing.kv_token_idx`) and
+    whether it is a visible key at all (lanes past ``n_vis`` are masked)."""
+    j = tile * BLOCK_N + offs_n
+    valid = j < n_vis
+    pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
+    row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
+    return pos, row, valid
+
+
+@triton.jit
+def split_tiles(n_vis, split, num_splits, BLOCK_N: tl.constexpr):
+    """``(tile_lo, tile_hi)``: split ``split`` of ``num_splits`` owns key tiles ``tile_lo
+    .. tile_hi - 1`` of the ``cdiv(n_vis, BLOCK_N)`` tiles, a contiguous run of
+    ``cdiv(tiles, num_splits)``; ``tile_hi <= tile_lo`` is an empty split (its partial
+    is zeros, its log-sum-exp ``-inf``)."""
+    # tl.cdiv's own formula, written out: in the interpreter every jit call (tl.cdiv is
+    # one) re-patches triton.language, which costs more than the arithmetic.
+    num_tiles = (n_vis + (BLOCK_N - 1)) // BLOCK_N
+    tiles_per_split = (num_tiles + (num_splits - 1)) // num_splits
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    return tile_lo, tile_hi
+
+
+@triton.jit
+def load_scaled_queries(
+    q_ptr, b, heads, offs_d, h_mask, d_mask,
+    stride_qb, stride_qh, stride_qd,
+    qk_scale,
+):  # fmt: skip
+    """fp32 ``[BLOCK_H, BLOCK_D]``: the query rows ``q[b, heads, offs_d]`` (masked lanes
+    0) times ``qk_scale = scale * log2(e)``, so that scores come out in base 2 for
+    ``exp2``."""
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    return q * qk_scale
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr, table_row, row, valid, head_off, d_mask,
+    page_size, stride_page, stride_kv, stride_n,
+    AS_FP32: tl.constexpr,
+):  # fmt: skip
+    """``(k, v)`` ``[BLOCK_N, BLOCK_D]``: one KV head's K and V at the sequence's logical
+    rows ``row`` (page ``table_row[row // page_size]``, element offsets by the pool's
+    strides; ``head_off [BLOCK_D]`` is the head's and features' offset), in fp32 with
+    ``AS_FP32`` (each converted as it is loaded: converting after both loads costs the
+    compiled decode up to 4 registers more), else in the pool's dtype. Masked lanes load
+    0, so a NaN in an unused slot never enters a product."""
+    tok_off = table_row_offset(table_row, row, page_size, valid, stride_page, stride_n)
+    kv_ptrs = cache_ptr + tok_off[:, None] + head_off[None, :]
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+    if AS_FP32:
+        k = k.to(tl.float32)
+    v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0)
+    if AS_FP32:
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, acc):
+    """One key tile of the online softmax: ``(m_new, l_new, acc_scaled, p)``.
+
+    ``s [BLOCK_M, BLOCK_N]`` fp32 are the tile's base-2 scores, ``-inf`` where masked;
+    ``m_i``, ``l_i [BLOCK_M]`` the running max and sum, ``acc [BLOCK_M, BLOCK_D]`` the
+    running ``sum p . v``. Returns the new max and sum, the accumulator rescaled by
+    ``2**(m_i - m_new)`` and the tile's ``p = 2**(s - m_new)``; the caller adds ``p . v``
+    its own way (a broadcast sum, or ``tl.dot``).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with no key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_new, acc * alpha[:, None], p
+
+
+@triton.jit
+def softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(m_i, l_i, acc)`` before the first key tile: running max ``-inf`` and sum 0
+    (fp32 ``[BLOCK_M]``), accumulator 0 (fp32 ``[BLOCK_M, BLOCK_D]``). ``tl.full``, not
+    ``tl.zeros``: the same values, without ``tl.zeros``' own jit call, which the
+    interpreter pays for."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0, tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def store_partial(
+    out_ptr, lse_ptr,
+    acc, m_i, l_i,
+    b, heads, split, offs_d, h_mask, d_mask,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """Store split ``split``'s normalised output ``out[b, heads, split, offs_d]`` (cast to
+    ``out``'s dtype) and, with ``WRITE_LSE``, its base-2 log-sum-exp ``m_i + log2(l_i)``
+    at ``lse[b, heads, split]`` (``-inf`` for a row without keys). With one split the
+    caller passes the final output and ``stride_os = 0``."""
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # an empty split (or length 0) stores zeros
+    b64 = b.to(tl.int64)
+    o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    if WRITE_LSE:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b64 * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=h_mask)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """A read launch's page table, int32, contiguous, on the kernels' device: the padded
+    form (``block_tables [batch, max_blocks]``, ``seq_lens [batch]``) or the CSR form
+    (``kv_indptr [batch + 1]``, ``kv_indices [nnz_pages]`` with at least one entry,
+    ``kv_last_page_len [batch]``); the other form's fields are None."""
+
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    kv_last_page_len: torch.Tensor | None = None
+
+    @classmethod
+    def padded(cls, block_tables, seq_lens, device: torch.device) -> PageTable:
+        """The padded form, copied to int32 on ``device`` (values already checked)."""
+        return cls(block_tables=int32_on_device(block_tables, device), seq_lens=int32_on_device(seq_lens, device))
+
+    @classmethod
+    def csr(cls, kv_indptr, kv_indices, kv_last_page_len, device: torch.device) -> PageTable:
+        """The CSR form, copied to int32 on ``device`` (values already checked)."""
+        return cls(
+            kv_indptr=int32_on_device(kv_indptr, device),
+            kv_indices=int32_on_device(kv_indices, device, min_len=1),
+            kv_last_page_len=int32_on_device(kv_last_page_len, device),
+        )
+
+    @property
+    def is_csr(self) -> bool:
+        return self.kv_indptr is not None
+
+    def pointers(self) -> tuple:
+        """``(block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len)`` as the
+        kernels take them (:func:`sequence_span`): the other form's are a tensor of this
+        one, never dereferenced."""
+        if self.is_csr:
+            dummy = self.kv_indptr
+            return dummy, dummy, self.kv_indptr, self.kv_indices, self.kv_last_page_len
+        dummy = self.seq_lens
+        return self.block_tables, self.seq_lens, dummy, dummy, dummy
+
+    @property
+    def stride(self) -> int:
+        """Elements between two rows of the padded table (0 for CSR: unused)."""
+        return 0 if self.is_csr else self.block_tables.stride(0)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What every MHA read plan fixes (:class:`kernels.decode.DecodePlan`,
+    :class:`kernels.quant_decode.QuantDecodePlan`, :class:`kernels.prefill.PrefillPlan`
+    add their tiles and their pool's fingerprint): the query heads, the pool's heads and
+    page size, the softmax scale (natural units), the window and the page table."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int  # tokens per page
+    q_dtype: torch.dtype
+    scale: float
+    window: RingWindow | None
+    group: int  # query heads per KV head
+    table: PageTable
+
+
+def read_plan_fields(q: torch.Tensor, num_kv_heads: int, page_size: int, scale, window, table: PageTable) -> dict:
+    """The :class:`ReadPlan` fields of a launch with ``q [tokens, num_q_heads, head_dim]``
+    (values already checked); ``scale=None`` is ``1 / sqrt(head_dim)``."""
+    _, num_q_heads, head_dim = q.shape
+    return {
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "q_dtype": q.dtype,
+        "scale": 1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        "window": window,
+        "group": num_q_heads // num_kv_heads,
+        "table": table,
+    }
+
+
+def window_args(window: RingWindow | None) -> tuple[int, int, int, int]:
+    """``(sink_tokens, bubble_len, cyclic_cache_len, window_recent)`` of a launch: the
+    ring's parameters (:func:`kernels.addressing.ring_params`) and the recent range's
+    length ``window - sinks`` (all 0, 0, 1, 0 without a window: unused then)."""
+    sinks, bubble, cyclic = ring_params(window)
+    recent = 0 if window is None else window.max_attention_window - window.sink_tokens
+    return sinks, bubble, cyclic, recent
+
+
+def split_outputs(out: torch.Tensor, splits: int, partials: bool):
+    """``(part, lse, part_strides, lse_strides)`` that a split-KV kernel writes for
+    ``out [batch, heads, width]``: with one split (and no partials asked for) ``out``
+    itself, with a split stride of 0 and ``lse`` unused; otherwise new fp32 ``part
+    [batch, heads, splits, width]`` and ``lse [batch, heads, splits]``."""
+    if splits == 1 and not partials:
+        return out, out, (out.stride(0), out.stride(1), 0, out.stride(2)), (0, 0, 0)
+    batch, heads, width = out.shape
+    part = torch.empty((batch, heads, splits, width), dtype=torch.float32, device=out.device)
+    lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=out.device)
+    return part, lse, part.stride(), lse.stride()
+
+
+def finish_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, partials: bool):
+    """What a split-KV launch returns once its kernel ran: ``(part, lse)`` when partials
+    were asked for, else ``out``, merged from the partials (:func:`kernels.merge.launch_merge`)
+    unless the kernel wrote it directly."""
+    if partials:
+        return part, lse
+    if part is not out:
+        launch_merge(part, lse, out)
+    return out

@@ -1,0 +1,64 @@
+"""The four paged read kernels share one attention core (kernels/attention_core.py):
+each kernel's source calls the core's helpers for the span, the split range, the online
+softmax state and step and the store, and none keeps a copy of the steps the core
+owns (the ``-inf`` guard, the ``exp2`` rescaling, the CSR length rule, the split
+arithmetic). Reads source text only: no kernel runs (well under 0.1 s)."""
+
+import inspect
+
+import pytest
+
+import pagedkv_lib  # noqa: F401  (before triton)
+
+# isort: split
+from kernels import attention_core, decode, mla_decode, prefill, quant_decode
+
+READ_KERNELS = {
+    "decode": decode.decode_split_kernel,
+    "quantized decode": quant_decode.quant_decode_split_kernel,
+    "prefill": prefill.prefill_kernel,
+    "MLA decode": mla_decode.mla_split_kernel,
+}
+# Helpers every read kernel calls; the split-KV kernels also split and store through the
+# core (the prefill has no splits, and its own store: bf16 rounded to nearest).
+CORE_CALLS = ("sequence_span(", "softmax_state(", "online_softmax_step(")
+SPLIT_KV_CALLS = ("split_tiles(", "store_partial(")
+# Text that only the core may hold: the guard of a row with no key yet, the rescaling,
+# FlashInfer's last-page-length rule, the split arithmetic, the lse formula.
+CORE_ONLY = (
+    'm_new == float("-inf")',
+    "m_safe",
+    "tl.exp2(",
+    "num_pages - 1",
+    "tiles_per_split",
+    "tl.log2(",
+)
+
+
+def _source(kernel) -> str:
+    return inspect.getsource(kernel.fn)
+
+
+@pytest.mark.parametrize("family", READ_KERNELS)
+def test_read_kernel_calls_the_shared_core(family):
+    source = _source(READ_KERNELS[family])
+    calls = CORE_CALLS + (() if family == "prefill" else SPLIT_KV_CALLS)
+    missing = [call for call in calls if call not in source]
+    assert not missing, f"the {family} kernel does not call {missing} of kernels.attention_core"
+
+
+@pytest.mark.parametrize("family", READ_KERNELS)
+def test_read_kernel_keeps_no_copy_of_the_core(family):
+    source = _source(READ_KERNELS[family])
+    copies = [text for text in CORE_ONLY if text in source]
+    assert not copies, f"the {family} kernel repeats {copies}: call kernels.attention_core instead"
+
+
+def test_the_core_holds_each_step_once():
+    """The steps the kernels no longer hold are in the core, each in one helper."""
+    jitted = {name: getattr(attention_core, name) for name in attention_core.__all__}
+    helpers = {name: _source(obj) for name, obj in jitted.items() if hasattr(obj, "fn")}
+    assert len(helpers) >= 8, sorted(helpers)
+    for text in ('m_new == float("-inf")', "num_pages - 1", "tiles_per_split = ", "tl.log2("):
+        holders = [name for name, src in helpers.items() if text in src]
+        assert len(holders) == 1, f"{text!r} is in {holders}"
