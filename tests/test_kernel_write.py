@@ -24,8 +24,9 @@ import triton.language as tl
 
 import kernels.write as write
 from kernels.addressing import cache_offset
+from kernels.v_tail import zero_paged_v_tail
 from kernels.validate import check_no_self_overlap
-from kernels.write import append_paged_kv, append_paged_kv_csr, zero_paged_v_tail
+from kernels.write import append_paged_kv, append_paged_kv_csr
 from pagedkv_lib.formats import csr_slot_mapping
 
 DEV = runtime.device()
@@ -523,7 +524,7 @@ def test_a_slot_mapping_inside_the_pool_is_refused_before_anything_is_written():
 def test_empty_pool_dimension_is_refused_before_any_launch(monkeypatch):
     """A pool with page_size 0 used to be launched for an all-padding append (and divide
     by zero in the interpreter); now its empty dimension is refused first."""
-    monkeypatch.setattr(write, "_append_kernel", _NoLaunch())
+    monkeypatch.setattr(write, "append_kernel", _NoLaunch())
     cache = torch.zeros(3, 2, 0, 2, 8, device=DEV)
     k = torch.ones(2, 2, 8, device=DEV)
     with pytest.raises(ValueError, match=r"cache has shape \(3, 2, 0, 2, 8\): page_size is 0"):
