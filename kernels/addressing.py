@@ -13,7 +13,8 @@ gather kernels (and the kernels added later) can never disagree:
   :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`;
 * :func:`token_rows`: ``(page, row, valid)`` of a tile of tokens being written, from
   vLLM's ``slot_mapping`` or from FlashInfer's ``batch_indices`` / ``positions`` and CSR
-  page table (the write kernels of every family address tokens through it).
+  page table (the write kernels of every family address tokens through it), and its
+  host-side twin :func:`token_index_args`, the five pointers a write launch passes it.
 
 Every index is widened to int64 *before* it is multiplied by a stride, so pools past
 2**31 elements are addressed exactly; int32 arithmetic would wrap silently.
@@ -27,7 +28,15 @@ import triton.language as tl
 
 from pagedkv_lib.window import RingWindow
 
-__all__ = ["ring_params", "row_offset", "cache_offset", "table_row_offset", "kv_token_idx", "token_rows"]
+__all__ = [
+    "ring_params",
+    "token_index_args",
+    "row_offset",
+    "cache_offset",
+    "table_row_offset",
+    "kv_token_idx",
+    "token_rows",
+]
 
 
 def ring_params(window: RingWindow | None) -> tuple[int, int, int]:
@@ -36,6 +45,16 @@ def ring_params(window: RingWindow | None) -> tuple[int, int, int]:
     if window is None:
         return 0, 0, 0
     return window.sink_tokens, window.bubble_len, window.cyclic_cache_len
+
+
+def token_index_args(slot_mapping, batch_indices, positions, kv_indptr, kv_indices) -> tuple:
+    """``(slot_mapping, batch_indices, positions, kv_indptr, kv_indices)`` as a write launch
+    passes them to :func:`token_rows`: the slot form gives ``slot_mapping`` (and
+    ``positions`` with RoPE), the CSR form the other four; an absent one is replaced by
+    a given one, which the kernel never dereferences under its ``CSR`` and ``ROPE``
+    constexprs (a launch needs a tensor for every pointer)."""
+    given = slot_mapping if slot_mapping is not None else batch_indices
+    return tuple(given if t is None else t for t in (slot_mapping, batch_indices, positions, kv_indptr, kv_indices))
 
 
 @triton.jit

@@ -59,7 +59,7 @@ import triton.language as tl
 from pagedkv_lib import checks, reference
 from pagedkv_lib.mla import default_scale
 
-from .addressing import row_offset, table_row_offset, token_rows
+from .addressing import row_offset, table_row_offset, token_index_args, token_rows
 from .decode import choose_num_splits
 from .launch import fingerprint, int32_on_device, memory_key, parallel_units
 from .merge import launch_merge
@@ -549,15 +549,10 @@ def _check_append_run(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> No
 
 def _launch_append(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> None:
     csr = plan.kv_indptr is not None
-    dummy = plan.batch_indices if csr else plan.slot_mapping  # never dereferenced
     # fmt: off
     mla_append_kernel[plan.grid](
         ckv, kpe, ckv_cache, kpe_cache,
-        dummy if csr else plan.slot_mapping,
-        plan.batch_indices if csr else dummy,
-        dummy if plan.positions is None else plan.positions,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
+        *token_index_args(plan.slot_mapping, plan.batch_indices, plan.positions, plan.kv_indptr, plan.kv_indices),
         ckv if plan.inv_freq is None else plan.inv_freq,
         plan.num_tokens, plan.kv_lora_rank, plan.qk_rope_head_dim, plan.page_size,
         *ckv.stride(),

@@ -43,10 +43,10 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import ring_params, row_offset, token_rows
+from .addressing import ring_params, row_offset, token_index_args, token_rows
 from .launch import fingerprint, memory_key
 from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
-from .rope import ROPE_CODES, rope_cos_sin, rope_feature_pair, rope_pair_features, rope_rotate, rope_tile
+from .rope import ROPE_CODES, rope_cos_sin, rope_feature_pair, rope_pair_features, rope_q_in_place, rope_rotate
 from .tiles import quant_write_tiles
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 from .validate import (
@@ -225,15 +225,10 @@ def quant_append_kernel(
     elif HAS_Q:
         pair = tl.arange(0, BLOCK_D // 2)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
-        heads = (hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
-        base = tok * stride_qt
-        rope_tile(
-            q_ptr, base, stride_qh, stride_qd,
-            q_ptr, base, stride_qh, stride_qd,
-            heads, mask_th,
-            cos, sin, head_dim // 2,
-            ROPE == 1, BLOCK_D // 2,
+        rope_q_in_place(
+            q_ptr, stride_qt, stride_qh, stride_qd, tok, valid,
+            hb - kv_blocks, num_q_heads, cos, sin, head_dim // 2,
+            ROPE == 1, BLOCK_H, BLOCK_D // 2,
         )
 # fmt: on
 
@@ -450,18 +445,13 @@ def _check_run_inputs(plan: QuantAppendPlan, k, v, pool, q) -> None:
 
 def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
     block_t, block_h, block_d = plan.tiles
-    dummy = plan.slot_mapping if plan.slot_mapping is not None else plan.batch_indices  # never dereferenced
     csr = plan.kv_indptr is not None
     scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
     sstrides = cache_strides(pool.scales, pool.layout) if pool.scales is not None else (0, 0, 0, 0, 0)
     # fmt: off
     quant_append_kernel[plan.grid](
         k, v, pool.data, scales, pool.global_scale, k if q is None else q,
-        dummy,
-        dummy if plan.batch_indices is None else plan.batch_indices,
-        dummy if plan.positions is None else plan.positions,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
+        *token_index_args(plan.slot_mapping, plan.batch_indices, plan.positions, plan.kv_indptr, plan.kv_indices),
         k if plan.inv_freq is None else plan.inv_freq,
         plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
         *k.stride(),

@@ -14,6 +14,8 @@ RoPE is written once here and every kernel that rotates calls it:
   cos - x2 * sin, x2 * cos + x1 * sin)``;
 * :func:`rope_tile`: rotate one ``[BLOCK_T, BLOCK_H, head_dim]`` tile from ``src`` into
   ``dst`` (in place allowed), math in fp32, one conversion to ``dst``'s dtype;
+* :func:`rope_q_in_place`: one head block of Q rotated in place, the extra programs of
+  both MHA writes;
 * :func:`copy_tile`: a tile copied in its own dtype (bit-exact, NaN payloads included).
 
 Each caller keeps only its own load, rounding and store around :func:`rope_rotate`:
@@ -40,6 +42,7 @@ __all__ = [
     "rope_feature_pair",
     "rope_rotate",
     "rope_tile",
+    "rope_q_in_place",
     "copy_tile",
 ]
 
@@ -123,6 +126,30 @@ def rope_tile(
     out_ty = dst_ptr.dtype.element_ty
     tl.store(dst_ptr + d + f1 * dst_sd, r1.to(out_ty), mask=mask)
     tl.store(dst_ptr + d + f2 * dst_sd, r2.to(out_ty), mask=mask)
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def rope_q_in_place(
+    # q [token, head, feature], its strides; the tokens [BLOCK_T] (int64) and which are valid
+    q_ptr, stride_qt, stride_qh, stride_qd, tok, valid,
+    # the head block to rotate, Q heads; rope_cos_sin of the tokens, pairs per head
+    head_block, num_q_heads, cos, sin, half,
+    NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Rotate Q heads ``head_block * BLOCK_H ...`` of each valid token in place
+    (:func:`rope_tile` from ``q`` into ``q``); padding tokens' rows are left as they are."""
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
+    base = tok * stride_qt
+    rope_tile(
+        q_ptr, base, stride_qh, stride_qd,
+        q_ptr, base, stride_qh, stride_qd,
+        heads, mask_th,
+        cos, sin, half,
+        NEOX, BLOCK_P,
+    )
 # fmt: on
 
 

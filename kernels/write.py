@@ -56,9 +56,9 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import ring_params, row_offset, token_rows
+from .addressing import ring_params, row_offset, token_index_args, token_rows
 from .launch import fingerprint, memory_key
-from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_tile
+from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_q_in_place, rope_tile
 from .tiles import write_tiles
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 from .validate import (
@@ -148,15 +148,10 @@ def append_kernel(
             BLOCK_D,
         )
     elif HAS_Q:
-        heads = (hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
-        base = tok * stride_qt
-        rope_tile(
-            q_ptr, base, stride_qh, stride_qd,
-            q_ptr, base, stride_qh, stride_qd,
-            heads, mask_th,
-            cos, sin, head_dim // 2,
-            ROPE == 1, BLOCK_D // 2,
+        rope_q_in_place(
+            q_ptr, stride_qt, stride_qh, stride_qd, tok, valid,
+            hb - kv_blocks, num_q_heads, cos, sin, head_dim // 2,
+            ROPE == 1, BLOCK_H, BLOCK_D // 2,
         )
 # fmt: on
 
@@ -369,16 +364,11 @@ def run_append(plan: AppendPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.
 
 def _launch(plan: AppendPlan, k, v, cache, q) -> None:
     block_t, block_h, block_d = plan.tiles
-    dummy = plan.slot_mapping if plan.slot_mapping is not None else plan.batch_indices  # never dereferenced
     csr = plan.kv_indptr is not None
     # fmt: off
     append_kernel[plan.grid](
         k, v, cache, k if q is None else q,  # q_ptr is never dereferenced without HAS_Q
-        dummy,
-        dummy if plan.batch_indices is None else plan.batch_indices,
-        dummy if plan.positions is None else plan.positions,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
+        *token_index_args(plan.slot_mapping, plan.batch_indices, plan.positions, plan.kv_indptr, plan.kv_indices),
         k if plan.inv_freq is None else plan.inv_freq,
         plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
         *k.stride(),
