@@ -63,7 +63,7 @@ from .addressing import row_offset, table_row_offset, token_index_args, token_ro
 from .decode import choose_num_splits
 from .launch import fingerprint, int32_on_device, memory_key, parallel_units
 from .merge import launch_merge
-from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_pair_features, rope_rotate
+from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_pair_features, rope_rotate_first, rope_rotate_second
 from .rounding import round_to
 from .tiles import head_matvec_tiles, mla_append_block_t, mla_decode_tiles, pow2
 from .validate import (
@@ -104,22 +104,23 @@ MAX_KV_LORA_RANK = 1024  # one latent row is one register tile of next_pow2(rank
 @triton.jit
 def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos, sin, half, NEOX: tl.constexpr,
                BLOCK_P: tl.constexpr):  # fmt: skip
-    """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst`` with
+    """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst`` with the halves of
     :func:`kernels.rope.rope_rotate` (pairs of :func:`kernels.rope.rope_pair_features`),
     in fp32, rounded once to nearest-even (:func:`round_to`)."""
     pair = tl.arange(0, BLOCK_P)
     f1, f2 = rope_pair_features(pair, half, NEOX)
-    f1 = f1[None, :].to(tl.int64)
-    f2 = f2[None, :].to(tl.int64)
     mask = valid[:, None] & (pair < half)[None, :]
     src = src_ptr + src_base[:, None]
-    x1 = tl.load(src + f1 * src_sd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + f2 * src_sd, mask=mask, other=0.0).to(tl.float32)
-    r1, r2 = rope_rotate(x1, x2, cos, sin)
+    x1 = tl.load(src + f1[None, :].to(tl.int64) * src_sd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + f2[None, :].to(tl.int64) * src_sd, mask=mask, other=0.0).to(tl.float32)
     out_ty = dst_ptr.dtype.element_ty
     dst = dst_ptr + dst_base[:, None]
-    tl.store(dst + f1 * dst_sd, round_to(r1, out_ty), mask=mask)
-    tl.store(dst + f2 * dst_sd, round_to(r2, out_ty), mask=mask)
+    # Each half stored as soon as it is computed: rope_rotate's pair, formed before the
+    # first store, costs two registers on sm_90.
+    r1 = rope_rotate_first(x1, x2, cos, sin)
+    tl.store(dst + f1[None, :].to(tl.int64) * dst_sd, round_to(r1, out_ty), mask=mask)
+    r2 = rope_rotate_second(x1, x2, cos, sin)
+    tl.store(dst + f2[None, :].to(tl.int64) * dst_sd, round_to(r2, out_ty), mask=mask)
 
 
 # fmt: off

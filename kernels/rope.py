@@ -11,7 +11,8 @@ RoPE is written once here and every kernel that rotates calls it:
   half)`` (NeoX) or ``(2i, 2i + 1)`` (GPT-J); :func:`rope_feature_pair`: the other way,
   the pair of feature ``f`` and whether ``f`` is its pair's first feature;
 * :func:`rope_rotate`: the rotation itself, on values already loaded as fp32: ``(x1 *
-  cos - x2 * sin, x2 * cos + x1 * sin)``;
+  cos - x2 * sin, x2 * cos + x1 * sin)``, also as its two halves
+  :func:`rope_rotate_first` and :func:`rope_rotate_second`;
 * :func:`rope_tile`: rotate one ``[BLOCK_T, BLOCK_H, head_dim]`` tile from ``src`` into
   ``dst`` (in place allowed), math in fp32, one conversion to ``dst``'s dtype;
 * :func:`rope_q_in_place`: one head block of Q rotated in place, the extra programs of
@@ -41,6 +42,8 @@ __all__ = [
     "rope_pair_features",
     "rope_feature_pair",
     "rope_rotate",
+    "rope_rotate_first",
+    "rope_rotate_second",
     "rope_tile",
     "rope_q_in_place",
     "copy_tile",
@@ -91,7 +94,21 @@ def rope_rotate(x1, x2, cos, sin):
     """``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``: pair halves ``x1``, ``x2`` (fp32,
     already loaded, any shape ``cos`` and ``sin`` broadcast to) rotated by the angle whose
     ``cos`` and ``sin`` are given; fp32, not yet rounded to a storage dtype."""
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return rope_rotate_first(x1, x2, cos, sin), rope_rotate_second(x1, x2, cos, sin)
+
+
+@triton.jit
+def rope_rotate_first(x1, x2, cos, sin):
+    """``x1 * cos - x2 * sin``, the first half of :func:`rope_rotate`. A caller that
+    stores each half as soon as it is computed calls the halves (the MLA write: computing
+    both before the first store costs two registers on sm_90)."""
+    return x1 * cos - x2 * sin
+
+
+@triton.jit
+def rope_rotate_second(x1, x2, cos, sin):
+    """``x2 * cos + x1 * sin``, the second half of :func:`rope_rotate`."""
+    return x2 * cos + x1 * sin
 
 
 # fmt: off

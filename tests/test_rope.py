@@ -46,7 +46,7 @@ def _jit_source(fn) -> str:
 def test_every_rope_caller_rotates_through_rope_rotate(fn):
     """Each caller keeps its load, rounding and store; the rotation is the shared one."""
     source = _jit_source(fn)
-    assert "rope_rotate(" in source, f"{fn.fn.__name__} does not call kernels.rope.rope_rotate"
+    assert "rope_rotate" in source, f"{fn.fn.__name__} does not call kernels.rope.rope_rotate (or its halves)"
     body = source.split('"""', 2)[-1]  # the code after the docstring
     own = [m.group(0) for m in _ROTATION.finditer(body)]
     assert not own, f"{fn.fn.__name__} writes its own rotation: {own}"
