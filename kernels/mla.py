@@ -59,7 +59,7 @@ import triton.language as tl
 from pagedkv_lib import checks, reference
 from pagedkv_lib.mla import default_scale
 
-from .addressing import row_offset, table_row_offset, token_index_args, token_rows
+from .addressing import TokenIndex, row_offset, table_row_offset, token_rows
 from .decode import choose_num_splits
 from .launch import fingerprint, int32_on_device, memory_key, parallel_units
 from .merge import launch_merge
@@ -420,11 +420,7 @@ class MLAAppendPlan:
     qk_rope_head_dim: int
     page_size: int
     dtype: torch.dtype
-    slot_mapping: torch.Tensor | None  # slot form
-    batch_indices: torch.Tensor | None  # CSR form
-    kv_indptr: torch.Tensor | None
-    kv_indices: torch.Tensor | None
-    positions: torch.Tensor | None  # CSR addressing and/or RoPE
+    index: TokenIndex  # slot or CSR form (positions also for RoPE)
     rope: str | None
     inv_freq: torch.Tensor | None  # float64 [qk_rope_head_dim / 2] on the device, with rope
     block_t: int
@@ -454,10 +450,7 @@ def _append_plan(ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, **index) -> M
         block_r=block_r,
         block_p=block_p,
         checked=memory_key(ckv, kpe, ckv_cache, kpe_cache),
-        **{
-            name: None if index.get(name) is None else index[name].contiguous()
-            for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
-        },
+        index=TokenIndex.of(**index),
     )
 
 
@@ -543,24 +536,23 @@ def _check_append_run(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> No
     for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         check_no_overlap(name, t, "ckv", ckv)
         check_no_overlap(name, t, "kpe", kpe)
-    index = [(n, getattr(plan, n)) for n in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")]
+    index = plan.index.named()
     for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # two slices of one buffer may interleave
         check_disjoint([cache], index)
 
 
 def _launch_append(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> None:
-    csr = plan.kv_indptr is not None
     # fmt: off
     mla_append_kernel[plan.grid](
         ckv, kpe, ckv_cache, kpe_cache,
-        *token_index_args(plan.slot_mapping, plan.batch_indices, plan.positions, plan.kv_indptr, plan.kv_indices),
+        *plan.index.launch_args(),
         ckv if plan.inv_freq is None else plan.inv_freq,
         plan.num_tokens, plan.kv_lora_rank, plan.qk_rope_head_dim, plan.page_size,
         *ckv.stride(),
         *kpe.stride(),
         *ckv_cache.stride(),
         *kpe_cache.stride(),
-        CSR=csr, ROPE=ROPE_CODES[plan.rope],
+        CSR=plan.index.csr, ROPE=ROPE_CODES[plan.rope],
         BLOCK_T=plan.block_t, BLOCK_R=plan.block_r, BLOCK_P=plan.block_p,
     )
     # fmt: on

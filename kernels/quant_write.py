@@ -43,7 +43,7 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import ring_params, row_offset, token_index_args, token_rows
+from .addressing import TokenIndex, ring_params, row_offset, token_rows
 from .launch import fingerprint, memory_key
 from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
 from .rope import ROPE_CODES, rope_cos_sin, rope_feature_pair, rope_pair_features, rope_q_in_place, rope_rotate
@@ -282,7 +282,7 @@ def _check_apart(plan: QuantAppendPlan, k, v, pool, q) -> None:
     in place), and the written ones apart from each other."""
     written = [("pool.data", pool.data), ("pool.scales", pool.scales), ("q", q)]
     read = [("k", k), ("v", v), ("pool.global_scale", pool.global_scale)]
-    read += [(name, getattr(plan, name)) for name in _PLAN_INDEX]
+    read += plan.index.named()
     if plan.v_tail is not None:
         read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail.tables))
     check_disjoint(written, read)
@@ -306,11 +306,7 @@ class QuantAppendPlan:
     k_dtype: torch.dtype
     v_dtype: torch.dtype
     q_dtype: torch.dtype | None
-    slot_mapping: torch.Tensor | None
-    batch_indices: torch.Tensor | None
-    kv_indptr: torch.Tensor | None
-    kv_indices: torch.Tensor | None
-    positions: torch.Tensor | None
+    index: TokenIndex  # slot or CSR form (positions also for RoPE)
     window: RingWindow | None
     rope: str | None
     inv_freq: torch.Tensor | None
@@ -323,9 +319,6 @@ class QuantAppendPlan:
         block_t, block_h, _ = self.tiles
         heads = triton.cdiv(self.num_kv_heads, block_h) + triton.cdiv(self.num_q_heads, block_h)
         return triton.cdiv(self.num_tokens, block_t), heads
-
-
-_PLAN_INDEX = ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
 
 
 def _memory_key(k, v, pool, q) -> tuple:
@@ -351,7 +344,7 @@ def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppe
         v_tail=None if v_tail is None else v_tail_plan((pool.data, pool.scales), pool.layout, v_tail),
         tiles=quant_write_tiles(k.shape[0], max(pool.num_kv_heads, num_q_heads), pool.head_dim),
         checked=_memory_key(k, v, pool, q),
-        **{name: None if index.get(name) is None else index[name].contiguous() for name in _PLAN_INDEX},
+        index=TokenIndex.of(**index),
     )
     _check_apart(plan, k, v, pool, q)
     return plan
@@ -445,13 +438,12 @@ def _check_run_inputs(plan: QuantAppendPlan, k, v, pool, q) -> None:
 
 def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
     block_t, block_h, block_d = plan.tiles
-    csr = plan.kv_indptr is not None
     scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
     sstrides = cache_strides(pool.scales, pool.layout) if pool.scales is not None else (0, 0, 0, 0, 0)
     # fmt: off
     quant_append_kernel[plan.grid](
         k, v, pool.data, scales, pool.global_scale, k if q is None else q,
-        *token_index_args(plan.slot_mapping, plan.batch_indices, plan.positions, plan.kv_indptr, plan.kv_indices),
+        *plan.index.launch_args(),
         k if plan.inv_freq is None else plan.inv_freq,
         plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
         *k.stride(),
@@ -460,7 +452,7 @@ def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
         *cache_strides(pool.data, pool.layout),
         *sstrides,
         *ring_params(plan.window),
-        FORMAT=plan.format, CSR=csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope],
+        FORMAT=plan.format, CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope],
         HAS_Q=q is not None,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )

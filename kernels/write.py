@@ -56,7 +56,7 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import ring_params, row_offset, token_index_args, token_rows
+from .addressing import TokenIndex, ring_params, row_offset, token_rows
 from .launch import fingerprint, memory_key
 from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_q_in_place, rope_tile
 from .tiles import write_tiles
@@ -180,11 +180,7 @@ class AppendPlan:
     kv_dtype: torch.dtype
     q_dtype: torch.dtype | None
     q_rows: int  # rows of q (0 without q)
-    slot_mapping: torch.Tensor | None  # slot form
-    batch_indices: torch.Tensor | None  # CSR form
-    kv_indptr: torch.Tensor | None
-    kv_indices: torch.Tensor | None
-    positions: torch.Tensor | None  # CSR addressing and/or RoPE
+    index: TokenIndex  # slot or CSR form (positions also for RoPE)
     window: RingWindow | None
     rope: str | None
     inv_freq: torch.Tensor | None  # float64 [head_dim / 2] on the device, with rope
@@ -197,10 +193,6 @@ class AppendPlan:
         block_t, block_h, _ = self.tiles
         heads = triton.cdiv(self.num_kv_heads, block_h) + triton.cdiv(self.num_q_heads, block_h)
         return triton.cdiv(self.num_tokens, block_t), heads
-
-
-def _contiguous(t):
-    return None if t is None else t.contiguous()
 
 
 def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
@@ -226,8 +218,7 @@ def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
 
 def _check_plan_index_apart(plan: AppendPlan, cache, q) -> None:
     """The plan's index and V-tail tensors apart from the tensors the launch writes."""
-    names = ("slot_mapping", "batch_indices", "positions", "kv_indptr", "kv_indices")
-    read = [(name, getattr(plan, name)) for name in names]
+    read = plan.index.named()
     if plan.v_tail is not None:
         read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail.tables))
     check_disjoint([("cache", cache), ("q", q)], read)
@@ -260,10 +251,7 @@ def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, num_tokens, 
         v_tail=None if v_tail is None else v_tail_plan((cache,), layout, v_tail),
         tiles=write_tiles(num_tokens, max(dims.num_kv_heads, num_q_heads), dims.head_dim),
         checked=memory_key(k, v, cache, q),
-        **{
-            name: _contiguous(index.get(name))
-            for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
-        },
+        index=TokenIndex.of(**index),
     )
 
 
@@ -364,11 +352,10 @@ def run_append(plan: AppendPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.
 
 def _launch(plan: AppendPlan, k, v, cache, q) -> None:
     block_t, block_h, block_d = plan.tiles
-    csr = plan.kv_indptr is not None
     # fmt: off
     append_kernel[plan.grid](
         k, v, cache, k if q is None else q,  # q_ptr is never dereferenced without HAS_Q
-        *token_index_args(plan.slot_mapping, plan.batch_indices, plan.positions, plan.kv_indptr, plan.kv_indices),
+        *plan.index.launch_args(),
         k if plan.inv_freq is None else plan.inv_freq,
         plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
         *k.stride(),
@@ -376,7 +363,7 @@ def _launch(plan: AppendPlan, k, v, cache, q) -> None:
         *((0, 0, 0) if q is None else q.stride()),
         *cache_strides(cache, plan.layout),
         *ring_params(plan.window),
-        CSR=csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope], HAS_Q=q is not None,
+        CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope], HAS_Q=q is not None,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
     # fmt: on
