@@ -16,15 +16,16 @@ RoPE is written once here and every kernel that rotates calls it:
 * :func:`rope_tile`: rotate one ``[BLOCK_T, BLOCK_H, head_dim]`` tile from ``src`` into
   ``dst`` (in place allowed), math in fp32, one conversion to ``dst``'s dtype;
 * :func:`rope_q_in_place`: one head block of Q rotated in place, the extra programs of
-  both MHA writes;
+  the MHA and the quantized write;
 * :func:`copy_tile`: a tile copied in its own dtype (bit-exact, NaN payloads included).
 
 Each caller keeps only its own load, rounding and store around :func:`rope_rotate`:
-the MHA write (:mod:`kernels.write`) and the Q rotation of both MHA writes go through
-:func:`rope_tile` (converted to the cache's or ``q``'s dtype); the quantized write
-(:mod:`kernels.quant_write`) rotates a whole-head tile in feature order and hands it,
-still fp32, to the quantizer; the MLA write (:mod:`kernels.mla`) rounds ``k_pe`` to
-nearest-even with :func:`kernels.rounding.round_to`. They round differently because
+K in the MHA write (:mod:`kernels.write`) and Q in it and in the quantized write go
+through :func:`rope_tile` (converted to the cache's or ``q``'s dtype); the quantized
+write (:mod:`kernels.quant_write`) rotates K as a whole-head tile in feature order and
+hands it, still fp32, to the quantizer; the MLA write (:mod:`kernels.mla`) rounds
+``k_pe`` to nearest-even with :func:`kernels.rounding.round_to`, storing each half as
+soon as it is computed. They round differently because
 their stores differ (a bf16 conversion truncates in the interpreter, a quantizer needs
 fp32), but the angle, the pairing and the rotation are these functions, so the three
 agree on every rotated value before it is stored.
