@@ -101,9 +101,16 @@ MAX_KV_LORA_RANK = 1024  # one latent row is one register tile of next_pow2(rank
 # --------------------------------------------------------------------------- device code
 
 
+# fmt: off
 @triton.jit
-def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos, sin, half, NEOX: tl.constexpr,
-               BLOCK_P: tl.constexpr):  # fmt: skip
+def _rope_rows(
+    # source and destination: per-token base offsets [BLOCK_T], feature stride
+    src_ptr, src_base, src_sd,
+    dst_ptr, dst_base, dst_sd,
+    # valid tokens [BLOCK_T]; rope_cos_sin of the tokens [BLOCK_T, BLOCK_P], pairs per row
+    valid, cos, sin, half,
+    NEOX: tl.constexpr, BLOCK_P: tl.constexpr,
+):
     """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst`` with the halves of
     :func:`kernels.rope.rope_rotate` (pairs of :func:`kernels.rope.rope_pair_features`),
     in fp32, rounded once to nearest-even (:func:`round_to`)."""
@@ -121,6 +128,7 @@ def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos,
     tl.store(dst + f1[None, :].to(tl.int64) * dst_sd, round_to(r1, out_ty), mask=mask)
     r2 = rope_rotate_second(x1, x2, cos, sin)
     tl.store(dst + f2[None, :].to(tl.int64) * dst_sd, round_to(r2, out_ty), mask=mask)
+# fmt: on
 
 
 # fmt: off
