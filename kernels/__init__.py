@@ -36,6 +36,7 @@ from .decode import (  # noqa: E402
 )
 from .gather import GatheredKV, GatherPlan, gather_paged_kv, plan_gather, run_gather  # noqa: E402
 from .merge import merge_partials  # noqa: E402
+from .v_tail import zero_paged_v_tail  # noqa: E402
 from .write import (  # noqa: E402
     AppendPlan,
     append_paged_kv,
@@ -43,7 +44,6 @@ from .write import (  # noqa: E402
     plan_append,
     plan_append_csr,
     run_append,
-    zero_paged_v_tail,
 )
 
 __all__ = [

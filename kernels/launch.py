@@ -8,7 +8,9 @@ prefill, quantized and MLA modules cannot drift apart:
 * :func:`parallel_units`: how many programs the device runs at once, the input of the
   split-KV choice (1 in the interpreter unless it plans as on a GPU);
 * :func:`fingerprint`: ``(shape, strides, dtype, device)`` of a tensor, which a plan
-  records so that a later run can refuse a tensor it was not made for.
+  records so that a later run can refuse a tensor it was not made for;
+* :func:`memory_key`: the fingerprints plus the addresses of the tensors a plan checked,
+  so that a run given those very tensors need not check their memory again.
 
 The host copy of index tensors for the value checks is
 :func:`kernels.validate.host_copy` (it belongs with the checks that use it).
@@ -23,7 +25,7 @@ import functools
 
 import torch
 
-__all__ = ["int32_on_device", "parallel_units", "fingerprint"]
+__all__ = ["int32_on_device", "parallel_units", "fingerprint", "memory_key"]
 
 
 def int32_on_device(x, device: torch.device, min_len: int = 0) -> torch.Tensor:
@@ -60,3 +62,12 @@ def parallel_units(device: torch.device) -> int:
 def fingerprint(t: torch.Tensor) -> tuple:
     """``(shape, strides, dtype, device)`` of ``t``: what a plan checks a later tensor against."""
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def memory_key(*tensors) -> tuple:
+    """``(data_ptr, shape, strides, dtype, device)`` of each tensor (None stays None).
+
+    Overlap and in-bounds checks depend on nothing else, so a run whose tensors have
+    the key its plan recorded is covered by the plan's checks and skips them (an entry
+    point, which plans and runs at once, then validates once)."""
+    return tuple(None if t is None else (t.data_ptr(), *fingerprint(t)) for t in tensors)

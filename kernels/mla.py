@@ -10,8 +10,9 @@ FlashInfer's ``batch_indices``/``positions`` over a CSR page table): grid
 ``cdiv(num_tokens, BLOCK_T)``; each program copies ``BLOCK_T`` latent rows without
 leaving the storage dtype (bit-exact, NaN payloads included) and writes their ``k_pe``,
 rotated by RoPE (fp32 math, angle reduced in fp64) when ``rope`` is given. The token
-addressing, the tile copy and the RoPE angles are the write kernel's own jit helpers
-(:mod:`kernels.write`), so the two appends cannot disagree on a slot or an angle.
+addressing (:mod:`kernels.addressing`), the tile copy and the RoPE angle, pairing and
+rotation (:mod:`kernels.rope`) are the MHA write's jit helpers, so the two appends
+cannot disagree on a slot or a rotated value; only the rounding is MLA's own.
 
 **Decode** in the absorbed form with split-KV is :mod:`kernels.mla_decode`.
 
@@ -33,13 +34,13 @@ import triton.language as tl
 
 from pagedkv_lib import checks, reference
 
-from .addressing import row_offset, token_rows
-from .launch import fingerprint
-from .rope import ROPE_CODES, copy_tile, rope_cos_sin
+from .addressing import TokenIndex, row_offset, token_rows
+from .launch import fingerprint, memory_key
+from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_pair_features, rope_rotate_first, rope_rotate_second
 from .rounding import round_to
 from .tiles import mla_append_block_t, pow2
-from .validate import check_caches_disjoint as _check_caches_disjoint  # the lead renames the call at merge
 from .validate import (
+    check_caches_disjoint,
     check_device,
     check_disjoint,
     check_in_storage,
@@ -51,6 +52,7 @@ from .validate import (
 )
 
 __all__ = [
+    "mla_append_kernel",
     "MLAAppendPlan",
     "plan_append_mla",
     "plan_append_mla_csr",
@@ -63,90 +65,93 @@ __all__ = [
 # --------------------------------------------------------------------------- device code
 
 
+# fmt: off
 @triton.jit
-def _rope_rows(src_ptr, src_base, src_sd, dst_ptr, dst_base, dst_sd, valid, cos, sin, half, NEOX: tl.constexpr,
-               BLOCK_P: tl.constexpr):  # fmt: skip
-    """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst``, in fp32, rounded
-    once (:func:`round_to`). Pair ``i`` is features ``(i, i + half)`` (NeoX) or ``(2i,
-    2i + 1)`` (GPT-J), as :func:`kernels.rope.rope_tile` pairs them."""
+def _rope_rows(
+    # source and destination: per-token base offsets [BLOCK_T], feature stride
+    src_ptr, src_base, src_sd,
+    dst_ptr, dst_base, dst_sd,
+    # valid tokens [BLOCK_T]; rope_cos_sin of the tokens [BLOCK_T, BLOCK_P], pairs per row
+    valid, cos, sin, half,
+    NEOX: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Rotate ``[BLOCK_T, 2 * half]`` RoPE rows from ``src`` into ``dst`` with the halves of
+    :func:`kernels.rope.rope_rotate` (pairs of :func:`kernels.rope.rope_pair_features`),
+    in fp32, rounded once to nearest-even (:func:`round_to`)."""
     pair = tl.arange(0, BLOCK_P)
-    if NEOX:
-        f1 = pair
-        f2 = pair + half
-    else:
-        f1 = 2 * pair
-        f2 = 2 * pair + 1
+    f1, f2 = rope_pair_features(pair, half, NEOX)
     mask = valid[:, None] & (pair < half)[None, :]
     src = src_ptr + src_base[:, None]
     x1 = tl.load(src + f1[None, :].to(tl.int64) * src_sd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + f2[None, :].to(tl.int64) * src_sd, mask=mask, other=0.0).to(tl.float32)
     out_ty = dst_ptr.dtype.element_ty
     dst = dst_ptr + dst_base[:, None]
-    tl.store(dst + f1[None, :].to(tl.int64) * dst_sd, round_to(x1 * cos - x2 * sin, out_ty), mask=mask)
-    tl.store(dst + f2[None, :].to(tl.int64) * dst_sd, round_to(x2 * cos + x1 * sin, out_ty), mask=mask)
+    # Each half stored as soon as it is computed: rope_rotate's pair, formed before the
+    # first store, costs two registers on sm_90.
+    r1 = rope_rotate_first(x1, x2, cos, sin)
+    tl.store(dst + f1[None, :].to(tl.int64) * dst_sd, round_to(r1, out_ty), mask=mask)
+    r2 = rope_rotate_second(x1, x2, cos, sin)
+    tl.store(dst + f2[None, :].to(tl.int64) * dst_sd, round_to(r2, out_ty), mask=mask)
+# fmt: on
 
 
+# fmt: off
 @triton.jit
-def _mla_append_kernel(
-    ckv_ptr,
-    kpe_ptr,
-    ckv_cache_ptr,
-    kpe_cache_ptr,
-    slot_mapping_ptr,
-    batch_indices_ptr,
-    positions_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
+def mla_append_kernel(
+    # pointers: inputs, the two caches, token addressing, RoPE frequencies
+    ckv_ptr, kpe_ptr, ckv_cache_ptr, kpe_cache_ptr,
+    slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
     inv_freq_ptr,
-    num_tokens,
-    kv_lora_rank,
-    rope_dim,
-    page_size,
-    stride_ct,
-    stride_cd,
-    stride_pt,
-    stride_pd,
-    stride_cc_page,
-    stride_cc_n,
-    stride_cc_d,
-    stride_pc_page,
-    stride_pc_n,
-    stride_pc_d,
-    CSR: tl.constexpr,
-    ROPE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    # sizes
+    num_tokens, kv_lora_rank, rope_dim, page_size,
+    # strides of ckv and kpe [token, feature]
+    stride_ct, stride_cd,
+    stride_pt, stride_pd,
+    # strides of ckv_cache and kpe_cache [page, row, feature]
+    stride_cc_page, stride_cc_n, stride_cc_d,
+    stride_pc_page, stride_pc_n, stride_pc_d,
+    # constexprs: addressing form, RoPE code; tiles
+    CSR: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Program ``t``: tokens ``t*BLOCK_T ...``, their latent row and their RoPE key."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     # No ring window for MLA: (sinks, bubble, cyclic length) are unused with HAS_WINDOW off.
     page, row, valid = token_rows(
-        tokens, num_tokens, slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
-        page_size, 0, 0, 1, CSR, False,
-    )  # fmt: skip
+        tokens, num_tokens,
+        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+        page_size, 0, 0, 1,
+        CSR, False,
+    )
     tok = tokens.to(tl.int64)
     head = tl.arange(0, 1)  # the pool's single "head": head strides are 0
     mask_th = valid[:, None]
     dst_c = row_offset(page, row, stride_cc_page, stride_cc_n)
     dst_p = row_offset(page, row, stride_pc_page, stride_pc_n)
     copy_tile(
-        ckv_ptr, tok * stride_ct, 0, stride_cd, ckv_cache_ptr, dst_c, 0, stride_cc_d, head, mask_th, kv_lora_rank,
+        ckv_ptr, tok * stride_ct, 0, stride_cd,
+        ckv_cache_ptr, dst_c, 0, stride_cc_d,
+        head, mask_th, kv_lora_rank,
         BLOCK_R,
-    )  # fmt: skip
+    )
     if ROPE != 0:
         pair = tl.arange(0, BLOCK_P // 2)
         pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < rope_dim // 2)
         _rope_rows(
-            kpe_ptr, tok * stride_pt, stride_pd, kpe_cache_ptr, dst_p, stride_pc_d, valid, cos, sin, rope_dim // 2,
+            kpe_ptr, tok * stride_pt, stride_pd,
+            kpe_cache_ptr, dst_p, stride_pc_d,
+            valid, cos, sin, rope_dim // 2,
             ROPE == 1, BLOCK_P // 2,
-        )  # fmt: skip
+        )
     else:
         copy_tile(
-            kpe_ptr, tok * stride_pt, 0, stride_pd, kpe_cache_ptr, dst_p, 0, stride_pc_d, head, mask_th, rope_dim,
+            kpe_ptr, tok * stride_pt, 0, stride_pd,
+            kpe_cache_ptr, dst_p, 0, stride_pc_d,
+            head, mask_th, rope_dim,
             BLOCK_P,
-        )  # fmt: skip
+        )
+# fmt: on
 
 
 # --------------------------------------------------------------------------- launch checks
@@ -161,7 +166,7 @@ def _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index_tensors: dict) ->
         check_in_storage(name, t)
         for src_name, src in (("ckv", ckv), ("kpe", kpe)):
             check_no_overlap(name, t, src_name, src)
-    _check_caches_disjoint(ckv_cache, kpe_cache)
+    check_caches_disjoint(ckv_cache, kpe_cache)
     for name, (t, fits) in index_tensors.items():
         check_index_tensor(name, t, fits_int32=fits)
     for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # apart from each other: above
@@ -184,23 +189,20 @@ class MLAAppendPlan:
     qk_rope_head_dim: int
     page_size: int
     dtype: torch.dtype
-    slot_mapping: torch.Tensor | None  # slot form
-    batch_indices: torch.Tensor | None  # CSR form
-    kv_indptr: torch.Tensor | None
-    kv_indices: torch.Tensor | None
-    positions: torch.Tensor | None  # CSR addressing and/or RoPE
+    index: TokenIndex  # slot or CSR form (positions also for RoPE)
     rope: str | None
     inv_freq: torch.Tensor | None  # float64 [qk_rope_head_dim / 2] on the device, with rope
     block_t: int
     block_r: int
     block_p: int
+    checked: tuple  # memory_key(ckv, kpe, ckv_cache, kpe_cache) of the tensors planned with
 
     @property
     def grid(self) -> tuple[int]:
         return (triton.cdiv(self.num_tokens, self.block_t),)
 
 
-def _append_plan(ckv, ckv_cache, kpe_cache, rope, rope_theta, **index) -> MLAAppendPlan:
+def _append_plan(ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, **index) -> MLAAppendPlan:
     dims = checks.mla_cache_dims(ckv_cache, kpe_cache)
     block_r, block_p = pow2(dims.kv_lora_rank), pow2(dims.qk_rope_head_dim)
     inv_freq = reference.rope_inv_freq(dims.qk_rope_head_dim, rope_theta).to(ckv_cache.device) if rope else None
@@ -216,10 +218,8 @@ def _append_plan(ckv, ckv_cache, kpe_cache, rope, rope_theta, **index) -> MLAApp
         block_t=mla_append_block_t(ckv.shape[0], block_r + block_p),
         block_r=block_r,
         block_p=block_p,
-        **{
-            name: None if index.get(name) is None else index[name].contiguous()
-            for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
-        },
+        checked=memory_key(ckv, kpe, ckv_cache, kpe_cache),
+        index=TokenIndex.of(**index),
     )
 
 
@@ -243,7 +243,7 @@ def plan_append_mla(
         index["positions"] = (positions, False)
     _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index)
     return _append_plan(
-        ckv, ckv_cache, kpe_cache, rope, rope_theta, slot_mapping=slot_mapping,
+        ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, slot_mapping=slot_mapping,
         positions=positions if rope is not None else None,
     )  # fmt: skip
 
@@ -275,7 +275,7 @@ def plan_append_mla_csr(
     }
     _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index)
     return _append_plan(
-        ckv, ckv_cache, kpe_cache, rope, rope_theta, batch_indices=batch_indices, positions=positions,
+        ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, batch_indices=batch_indices, positions=positions,
         kv_indptr=kv_indptr, kv_indices=kv_indices,
     )  # fmt: skip
 
@@ -285,7 +285,16 @@ def run_append_mla(
 ) -> None:
     """Launch a planned MLA append, in place. The tensors may be other than those planned
     with, of the same shapes, dtype and device (the caches also of the same strides);
-    anything else is a ValueError."""
+    anything else is a ValueError. The very tensors planned with (same addresses and
+    layouts) are not checked again."""
+    if memory_key(ckv, kpe, ckv_cache, kpe_cache) != plan.checked:
+        _check_append_run(plan, ckv, kpe, ckv_cache, kpe_cache)
+    if plan.num_tokens:
+        _launch_append(plan, ckv, kpe, ckv_cache, kpe_cache)
+
+
+def _check_append_run(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> None:
+    """The tensors given to :func:`run_append_mla` must be what the plan was made for."""
     check_same_layout("ckv_cache", ckv_cache, plan.caches[0])
     check_same_layout("kpe_cache", kpe_cache, plan.caches[1])
     for name, t, width in (("ckv", ckv, plan.kv_lora_rank), ("kpe", kpe, plan.qk_rope_head_dim)):
@@ -296,41 +305,26 @@ def run_append_mla(
     for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         check_no_overlap(name, t, "ckv", ckv)
         check_no_overlap(name, t, "kpe", kpe)
-    index = [(n, getattr(plan, n)) for n in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")]
+    index = plan.index.named()
     for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # two slices of one buffer may interleave
         check_disjoint([cache], index)
-    if plan.num_tokens:
-        _launch_append(plan, ckv, kpe, ckv_cache, kpe_cache)
 
 
 def _launch_append(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> None:
-    csr = plan.kv_indptr is not None
-    dummy = plan.batch_indices if csr else plan.slot_mapping  # never dereferenced
-    _mla_append_kernel[plan.grid](
-        ckv,
-        kpe,
-        ckv_cache,
-        kpe_cache,
-        dummy if csr else plan.slot_mapping,
-        plan.batch_indices if csr else dummy,
-        dummy if plan.positions is None else plan.positions,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
+    # fmt: off
+    mla_append_kernel[plan.grid](
+        ckv, kpe, ckv_cache, kpe_cache,
+        *plan.index.launch_args(),
         ckv if plan.inv_freq is None else plan.inv_freq,
-        plan.num_tokens,
-        plan.kv_lora_rank,
-        plan.qk_rope_head_dim,
-        plan.page_size,
+        plan.num_tokens, plan.kv_lora_rank, plan.qk_rope_head_dim, plan.page_size,
         *ckv.stride(),
         *kpe.stride(),
         *ckv_cache.stride(),
         *kpe_cache.stride(),
-        CSR=csr,
-        ROPE=ROPE_CODES[plan.rope],
-        BLOCK_T=plan.block_t,
-        BLOCK_R=plan.block_r,
-        BLOCK_P=plan.block_p,
+        CSR=plan.index.csr, ROPE=ROPE_CODES[plan.rope],
+        BLOCK_T=plan.block_t, BLOCK_R=plan.block_r, BLOCK_P=plan.block_p,
     )
+    # fmt: on
 
 
 def append_paged_mla_kv(
@@ -366,10 +360,14 @@ def append_paged_mla_kv(
     dtype, device, slot range or duplicate, overlapping memory) before anything is
     written. The Python twin is :func:`pagedkv_lib.mla.append_paged_mla_kv`.
     """
-    plan = plan_append_mla(
-        ckv, kpe, ckv_cache, kpe_cache, slot_mapping, rope=rope, positions=positions, rope_theta=rope_theta
+    # fmt: off
+    return run_append_mla(
+        plan_append_mla(
+            ckv, kpe, ckv_cache, kpe_cache, slot_mapping, rope=rope, positions=positions, rope_theta=rope_theta,
+        ),
+        ckv, kpe, ckv_cache, kpe_cache,
     )
-    run_append_mla(plan, ckv, kpe, ckv_cache, kpe_cache)
+    # fmt: on
 
 
 def append_paged_mla_kv_csr(
@@ -395,8 +393,12 @@ def append_paged_mla_kv_csr(
     request's pages, inside the pool. ``rope`` rotates ``kpe`` at ``p``. Other
     arguments and errors as :func:`append_paged_mla_kv`.
     """
-    plan = plan_append_mla_csr(
-        ckv, kpe, ckv_cache, kpe_cache, batch_indices, positions, kv_indices, kv_indptr, rope=rope,
-        rope_theta=rope_theta,
-    )  # fmt: skip
-    run_append_mla(plan, ckv, kpe, ckv_cache, kpe_cache)
+    # fmt: off
+    return run_append_mla(
+        plan_append_mla_csr(
+            ckv, kpe, ckv_cache, kpe_cache, batch_indices, positions, kv_indices, kv_indptr,
+            rope=rope, rope_theta=rope_theta,
+        ),
+        ckv, kpe, ckv_cache, kpe_cache,
+    )
+    # fmt: on

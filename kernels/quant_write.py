@@ -3,9 +3,10 @@
 The quantized twin of :mod:`kernels.write`, with the same two entry points
 (:func:`append_paged_kv_quant` with vLLM's ``slot_mapping``,
 :func:`append_paged_kv_quant_csr` with FlashInfer's request/position form), the same
-fused options (RoPE on K with Q rotated in place by extra programs; V-tail zeroing as a
-second launch) and the same addressing, reused from :mod:`kernels.write` and
-:mod:`kernels.addressing`. The pool is a :class:`pagedkv_lib.quant_pool.QuantizedKVPool`.
+fused options (RoPE on K with Q rotated in place by extra programs, :mod:`kernels.rope`;
+V-tail zeroing as a second launch, :mod:`kernels.v_tail`) and the same addressing,
+:mod:`kernels.addressing`; each entry point is ``run_append_quant(plan_...(...), ...)``.
+The pool is a :class:`pagedkv_lib.quant_pool.QuantizedKVPool`.
 
 What changes is the store. Each program holds a tile of ``BLOCK_T`` tokens x
 ``BLOCK_H`` heads x the whole head in fp32 (RoPE'd first for K) and quantizes it by
@@ -42,11 +43,12 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import ring_params, row_offset, token_rows
-from .launch import fingerprint
+from .addressing import TokenIndex, ring_params, row_offset, token_rows
+from .launch import fingerprint, memory_key
 from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
-from .rope import ROPE_CODES, rope_cos_sin, rope_tile
+from .rope import ROPE_CODES, rope_cos_sin, rope_feature_pair, rope_pair_features, rope_q_in_place, rope_rotate
 from .tiles import quant_write_tiles
+from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 from .validate import (
     check_device,
     check_disjoint,
@@ -56,16 +58,17 @@ from .validate import (
     check_no_overlap,
     check_no_self_overlap,
 )
-from .write import launch_v_tail, v_tail_tensors
 
 __all__ = [
     "FORMAT_CODES",
+    "quant_append_kernel",
     "QuantAppendPlan",
     "plan_append_quant",
     "plan_append_quant_csr",
     "run_append_quant",
     "append_paged_kv_quant",
     "append_paged_kv_quant_csr",
+    "plan_v_tail_quant",
     "zero_paged_v_tail_quant",
     "check_pool_launch",
     "pool_fingerprint",
@@ -80,59 +83,37 @@ FORMAT_CODES = {("fp8", "tensor"): 0, ("fp8", "token"): 1, ("nvfp4", "block"): 2
 
 @triton.jit
 def _load_rows(x_ptr, base, stride_h, stride_d, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, ROPE: tl.constexpr):
-    """fp32 ``[BLOCK_T, BLOCK_H, F]`` of features ``feat [F]`` of each token's heads; with
-    ``ROPE`` rotated at ``pos`` exactly as :func:`kernels.rope.rope_tile` rotates them
-    (same operations in the same order: first feature of a pair ``x1 * c - x2 * s``,
-    second ``x2 * c + x1 * s``). Lanes outside ``mask_th`` or past ``head_dim`` are 0."""
-    f = feat.to(tl.int64)[None, None, :]
+    """fp32 ``[BLOCK_T, BLOCK_H, F]`` of features ``feat [F]`` of each token's heads, in
+    feature order; with ``ROPE`` rotated at ``pos`` by :func:`kernels.rope.rope_rotate`
+    (both features of each lane's pair are loaded; the lane keeps its own half of the
+    rotated pair). Lanes outside ``mask_th`` or past ``head_dim`` are 0."""
     fmask = feat < head_dim
     mask = mask_th[:, :, None] & fmask[None, None, :]
     ptr = x_ptr + base[:, None, None] + heads.to(tl.int64)[None, :, None] * stride_h
-    x = tl.load(ptr + f * stride_d, mask=mask, other=0.0).to(tl.float32)
     if ROPE != 0:
-        half = head_dim // 2
-        if ROPE == 1:  # GPT-NeoX: pair i is features (i, i + half)
-            first = feat < half
-            partner = tl.where(first, feat + half, feat - half)
-            pair = tl.where(first, feat, feat - half)
-        else:  # GPT-J: pair i is features (2i, 2i + 1)
-            first = (feat % 2) == 0
-            partner = tl.where(first, feat + 1, feat - 1)
-            pair = feat // 2
+        pair, first = rope_feature_pair(feat, head_dim // 2, ROPE == 1)
+        f1, f2 = rope_pair_features(pair, head_dim // 2, ROPE == 1)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, fmask)
-        other = tl.load(ptr + partner.to(tl.int64)[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-        c = cos[:, None, :]
-        s = sin[:, None, :]
-        x = tl.where(first[None, None, :], x * c - other * s, x * c + other * s)
+        x1 = tl.load(ptr + f1.to(tl.int64)[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + f2.to(tl.int64)[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+        r1, r2 = rope_rotate(x1, x2, cos[:, None, :], sin[:, None, :])
+        x = tl.where(first[None, None, :], r1, r2)
+    else:
+        x = tl.load(ptr + feat.to(tl.int64)[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
+# fmt: off
 @triton.jit
 def _quantize_store(
-    x,
-    kv,
-    data_ptr,
-    scales_ptr,
-    gscale_ptr,
-    page,
-    row,
-    heads,
-    mask_th,
-    head_dim,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
-    sstride_page,
-    sstride_kv,
-    sstride_n,
-    sstride_h,
-    sstride_g,
-    FORMAT: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    # the fp32 tile, K (0) or V (1); pointers: codes, scales, global scales
+    x, kv, data_ptr, scales_ptr, gscale_ptr,
+    # where: each token's page and row [BLOCK_T], head ids [BLOCK_H], token x head mask
+    page, row, heads, mask_th, head_dim,
+    # strides of the codes and of the scales, in the order of kernels.addressing.cache_offset
+    stride_page, stride_kv, stride_n, stride_h, stride_d,
+    sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
+    FORMAT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Quantize the fp32 tile ``x [BLOCK_T, BLOCK_H, BLOCK_D]`` as K (``kv=0``) or V
     (``kv=1``) and store its codes (and scales) at each token's ``(page, row)``."""
@@ -175,63 +156,41 @@ def _quantize_store(
         tl.store(data_ptr + dst + feat.to(tl.int64)[None, None, :] * stride_d, fp8_encode(y).to(tl.uint8), mask=mask)
 
 
+# fmt: on
+
+
+# fmt: off
 @triton.jit
-def _quant_append_kernel(
-    k_ptr,
-    v_ptr,
-    data_ptr,
-    scales_ptr,
-    gscale_ptr,
-    q_ptr,
-    slot_mapping_ptr,
-    batch_indices_ptr,
-    positions_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
+def quant_append_kernel(
+    # pointers: inputs, the pool's codes, scales and global scales, q (rotated in place),
+    # token addressing, RoPE frequencies
+    k_ptr, v_ptr, data_ptr, scales_ptr, gscale_ptr, q_ptr,
+    slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
     inv_freq_ptr,
-    num_tokens,
-    num_kv_heads,
-    num_q_heads,
-    head_dim,
-    page_size,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
-    sstride_page,
-    sstride_kv,
-    sstride_n,
-    sstride_h,
-    sstride_g,
-    sink_tokens,
-    bubble_len,
-    cyclic_cache_len,
-    FORMAT: tl.constexpr,
-    CSR: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    ROPE: tl.constexpr,
-    HAS_Q: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    # sizes
+    num_tokens, num_kv_heads, num_q_heads, head_dim, page_size,
+    # strides of k, v and q [token, head, feature]
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_qt, stride_qh, stride_qd,
+    # strides of the codes and of the scales, in the order of kernels.addressing.cache_offset
+    stride_page, stride_kv, stride_n, stride_h, stride_d,
+    sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
+    # ring window (kernels.addressing.ring_params)
+    sink_tokens, bubble_len, cyclic_cache_len,
+    # constexprs: format, addressing form, window, RoPE code, q given; tiles
+    FORMAT: tl.constexpr, CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, HAS_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``: quantize and store K
     and V; head blocks past the KV heads rotate Q (only with ``HAS_Q``)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     page, row, valid = token_rows(
-        tokens, num_tokens, slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
-        page_size, sink_tokens, bubble_len, cyclic_cache_len, CSR, HAS_WINDOW,
-    )  # fmt: skip
+        tokens, num_tokens,
+        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+        page_size, sink_tokens, bubble_len, cyclic_cache_len,
+        CSR, HAS_WINDOW,
+    )
     tok = tokens.to(tl.int64)
     kv_blocks = tl.cdiv(num_kv_heads, BLOCK_H)
     hb = tl.program_id(1)
@@ -244,31 +203,34 @@ def _quant_append_kernel(
         mask_th = valid[:, None] & (heads < num_kv_heads)[None, :]
         feat = tl.arange(0, BLOCK_D)
         k = _load_rows(
-            k_ptr, tok * stride_kt, stride_kh, stride_kd, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, ROPE
+            k_ptr, tok * stride_kt, stride_kh, stride_kd, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, ROPE,
         )
         _quantize_store(
-            k, 0, data_ptr, scales_ptr, gscale_ptr, page, row, heads, mask_th, head_dim,
+            k, 0, data_ptr, scales_ptr, gscale_ptr,
+            page, row, heads, mask_th, head_dim,
             stride_page, stride_kv, stride_n, stride_h, stride_d,
-            sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g, FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
-        )  # fmt: skip
+            sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
+            FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
+        )
         v = _load_rows(
-            v_ptr, tok * stride_vt, stride_vh, stride_vd, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, 0
+            v_ptr, tok * stride_vt, stride_vh, stride_vd, heads, feat, mask_th, head_dim, pos, inv_freq_ptr, 0,
         )
         _quantize_store(
-            v, 1, data_ptr, scales_ptr, gscale_ptr, page, row, heads, mask_th, head_dim,
+            v, 1, data_ptr, scales_ptr, gscale_ptr,
+            page, row, heads, mask_th, head_dim,
             stride_page, stride_kv, stride_n, stride_h, stride_d,
-            sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g, FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
-        )  # fmt: skip
+            sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
+            FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
+        )
     elif HAS_Q:
         pair = tl.arange(0, BLOCK_D // 2)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
-        heads = (hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
-        base = tok * stride_qt
-        rope_tile(
-            q_ptr, base, stride_qh, stride_qd, q_ptr, base, stride_qh, stride_qd, heads, mask_th, cos, sin,
-            head_dim // 2, ROPE == 1, BLOCK_D // 2,
-        )  # fmt: skip
+        rope_q_in_place(
+            q_ptr, stride_qt, stride_qh, stride_qd, tok, valid,
+            hb - kv_blocks, num_q_heads, cos, sin, head_dim // 2,
+            ROPE == 1, BLOCK_H, BLOCK_D // 2,
+        )
+# fmt: on
 
 
 # --------------------------------------------------------------------------- plans
@@ -320,9 +282,9 @@ def _check_apart(plan: QuantAppendPlan, k, v, pool, q) -> None:
     in place), and the written ones apart from each other."""
     written = [("pool.data", pool.data), ("pool.scales", pool.scales), ("q", q)]
     read = [("k", k), ("v", v), ("pool.global_scale", pool.global_scale)]
-    read += [(name, getattr(plan, name)) for name in _PLAN_INDEX]
+    read += plan.index.named()
     if plan.v_tail is not None:
-        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail))
+        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail.tables))
     check_disjoint(written, read)
 
 
@@ -344,16 +306,13 @@ class QuantAppendPlan:
     k_dtype: torch.dtype
     v_dtype: torch.dtype
     q_dtype: torch.dtype | None
-    slot_mapping: torch.Tensor | None
-    batch_indices: torch.Tensor | None
-    kv_indptr: torch.Tensor | None
-    kv_indices: torch.Tensor | None
-    positions: torch.Tensor | None
+    index: TokenIndex  # slot or CSR form (positions also for RoPE)
     window: RingWindow | None
     rope: str | None
     inv_freq: torch.Tensor | None
-    v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    v_tail: VTailPlan | None  # zeroes the V tails of the codes and the scales after the append
     tiles: tuple[int, int, int]
+    checked: tuple  # memory_key of k, v, the pool's codes, scales and global scale, q
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -362,7 +321,8 @@ class QuantAppendPlan:
         return triton.cdiv(self.num_tokens, block_t), heads
 
 
-_PLAN_INDEX = ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
+def _memory_key(k, v, pool, q) -> tuple:
+    return memory_key(k, v, pool.data, pool.scales, pool.global_scale, q)
 
 
 def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppendPlan:
@@ -381,9 +341,10 @@ def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppe
         window=window,
         rope=rope,
         inv_freq=reference.rope_inv_freq(pool.head_dim, rope_theta).to(pool.device) if rope else None,
-        v_tail=v_tail,
+        v_tail=None if v_tail is None else v_tail_plan((pool.data, pool.scales), pool.layout, v_tail),
         tiles=quant_write_tiles(k.shape[0], max(pool.num_kv_heads, num_q_heads), pool.head_dim),
-        **{name: None if index.get(name) is None else index[name].contiguous() for name in _PLAN_INDEX},
+        checked=_memory_key(k, v, pool, q),
+        index=TokenIndex.of(**index),
     )
     _check_apart(plan, k, v, pool, q)
     return plan
@@ -447,9 +408,20 @@ def plan_append_quant_csr(
 def run_append_quant(plan: QuantAppendPlan, k, v, pool, q=None) -> None:
     """Launch a planned quantized append (and its V-tail zeroing), in place. ``k``, ``v``,
     ``pool`` and ``q`` may be others than planned with, of the same shapes, dtypes,
-    strides and device; anything else is a ValueError."""
+    strides and device; anything else is a ValueError. The very tensors planned with
+    (same addresses and layouts) are not checked again."""
     if pool_fingerprint(pool) != plan.pool:
         raise ValueError(f"pool is {pool_fingerprint(pool)}; the plan was made for {plan.pool}")
+    if _memory_key(k, v, pool, q) != plan.checked:
+        _check_run_inputs(plan, k, v, pool, q)
+    if plan.num_tokens:
+        _launch(plan, k, v, pool, q)
+    if plan.v_tail is not None:
+        run_v_tail(plan.v_tail, pool.data, pool.scales)
+
+
+def _check_run_inputs(plan: QuantAppendPlan, k, v, pool, q) -> None:
+    """The tensors given to :func:`run_append_quant` must be what the plan was made for."""
     want = (plan.num_tokens, plan.num_kv_heads, plan.head_dim)
     for name, t, dtype in (("k", k, plan.k_dtype), ("v", v, plan.v_dtype)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
@@ -462,59 +434,29 @@ def run_append_quant(plan: QuantAppendPlan, k, v, pool, q=None) -> None:
         raise ValueError(f"q has shape {tuple(q.shape)} and {q.dtype}; the plan was made for another q")
     _check_inputs(k, v, pool, q)
     _check_apart(plan, k, v, pool, q)
-    if plan.num_tokens:
-        _launch(plan, k, v, pool, q)
-    if plan.v_tail is not None:
-        _zero_tails(pool, *plan.v_tail)
 
 
 def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
     block_t, block_h, block_d = plan.tiles
-    dummy = plan.slot_mapping if plan.slot_mapping is not None else plan.batch_indices  # never dereferenced
-    csr = plan.kv_indptr is not None
     scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
     sstrides = cache_strides(pool.scales, pool.layout) if pool.scales is not None else (0, 0, 0, 0, 0)
-    _quant_append_kernel[plan.grid](
-        k,
-        v,
-        pool.data,
-        scales,
-        pool.global_scale,
-        k if q is None else q,
-        dummy,
-        dummy if plan.batch_indices is None else plan.batch_indices,
-        dummy if plan.positions is None else plan.positions,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
+    # fmt: off
+    quant_append_kernel[plan.grid](
+        k, v, pool.data, scales, pool.global_scale, k if q is None else q,
+        *plan.index.launch_args(),
         k if plan.inv_freq is None else plan.inv_freq,
-        plan.num_tokens,
-        plan.num_kv_heads,
-        plan.num_q_heads,
-        plan.head_dim,
-        plan.page_size,
+        plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
         *k.stride(),
         *v.stride(),
         *((0, 0, 0) if q is None else q.stride()),
         *cache_strides(pool.data, pool.layout),
         *sstrides,
         *ring_params(plan.window),
-        FORMAT=plan.format,
-        CSR=csr,
-        HAS_WINDOW=plan.window is not None,
-        ROPE=ROPE_CODES[plan.rope],
+        FORMAT=plan.format, CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope],
         HAS_Q=q is not None,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
-
-
-def _zero_tails(pool, kv_indptr, kv_indices, kv_last_page_len) -> None:
-    """Zero the V tails in the codes and in the scale pool: the V-tail kernel of
-    :mod:`kernels.write` works on any 5-D pool tensor, whatever its last dimension."""
-    launch_v_tail(pool.data, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
-    if pool.scales is not None:
-        launch_v_tail(pool.scales, pool.layout, kv_indptr, kv_indices, kv_last_page_len)
+    # fmt: on
 
 
 # --------------------------------------------------------------------------- entry points
@@ -544,10 +486,15 @@ def append_paged_kv_quant(
     anything is written. The Python twin is
     :func:`pagedkv_lib.quant_reference.append_paged_kv_quant`.
     """
-    plan = plan_append_quant(
-        k, v, pool, slot_mapping, rope=rope, positions=positions, rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail
+    # fmt: off
+    return run_append_quant(
+        plan_append_quant(
+            k, v, pool, slot_mapping,
+            rope=rope, positions=positions, rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail,
+        ),
+        k, v, pool, q,
     )
-    run_append_quant(plan, k, v, pool, q)
+    # fmt: on
 
 
 def append_paged_kv_quant_csr(
@@ -569,16 +516,27 @@ def append_paged_kv_quant_csr(
     table, as :func:`kernels.write.append_paged_kv_csr` (the kernel computes each
     token's page and row; ``window``; RoPE at the absolute position;
     ``kv_last_page_len`` zeroes the V tails). Raises ValueError before any write."""
-    plan = plan_append_quant_csr(
-        k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window=window, rope=rope,
-        rope_theta=rope_theta, q=q, kv_last_page_len=kv_last_page_len,
-    )  # fmt: skip
-    run_append_quant(plan, k, v, pool, q)
+    # fmt: off
+    return run_append_quant(
+        plan_append_quant_csr(
+            k, v, pool, batch_indices, positions, kv_indices, kv_indptr,
+            window=window, rope=rope, rope_theta=rope_theta, q=q, kv_last_page_len=kv_last_page_len,
+        ),
+        k, v, pool, q,
+    )
+    # fmt: on
+
+
+def plan_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len) -> VTailPlan:
+    """Validate a :func:`zero_paged_v_tail_quant` call once and return its
+    :class:`~kernels.v_tail.VTailPlan` (codes and, if the pool has them, scales)."""
+    check_pool_launch(pool)
+    tables = v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), None)
+    return v_tail_plan((pool.data, pool.scales), pool.layout, tables)
 
 
 def zero_paged_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len) -> None:
     """Zero the V codes and scales of rows ``kv_last_page_len[b] .. page_size - 1`` of
     each request's last page, in place, so they dequantize to 0. Raises ValueError
     naming the argument before anything is written."""
-    check_pool_launch(pool)
-    _zero_tails(pool, *v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), None))
+    return run_v_tail(plan_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len), pool.data, pool.scales)

@@ -1,8 +1,8 @@
 """The Triton write kernel: append new tokens' K and V into the paged pool, in place.
 
-Two entry points address the same kernel (and each has a plan, which validates once
-and can be run again: :func:`plan_append` / :func:`plan_append_csr` then
-:func:`run_append`):
+Two entry points address the same kernel, :func:`append_kernel`; each is
+``run_append(plan_append...(...), ...)``: the plan validates once and can be run again
+(:func:`plan_append` / :func:`plan_append_csr` then :func:`run_append`):
 
 * :func:`append_paged_kv` takes vLLM's ``slot_mapping`` (flat slot ``page * page_size +
   row`` per token, ``-1`` = padding);
@@ -12,8 +12,10 @@ and can be run again: :func:`plan_append` / :func:`plan_append_csr` then
   kv_indices[kv_indptr[b] + row // page_size]`` and ``row % page_size``.
 
 Options, fused into the same launch: RoPE on K (GPT-NeoX half-split or GPT-J
-interleaved pairs) with Q rotated in place by extra programs of the same grid; and,
-as a second small launch, zeroing the unused V rows of each sequence's last page.
+interleaved pairs, :mod:`kernels.rope`) with Q rotated in place by extra programs of
+the same grid; and, as a second small launch, zeroing the unused V rows of each
+sequence's last page (:mod:`kernels.v_tail`, whose :func:`~kernels.v_tail.zero_paged_v_tail`
+does it alone).
 
 Grid: ``(cdiv(num_tokens, BLOCK_T), kv_head_blocks [+ q_head_blocks])``. Each program
 writes one independent tile of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the whole head
@@ -54,10 +56,11 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import cache_offset, ring_params, row_offset, token_rows
-from .launch import fingerprint
-from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_tile
+from .addressing import TokenIndex, ring_params, row_offset, token_rows
+from .launch import fingerprint, memory_key
+from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_q_in_place, rope_tile
 from .tiles import write_tiles
+from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 from .validate import (
     check_device,
     check_disjoint,
@@ -70,81 +73,47 @@ from .validate import (
 )
 
 __all__ = [
-    "ROPE_CODES",
+    "append_kernel",
     "AppendPlan",
     "plan_append",
     "plan_append_csr",
     "run_append",
     "append_paged_kv",
     "append_paged_kv_csr",
-    "zero_paged_v_tail",
-    # shared with the quantized write
-    "v_tail_tensors",
-    "launch_v_tail",
 ]
 
 # --------------------------------------------------------------------------- device code
 
 
+# fmt: off
 @triton.jit
-def _append_kernel(
-    k_ptr,
-    v_ptr,
-    cache_ptr,
-    q_ptr,
-    slot_mapping_ptr,
-    batch_indices_ptr,
-    positions_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
+def append_kernel(
+    # pointers: inputs, the pool, q (rotated in place), token addressing, RoPE frequencies
+    k_ptr, v_ptr, cache_ptr, q_ptr,
+    slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
     inv_freq_ptr,
-    num_tokens,
-    num_kv_heads,
-    num_q_heads,
-    head_dim,
-    page_size,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
-    sink_tokens,
-    bubble_len,
-    cyclic_cache_len,
-    CSR: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    ROPE: tl.constexpr,
-    HAS_Q: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    # sizes
+    num_tokens, num_kv_heads, num_q_heads, head_dim, page_size,
+    # strides of k, v and q [token, head, feature]
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_qt, stride_qh, stride_qd,
+    # strides of the pool in the order of kernels.addressing.cache_offset
+    stride_page, stride_kv, stride_n, stride_h, stride_d,
+    # ring window (kernels.addressing.ring_params)
+    sink_tokens, bubble_len, cyclic_cache_len,
+    # constexprs: addressing form, window, RoPE code, q given; tiles
+    CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, HAS_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``. Head blocks past the
     KV heads rotate Q (only with ``HAS_Q``); their programs write nothing to the cache."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     page, row, valid = token_rows(
-        tokens,
-        num_tokens,
-        slot_mapping_ptr,
-        batch_indices_ptr,
-        positions_ptr,
-        kv_indptr_ptr,
-        kv_indices_ptr,
-        page_size,
-        sink_tokens,
-        bubble_len,
-        cyclic_cache_len,
-        CSR,
-        HAS_WINDOW,
+        tokens, num_tokens,
+        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+        page_size, sink_tokens, bubble_len, cyclic_cache_len,
+        CSR, HAS_WINDOW,
     )
     tok = tokens.to(tl.int64)
     kv_blocks = tl.cdiv(num_kv_heads, BLOCK_H)
@@ -159,70 +128,32 @@ def _append_kernel(
         dst_k = row_offset(page, row, stride_page, stride_n)  # K of head 0, feature 0 of each token's row
         if ROPE != 0:
             rope_tile(
-                k_ptr, tok * stride_kt, stride_kh, stride_kd, cache_ptr, dst_k, stride_h, stride_d, heads, mask_th,
-                cos, sin, head_dim // 2, ROPE == 1, BLOCK_D // 2,
-            )  # fmt: skip
+                k_ptr, tok * stride_kt, stride_kh, stride_kd,
+                cache_ptr, dst_k, stride_h, stride_d,
+                heads, mask_th,
+                cos, sin, head_dim // 2,
+                ROPE == 1, BLOCK_D // 2,
+            )
         else:
             copy_tile(
-                k_ptr, tok * stride_kt, stride_kh, stride_kd, cache_ptr, dst_k, stride_h, stride_d, heads, mask_th,
-                head_dim, BLOCK_D,
-            )  # fmt: skip
+                k_ptr, tok * stride_kt, stride_kh, stride_kd,
+                cache_ptr, dst_k, stride_h, stride_d,
+                heads, mask_th, head_dim,
+                BLOCK_D,
+            )
         copy_tile(
-            v_ptr, tok * stride_vt, stride_vh, stride_vd, cache_ptr, dst_k + stride_kv, stride_h, stride_d, heads,
-            mask_th, head_dim, BLOCK_D,
-        )  # fmt: skip
+            v_ptr, tok * stride_vt, stride_vh, stride_vd,
+            cache_ptr, dst_k + stride_kv, stride_h, stride_d,
+            heads, mask_th, head_dim,
+            BLOCK_D,
+        )
     elif HAS_Q:
-        heads = (hb - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_th = valid[:, None] & (heads < num_q_heads)[None, :]
-        base = tok * stride_qt
-        rope_tile(
-            q_ptr, base, stride_qh, stride_qd, q_ptr, base, stride_qh, stride_qd, heads, mask_th, cos, sin,
-            head_dim // 2, ROPE == 1, BLOCK_D // 2,
-        )  # fmt: skip
-
-
-@triton.jit
-def _zero_v_tail_kernel(
-    cache_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    kv_last_page_len_ptr,
-    num_kv_heads,
-    head_dim,
-    page_size,
-    stride_page,
-    stride_kv,
-    stride_n,
-    stride_h,
-    stride_d,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Program ``(b, r, h)``: zero the V rows ``r*BLOCK_R ...`` that lie at or past
-    ``kv_last_page_len[b]`` in request ``b``'s last page, for head block ``h`` (nothing
-    for a request without pages). One program per row block rather than a loop over
-    rows: Triton 3.6's interpreter cannot ``range()`` over a runtime bound."""
-    b = tl.program_id(0)
-    start = tl.load(kv_indptr_ptr + b)
-    end = tl.load(kv_indptr_ptr + b + 1)
-    has_pages = end > start
-    page = tl.load(kv_indices_ptr + end - 1, mask=has_pages, other=0)
-    # A request without pages zeroes nothing: its tail starts at page_size. (Folded into
-    # the row bound rather than and-ed as a scalar mask, which the interpreter widens
-    # to int32.)
-    first_zero = tl.where(has_pages, tl.load(kv_last_page_len_ptr + b), page_size)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    feat = tl.arange(0, BLOCK_D)
-    mask_r = (rows >= first_zero) & (rows < page_size)
-    mask = mask_r[:, None, None] & (heads < num_kv_heads)[None, :, None] & (feat < head_dim)[None, None, :]
-    offs = cache_offset(
-        page, 1, rows[:, None, None], heads[None, :, None], feat[None, None, :],
-        stride_page, stride_kv, stride_n, stride_h, stride_d,
-    )  # fmt: skip
-    zeros = tl.zeros((BLOCK_R, BLOCK_H, BLOCK_D), dtype=cache_ptr.dtype.element_ty)
-    tl.store(cache_ptr + offs, zeros, mask=mask)
+        rope_q_in_place(
+            q_ptr, stride_qt, stride_qh, stride_qd, tok, valid,
+            hb - kv_blocks, num_q_heads, cos, sin, head_dim // 2,
+            ROPE == 1, BLOCK_H, BLOCK_D // 2,
+        )
+# fmt: on
 
 
 # --------------------------------------------------------------------------- plans
@@ -249,26 +180,19 @@ class AppendPlan:
     kv_dtype: torch.dtype
     q_dtype: torch.dtype | None
     q_rows: int  # rows of q (0 without q)
-    slot_mapping: torch.Tensor | None  # slot form
-    batch_indices: torch.Tensor | None  # CSR form
-    kv_indptr: torch.Tensor | None
-    kv_indices: torch.Tensor | None
-    positions: torch.Tensor | None  # CSR addressing and/or RoPE
+    index: TokenIndex  # slot or CSR form (positions also for RoPE)
     window: RingWindow | None
     rope: str | None
     inv_freq: torch.Tensor | None  # float64 [head_dim / 2] on the device, with rope
-    v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (kv_indptr, kv_indices, kv_last_page_len)
+    v_tail: VTailPlan | None  # the V-tail zeroing run after the append
     tiles: tuple[int, int, int]  # (BLOCK_T, BLOCK_H, BLOCK_D)
+    checked: tuple  # memory_key(k, v, cache, q) of the tensors planned with
 
     @property
     def grid(self) -> tuple[int, int]:
         block_t, block_h, _ = self.tiles
         heads = triton.cdiv(self.num_kv_heads, block_h) + triton.cdiv(self.num_q_heads, block_h)
         return triton.cdiv(self.num_tokens, block_t), heads
-
-
-def _contiguous(t):
-    return None if t is None else t.contiguous()
 
 
 def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
@@ -294,28 +218,18 @@ def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
 
 def _check_plan_index_apart(plan: AppendPlan, cache, q) -> None:
     """The plan's index and V-tail tensors apart from the tensors the launch writes."""
-    names = ("slot_mapping", "batch_indices", "positions", "kv_indptr", "kv_indices")
-    read = [(name, getattr(plan, name)) for name in names]
+    read = plan.index.named()
     if plan.v_tail is not None:
-        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail))
+        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail.tables))
     check_disjoint([("cache", cache), ("q", q)], read)
 
 
-def v_tail_tensors(cache, layout, zero_v_tail, written):
-    """The three V-tail tensors ``(kv_indptr, kv_indices, kv_last_page_len)`` made
-    contiguous, after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args`
-    against ``cache`` in ``layout``, with ``written`` the slots this launch writes, or
-    None) and the launch checks; raises ``ValueError`` naming the argument. The
-    quantized write (:mod:`kernels.quant_write`) shares it."""
-    if not isinstance(zero_v_tail, tuple) or len(zero_v_tail) != 3:
-        raise ValueError("zero_v_tail must be a tuple (kv_indptr, kv_indices, kv_last_page_len)")
-    for name, t in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), zero_v_tail):
-        check_index_tensor(name, t)
-    checks.check_v_tail_args(cache, *zero_v_tail, layout=layout, written=written)
-    return tuple(t.contiguous() for t in zero_v_tail)
-
-
 def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, num_tokens, **index) -> AppendPlan:
+    """The :class:`AppendPlan` of arguments already checked; ``v_tail`` is the checked
+    ``(kv_indptr, kv_indices, kv_last_page_len)`` or None (checked here apart from the
+    tensors the launch writes: the V-tail launch reads them)."""
+    if v_tail is not None:
+        check_disjoint([("cache", cache), ("q", q)], list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), v_tail)))
     dims = cache_dims(cache, layout)
     num_q_heads = 0 if q is None else q.shape[1]
     inv_freq = reference.rope_inv_freq(dims.head_dim, rope_theta).to(cache.device) if rope else None
@@ -334,12 +248,10 @@ def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, num_tokens, 
         window=window,
         rope=rope,
         inv_freq=inv_freq,
-        v_tail=v_tail,
+        v_tail=None if v_tail is None else v_tail_plan((cache,), layout, v_tail),
         tiles=write_tiles(num_tokens, max(dims.num_kv_heads, num_q_heads), dims.head_dim),
-        **{
-            name: _contiguous(index.get(name))
-            for name in ("slot_mapping", "batch_indices", "kv_indptr", "kv_indices", "positions")
-        },
+        checked=memory_key(k, v, cache, q),
+        index=TokenIndex.of(**index),
     )
 
 
@@ -428,74 +340,33 @@ def _check_run_inputs(plan: AppendPlan, k, v, cache, q) -> None:
 def run_append(plan: AppendPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, q=None) -> None:
     """Launch a planned append (and its V-tail zeroing), in place. ``k``, ``v``, ``cache``
     and ``q`` may be other tensors than those planned with, of the same shapes, dtypes
-    and device (``cache`` also of the same strides); anything else is a ValueError."""
-    _check_run_inputs(plan, k, v, cache, q)
+    and device (``cache`` also of the same strides); anything else is a ValueError. The
+    very tensors planned with (same addresses and layouts) are not checked again."""
+    if memory_key(k, v, cache, q) != plan.checked:
+        _check_run_inputs(plan, k, v, cache, q)
     if plan.num_tokens:
-        _launch_append(plan, k, v, cache, q)
+        _launch(plan, k, v, cache, q)
     if plan.v_tail is not None:
-        launch_v_tail(cache, plan.layout, *plan.v_tail)
+        run_v_tail(plan.v_tail, cache)
 
 
-def _launch_append(plan: AppendPlan, k, v, cache, q) -> None:
+def _launch(plan: AppendPlan, k, v, cache, q) -> None:
     block_t, block_h, block_d = plan.tiles
-    dummy = plan.slot_mapping if plan.slot_mapping is not None else plan.batch_indices  # never dereferenced
-    csr = plan.kv_indptr is not None
-    _append_kernel[plan.grid](
-        k,
-        v,
-        cache,
-        k if q is None else q,  # q_ptr is never dereferenced without HAS_Q
-        dummy,
-        dummy if plan.batch_indices is None else plan.batch_indices,
-        dummy if plan.positions is None else plan.positions,
-        plan.kv_indptr if csr else dummy,
-        plan.kv_indices if csr else dummy,
+    # fmt: off
+    append_kernel[plan.grid](
+        k, v, cache, k if q is None else q,  # q_ptr is never dereferenced without HAS_Q
+        *plan.index.launch_args(),
         k if plan.inv_freq is None else plan.inv_freq,
-        plan.num_tokens,
-        plan.num_kv_heads,
-        plan.num_q_heads,
-        plan.head_dim,
-        plan.page_size,
+        plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
         *k.stride(),
         *v.stride(),
         *((0, 0, 0) if q is None else q.stride()),
         *cache_strides(cache, plan.layout),
         *ring_params(plan.window),
-        CSR=csr,
-        HAS_WINDOW=plan.window is not None,
-        ROPE=ROPE_CODES[plan.rope],
-        HAS_Q=q is not None,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
+        CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope], HAS_Q=q is not None,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
-
-
-def launch_v_tail(cache, layout, kv_indptr, kv_indices, kv_last_page_len) -> None:
-    """Zero the unused V rows of each sequence's last page of ``cache`` (a 5-D pool in
-    ``layout``, or a quantized pool's codes or scales laid out alike), in place, with
-    tensors already checked by :func:`v_tail_tensors`. Returns None; one launch, none
-    for an empty batch. The quantized write (:mod:`kernels.quant_write`) shares it."""
-    dims = cache_dims(cache, layout)
-    batch = kv_last_page_len.numel()
-    if batch == 0:
-        return
-    # Rows of a page play the part of tokens: the same tile budget applies.
-    block_r, block_h, block_d = write_tiles(dims.page_size, dims.num_kv_heads, dims.head_dim)
-    grid = (batch, triton.cdiv(dims.page_size, block_r), triton.cdiv(dims.num_kv_heads, block_h))
-    _zero_v_tail_kernel[grid](
-        cache,
-        kv_indptr,
-        kv_indices,
-        kv_last_page_len,
-        dims.num_kv_heads,
-        dims.head_dim,
-        dims.page_size,
-        *cache_strides(cache, layout),
-        BLOCK_R=block_r,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-    )
+    # fmt: on
 
 
 # --------------------------------------------------------------------------- entry points
@@ -540,11 +411,15 @@ def append_paged_kv(
     before anything is written. The Python twin is
     :func:`pagedkv_lib.reference.append_paged_kv` (same arguments, same rules).
     """
-    plan = plan_append(
-        k, v, cache, slot_mapping, layout, rope=rope, positions=positions, rope_theta=rope_theta, q=q,
-        zero_v_tail=zero_v_tail,
-    )  # fmt: skip
-    run_append(plan, k, v, cache, q)
+    # fmt: off
+    return run_append(
+        plan_append(
+            k, v, cache, slot_mapping, layout,
+            rope=rope, positions=positions, rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail,
+        ),
+        k, v, cache, q,
+    )
+    # fmt: on
 
 
 def append_paged_kv_csr(
@@ -580,19 +455,12 @@ def append_paged_kv_csr(
     ``kv_last_page_len`` but does not write with it; here a V tail is zeroed only when
     asked for by name.) Raises ValueError naming the argument before any write.
     """
-    plan = plan_append_csr(
-        k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window=window, rope=rope,
-        rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail,
-    )  # fmt: skip
-    run_append(plan, k, v, cache, q)
-
-
-def zero_paged_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> None:
-    """Zero V rows ``kv_last_page_len[b] .. page_size - 1`` of each request's last page
-    ``kv_indices[kv_indptr[b + 1] - 1]``, in place (returns None). Requests without pages
-    are skipped. Raises ValueError naming the argument (see :func:`append_paged_kv`)."""
-    check_device("cache", cache)
-    check_kernel_dtype("cache", cache)
-    check_no_self_overlap("cache", cache)
-    check_in_storage("cache", cache)
-    launch_v_tail(cache, layout, *v_tail_tensors(cache, layout, (kv_indptr, kv_indices, kv_last_page_len), None))
+    # fmt: off
+    return run_append(
+        plan_append_csr(
+            k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout,
+            window=window, rope=rope, rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail,
+        ),
+        k, v, cache, q,
+    )
+    # fmt: on

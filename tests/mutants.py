@@ -91,7 +91,7 @@ APPEND_MUTANTS = [
     Mutant(
         "append_drops_last_token",
         "the last token of every append is not written",
-        {"write": (("in_range = tokens < num_tokens\n", "in_range = tokens < num_tokens - 1\n"),)},
+        {"addressing": (("in_range = tokens < num_tokens\n", "in_range = tokens < num_tokens - 1\n"),)},
         "append_paged_kv",
     ),
     Mutant(

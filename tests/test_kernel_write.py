@@ -24,8 +24,9 @@ import triton.language as tl
 
 import kernels.write as write
 from kernels.addressing import cache_offset
+from kernels.v_tail import zero_paged_v_tail
 from kernels.validate import check_no_self_overlap
-from kernels.write import append_paged_kv, append_paged_kv_csr, zero_paged_v_tail
+from kernels.write import append_paged_kv, append_paged_kv_csr
 from pagedkv_lib.formats import csr_slot_mapping
 
 DEV = runtime.device()
@@ -367,119 +368,121 @@ def test_large_pool_gpu():
 # ----------------------------------------------------------------------------- validation
 
 
-def _bad_calls():
-    """``(name, call(k, v, cache, slots, extra), message)``: each call must raise a
-    ValueError matching ``message`` and leave the pool untouched."""
+def _tail(last: int):
+    """``zero_v_tail`` of one request owning page 2, its last page ``last`` rows long."""
     i32 = dict(dtype=torch.int32, device=DEV)
-    tail = lambda last: (torch.tensor([0, 1], **i32), torch.tensor([2], **i32), torch.tensor([last], **i32))
-    return [
-        ("shape", lambda k, v, c, s, e: append_paged_kv(k[:, :1], v, c, s), r"^k has shape"),
-        ("dtype", lambda k, v, c, s, e: append_paged_kv(k.half(), v, c, s), r"k\.dtype"),
-        ("slot range", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.clone().fill_(-2)), r"slot_mapping\[0\]"),
-        ("slot high", lambda k, v, c, s, e: append_paged_kv(k, v, c, s + 40), r"slot_mapping\[\d+\].*outside"),
-        ("duplicate", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.clone().fill_(3)), r"slot 3 more than once"),
-        ("list slots", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.tolist()), r"slot_mapping must be a torch"),
-        ("float slots", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.float()), r"slot_mapping must hold int"),
-        ("layout", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, "NDH"), r"layout"),
-        ("fp64 cache", lambda k, v, c, s, e: append_paged_kv(k.double(), v.double(), c.double(), s), r"cache\.dtype"),
-        (
-            "expanded cache",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c[:1].expand(c.shape), s),
-            r"cache .*reaches some elements twice",
-        ),
-        ("q without rope", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, q=e["q"]), r"q is given but rope"),
-        ("rope style", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="llama", positions=e["pos"]), r"rope="),
-        ("no positions", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox"), r"needs positions"),
-        (
-            "negative position",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox", positions=e["pos"] - 5),
-            r"positions\[0\]=-5",
-        ),
-        (
-            "theta",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox", positions=e["pos"], rope_theta=float("inf")),
-            r"rope_theta",
-        ),
-        (
-            "q shape",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="gptj", positions=e["pos"], q=e["q"][:1]),
-            r"q has shape",
-        ),
-        (
-            "q expanded",
-            lambda k, v, c, s, e: append_paged_kv(
-                k, v, c, s, rope="gptj", positions=e["pos"], q=e["q"][:, :1].expand(e["q"].shape)
-            ),
-            r"q .*reaches some elements twice",
-        ),
-        (
-            "tail overwrites a token",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c, s, zero_v_tail=tail(1)),
-            r"token \d+ is written to slot 9, inside a V tail",
-        ),
-        (
-            "tail last len",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c, s, zero_v_tail=tail(5)),
-            r"kv_last_page_len\[0\]=5",
-        ),
-        (
-            "csr beyond pages",
-            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"], e["pos"] + 4, *e["csr"]),
-            r"positions\[\d+\]=\d+ falls in block 2 but request 0 owns 2 pages",
-        ),
-        (
-            "csr request id",
-            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"] + 1, e["pos"], *e["csr"]),
-            r"batch_indices\[0\]=1 but kv_indptr describes 1",
-        ),
-        (
-            "csr more tokens than k rows",
-            lambda k, v, c, s, e: append_paged_kv_csr(k[:3], v[:3], c, e["batch"], e["pos"], *e["csr"]),
-            r"batch_indices has 4 entries but k has only 3 rows",
-        ),
-        (
-            "csr batch index -2",
-            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"] - 2, e["pos"], *e["csr"]),
-            r"batch_indices\[0\]=-2 is negative; only -1 marks a padding token",
-        ),
-        (
-            "csr position -3",
-            lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"], e["pos"] - 3, *e["csr"]),
-            r"positions\[0\]=-3 is negative; only -1 marks a padding token",
-        ),
-        (
-            "csr page outside the pool",
-            lambda k, v, c, s, e: append_paged_kv_csr(
-                k, v, c, e["batch"], e["pos"], torch.tensor([1, 25], dtype=torch.int32, device=DEV), e["csr"][1]
-            ),
-            r"kv_indices\[1\]=25 is not a page id of the pool \(3 pages\); token 1 \(request 0, position 5\)",
-        ),
-        (
-            "slot_mapping None",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c, None),
-            r"slot_mapping is None",
-        ),
-        (
-            "q overlaps the pool through another storage",
-            lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox", positions=e["pos"], q=_alias(c, (4, 4, 8))),
-            r"q overlaps the memory of cache",
-        ),
-        (
-            "k is a view of the pool",
-            lambda k, v, c, s, e: append_paged_kv(c[0, 0], v, c, s),
-            r"k overlaps the memory of cache",
-        ),
-        (
-            "csr window page size",
-            lambda k, v, c, s, e: append_paged_kv_csr(
-                k, v, c, e["batch"], e["pos"], *e["csr"], window=RingWindow(8, 0, 2)
-            ),
-            r"tokens_per_block",
-        ),
-    ]
+    return torch.tensor([0, 1], **i32), torch.tensor([2], **i32), torch.tensor([last], **i32)
 
 
-@pytest.mark.parametrize("name,call,message", _bad_calls(), ids=[c[0] for c in _bad_calls()])
+# (name, call(k, v, cache, slots, extra), message): each call must raise a ValueError
+# matching ``message`` and leave the pool untouched (the inputs are built by
+# test_validation_names_argument_and_writes_nothing).
+BAD_CALLS = [
+    ("shape", lambda k, v, c, s, e: append_paged_kv(k[:, :1], v, c, s), r"^k has shape"),
+    ("dtype", lambda k, v, c, s, e: append_paged_kv(k.half(), v, c, s), r"k\.dtype"),
+    ("slot range", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.clone().fill_(-2)), r"slot_mapping\[0\]"),
+    ("slot high", lambda k, v, c, s, e: append_paged_kv(k, v, c, s + 40), r"slot_mapping\[\d+\].*outside"),
+    ("duplicate", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.clone().fill_(3)), r"slot 3 more than once"),
+    ("list slots", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.tolist()), r"slot_mapping must be a torch"),
+    ("float slots", lambda k, v, c, s, e: append_paged_kv(k, v, c, s.float()), r"slot_mapping must hold int"),
+    ("layout", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, "NDH"), r"layout"),
+    ("fp64 cache", lambda k, v, c, s, e: append_paged_kv(k.double(), v.double(), c.double(), s), r"cache\.dtype"),
+    (
+        "expanded cache",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c[:1].expand(c.shape), s),
+        r"cache .*reaches some elements twice",
+    ),
+    ("q without rope", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, q=e["q"]), r"q is given but rope"),
+    ("rope style", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="llama", positions=e["pos"]), r"rope="),
+    ("no positions", lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox"), r"needs positions"),
+    (
+        "negative position",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox", positions=e["pos"] - 5),
+        r"positions\[0\]=-5",
+    ),
+    (
+        "theta",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox", positions=e["pos"], rope_theta=float("inf")),
+        r"rope_theta",
+    ),
+    (
+        "q shape",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="gptj", positions=e["pos"], q=e["q"][:1]),
+        r"q has shape",
+    ),
+    (
+        "q expanded",
+        lambda k, v, c, s, e: append_paged_kv(
+            k, v, c, s, rope="gptj", positions=e["pos"], q=e["q"][:, :1].expand(e["q"].shape)
+        ),
+        r"q .*reaches some elements twice",
+    ),
+    (
+        "tail overwrites a token",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c, s, zero_v_tail=_tail(1)),
+        r"token \d+ is written to slot 9, inside a V tail",
+    ),
+    (
+        "tail last len",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c, s, zero_v_tail=_tail(5)),
+        r"kv_last_page_len\[0\]=5",
+    ),
+    (
+        "csr beyond pages",
+        lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"], e["pos"] + 4, *e["csr"]),
+        r"positions\[\d+\]=\d+ falls in block 2 but request 0 owns 2 pages",
+    ),
+    (
+        "csr request id",
+        lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"] + 1, e["pos"], *e["csr"]),
+        r"batch_indices\[0\]=1 but kv_indptr describes 1",
+    ),
+    (
+        "csr more tokens than k rows",
+        lambda k, v, c, s, e: append_paged_kv_csr(k[:3], v[:3], c, e["batch"], e["pos"], *e["csr"]),
+        r"batch_indices has 4 entries but k has only 3 rows",
+    ),
+    (
+        "csr batch index -2",
+        lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"] - 2, e["pos"], *e["csr"]),
+        r"batch_indices\[0\]=-2 is negative; only -1 marks a padding token",
+    ),
+    (
+        "csr position -3",
+        lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"], e["pos"] - 3, *e["csr"]),
+        r"positions\[0\]=-3 is negative; only -1 marks a padding token",
+    ),
+    (
+        "csr page outside the pool",
+        lambda k, v, c, s, e: append_paged_kv_csr(
+            k, v, c, e["batch"], e["pos"], torch.tensor([1, 25], dtype=torch.int32, device=DEV), e["csr"][1]
+        ),
+        r"kv_indices\[1\]=25 is not a page id of the pool \(3 pages\); token 1 \(request 0, position 5\)",
+    ),
+    (
+        "slot_mapping None",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c, None),
+        r"slot_mapping is None",
+    ),
+    (
+        "q overlaps the pool through another storage",
+        lambda k, v, c, s, e: append_paged_kv(k, v, c, s, rope="neox", positions=e["pos"], q=_alias(c, (4, 4, 8))),
+        r"q overlaps the memory of cache",
+    ),
+    (
+        "k is a view of the pool",
+        lambda k, v, c, s, e: append_paged_kv(c[0, 0], v, c, s),
+        r"k overlaps the memory of cache",
+    ),
+    (
+        "csr window page size",
+        lambda k, v, c, s, e: append_paged_kv_csr(k, v, c, e["batch"], e["pos"], *e["csr"], window=RingWindow(8, 0, 2)),
+        r"tokens_per_block",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,call,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
 def test_validation_names_argument_and_writes_nothing(name, call, message):
     """4 tokens of page size 4 into pages 1 and 2 (slots 4, 9, 5, 8); 3 pages."""
     gen = torch.Generator().manual_seed(10)
@@ -523,7 +526,7 @@ def test_a_slot_mapping_inside_the_pool_is_refused_before_anything_is_written():
 def test_empty_pool_dimension_is_refused_before_any_launch(monkeypatch):
     """A pool with page_size 0 used to be launched for an all-padding append (and divide
     by zero in the interpreter); now its empty dimension is refused first."""
-    monkeypatch.setattr(write, "_append_kernel", _NoLaunch())
+    monkeypatch.setattr(write, "append_kernel", _NoLaunch())
     cache = torch.zeros(3, 2, 0, 2, 8, device=DEV)
     k = torch.ones(2, 2, 8, device=DEV)
     with pytest.raises(ValueError, match=r"cache has shape \(3, 2, 0, 2, 8\): page_size is 0"):

@@ -404,15 +404,20 @@ assert torch.equal(q_dev[-2:], q[-2:]), "the padding tokens' query rows must be 
 # %% [markdown]
 # ## The production kernel, and what it adds
 #
-# `kernels/write.py` holds the kernel the suite ships (`kernels.append_paged_kv` and
-# `kernels.append_paged_kv_csr` launch it). Here is its core as the module holds it
-# today, and the helper that turns a tile of tokens into `(page, row, valid)`
-# (`kernels/addressing.py: token_rows`, shared with the quantized and MLA writes): the
-# slot form of step (a) and the CSR form of step (b) are both in it, chosen by a constexpr.
+# `kernels/write.py` holds the kernel the suite ships, `append_kernel`
+# (`kernels.append_paged_kv` and `kernels.append_paged_kv_csr` launch it, each as
+# `run_append(plan_append(...))`: the plan checks once, the run launches). Here it is as
+# the module holds it today, its parameters grouped by role as in Triton's matmul
+# tutorial (pointers, sizes, each tensor's strides, the ring window, constexprs), and the
+# helper that turns a tile of tokens into `(page, row, valid)` (`kernels/addressing.py:
+# token_rows`, shared with the quantized and MLA writes): the slot form of step (a) and
+# the CSR form of step (b) are both in it, chosen by a constexpr. Its RoPE is step (c)'s
+# rotation written once, in `kernels/rope.py` (`rope_tile` around `rope_rotate`, which
+# the quantized and MLA writes call too), and its plain copies are `copy_tile` there.
 
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
-display(viz.source_code(production._append_kernel))
+display(viz.source_code(production.append_kernel))
 display(viz.source_code(addressing.token_rows))
 
 # %% [markdown]
@@ -438,7 +443,7 @@ display(viz.source_code(addressing.token_rows))
 #    bad slot points.
 # 5. **V-tail zeroing.** A reader that loads whole pages multiplies the unused rows of a
 #    last page by probability 0, and `0 * NaN = NaN`. `zero_v_tail=` zeroes those V rows
-#    in a second small launch.
+#    in a second small launch (`kernels/v_tail.py`).
 # 6. **Ring windows.** With a `RingWindow` the CSR form stores position `pos` at row
 #    `kv_token_idx(pos)` (sinks, bubble, ring: notebook 04), through
 #    `kernels/addressing.py: kv_token_idx`.
