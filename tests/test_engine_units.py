@@ -217,6 +217,24 @@ def test_planted_no_copy_on_write_is_caught_at_the_fork(tiny):
     assert report.first_failure.seq_id == "r0.0" and report.first_failure.step == 1
 
 
+def test_planted_decode_rope_off_by_one_is_caught_at_the_first_decode(tiny):
+    # The prompt's prefill is right (token 0 matches); the first decode step rotates the
+    # new token's K and Q one position too far, so token 1 already differs.
+    engine = Engine(tiny, "torch", num_pages=16, page_size=8, record_logits=True, faults={"decode_rope_off_by_one"})
+    engine.add_request(prompts([9], seed=7)[0], SamplingParams(max_new_tokens=4))
+    engine.run()
+    report = check_engine(engine, tiny, tol=TOL)
+    assert not report.ok
+    assert report.first_failure.seq_id == "r0" and report.first_failure.step == 1
+
+
+def test_an_engine_built_from_parts_refuses_fault_names_as_well():
+    from pagedkv_engine.parts import EngineParts
+
+    with pytest.raises(ValueError, match="not both"):
+        Engine(None, "torch", parts=EngineParts(), faults={"no_copy_on_write"})
+
+
 def test_temperature_sampling_is_reproducible(tiny):
     def run():
         engine = Engine(tiny, "torch", num_pages=16, page_size=8)
