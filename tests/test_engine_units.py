@@ -262,6 +262,16 @@ def test_clear_cache_removes_only_converted_models(tmp_path, monkeypatch, capsys
     assert "removed 1 cached model" in capsys.readouterr().out
 
 
+def test_cli_plants_the_registrys_engine_faults_and_refuses_the_harness_ones(capsys):
+    from pagedkv_engine.__main__ import build_parser
+
+    args = build_parser().parse_args(["--standard-batch", "--check", "--fault", "decode_rope_off_by_one"])
+    assert args.fault == ["decode_rope_off_by_one"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--standard-batch", "--fault", "past_len_zero"])  # the harness's, not the engine's
+    assert "invalid choice: 'past_len_zero'" in capsys.readouterr().err
+
+
 class _WordTokenizer:
     """One token per word: enough for the CLI's prompt checks."""
 
