@@ -239,7 +239,7 @@ def _run_benchmarks() -> None:
 def _run_foreign() -> None:
     """The kernels written to other engines' conventions (:mod:`kernels.engine_styles`,
     notebook 08 and the harness tests), once per dtype, recorded dry."""
-    from . import engine_styles
+    from . import peer_conventions as engine_styles
 
     gen = torch.Generator().manual_seed(0)
     blocks, block, heads, dim, n = 8, 16, 2, 64, 40

@@ -8,14 +8,15 @@ caching, preemption by recompute and parallel sampling by fork, and an oracle th
 holds every generated token to transformers' own ``generate``.
 
 Modules, in reading order: :mod:`~pagedkv_engine.weights` (the model file and its disk
-cache), :mod:`~pagedkv_engine.attention` (the two attention paths),
-:mod:`~pagedkv_engine.model` (the forward), :mod:`~pagedkv_engine.scheduler`,
-:mod:`~pagedkv_engine.engine`, :mod:`~pagedkv_engine.check` (the oracle),
+cache), :mod:`~pagedkv_engine.attention` (the two attention paths; the kernel path in
+:mod:`~pagedkv_engine.triton_attention`), :mod:`~pagedkv_engine.model` (the forward),
+:mod:`~pagedkv_engine.scheduler`, :mod:`~pagedkv_engine.parts` (the engine's replaceable
+parts: where planted bugs go in), :mod:`~pagedkv_engine.engine`, :mod:`~pagedkv_engine.check` (the oracle),
 :mod:`~pagedkv_engine.memory` (caches before paging), :mod:`~pagedkv_engine.plots`.
 Command line: ``python -m pagedkv_engine --help``.
 
 Importing this package imports neither transformers nor triton; ``attention="triton"``
-imports :mod:`kernels` (which picks the Triton backend first).
+imports :mod:`kernels` (through :mod:`~pagedkv_engine.triton_attention`).
 """
 
 from pagedkv_lib import runtime  # noqa: F401  (chooses the Triton backend before anything imports triton)

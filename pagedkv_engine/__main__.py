@@ -3,6 +3,7 @@
     python -m pagedkv_engine --prompt "What is a KV cache?" --max-new-tokens 32
     python -m pagedkv_engine --prompt "..." --attention triton --check
     python -m pagedkv_engine --standard-batch --check       # the batch the tests check
+    python -m pagedkv_engine --standard-batch --check --fault decode_rope_off_by_one  # exits 1
     python -m pagedkv_engine --clear-cache
 
 Prompts go through the model's chat template (``--raw`` sends them as they are).
@@ -19,6 +20,7 @@ import sys
 import time
 
 from pagedkv_lib import runtime  # noqa: F401  (chooses the Triton backend before anything imports triton)
+from pagedkv_lib.faults import ENGINE_FAULTS
 
 from . import weights
 from .attention import ATTENTION_PATHS
@@ -81,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"token budget per step (default {DEFAULTS['max_batched_tokens']})",
     )
     p.add_argument("--check", action="store_true", help="compare with transformers; exit 1 on any mismatch")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        choices=sorted(ENGINE_FAULTS),
+        help="plant a bug (see pagedkv_lib.faults.ENGINE_FAULTS); --check should then fail",
+    )
     p.add_argument("--threads", type=_positive, metavar="N", help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--clear-cache", action="store_true", help="delete the converted weights and exit")
@@ -169,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=settings["max_batched_tokens"],
         max_num_seqs=min(16, settings["max_batched_tokens"]),
         record_logits=args.check,
+        faults=args.fault,
     )
     engine.run(arrivals, progress=not args.no_progress)
     for seq in engine.sequences.values():

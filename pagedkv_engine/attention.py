@@ -11,10 +11,11 @@ every step (:mod:`pagedkv_engine.model`):
 
 :class:`TorchAttention` calls the suite's Python references and computes RoPE exactly
 as Hugging Face transformers does (fp32 ``inv_freq``, fp32 angle, ``rotate_half``), so
-its rotated Q and K are bit-identical to the oracle's. :class:`TritonAttention` calls
-the suite's Triton kernels: the fused write (RoPE on Q and K in the same launch; its
-angle is reduced in fp64, so its cos/sin differ from transformers' in the last bits)
-and the paged decode kernel.
+its rotated Q and K are bit-identical to the oracle's.
+:class:`pagedkv_engine.triton_attention.TritonAttention` (its own module, which imports
+:mod:`kernels` and with it triton) calls the suite's Triton kernels: the fused write
+(RoPE on Q and K in the same launch; its angle is reduced in fp64, so its cos/sin
+differ from transformers' in the last bits) and the paged decode kernel.
 
 Shapes: ``q [num_tokens, num_q_heads, head_dim]``, ``k, v [num_tokens, num_kv_heads,
 head_dim]``, all in the cache's dtype; ``cache`` is one layer's raw NHD pool
@@ -27,7 +28,7 @@ import torch
 
 from pagedkv_lib import reference
 
-__all__ = ["ATTENTION_PATHS", "HFRope", "TorchAttention", "TritonAttention", "LastWriterWins", "make_attention"]
+__all__ = ["ATTENTION_PATHS", "HFRope", "TorchAttention", "make_attention"]
 
 ATTENTION_PATHS = ("torch", "triton")
 
@@ -82,69 +83,14 @@ class TorchAttention:
         return reference.paged_decode_attention(q, cache, block_tables, seq_lens, layout=self.layout)
 
 
-class TritonAttention:
-    """The kernel path: the fused Triton write (RoPE on Q and K, then store) and the
-    Triton paged decode; prefill through ``kernels.paged_prefill_attention``."""
-
-    name = "triton"
-
-    def __init__(self, head_dim: int, rope_theta: float, layout: str = "NHD") -> None:
-        import kernels  # imports pagedkv_lib.runtime first, which picks the Triton backend
-
-        self.kernels = kernels
-        self.head_dim = head_dim
-        self.rope_theta = float(rope_theta)
-        self.layout = layout
-
-    def write(self, q, k, v, cache, slot_mapping, positions) -> None:
-        """One launch: K rotated and stored with V, ``q`` rotated in place."""
-        self.kernels.append_paged_kv(
-            k, v, cache, slot_mapping, self.layout, rope="neox", positions=positions, rope_theta=self.rope_theta, q=q
-        )
-
-    def prefill(self, q, cache, qo_indptr, block_tables, seq_lens) -> torch.Tensor:
-        """As :meth:`TorchAttention.prefill`, in the Triton prefill kernel."""
-        return self.kernels.paged_prefill_attention(q, cache, qo_indptr, block_tables, seq_lens, layout=self.layout)
-
-    def decode(self, q, cache, block_tables, seq_lens) -> torch.Tensor:
-        """As :meth:`TorchAttention.decode`, in the Triton decode kernel."""
-        return self.kernels.paged_decode_attention(q, cache, block_tables, seq_lens, layout=self.layout)
-
-
-class LastWriterWins:
-    """A backend whose writes let the later of two tokens with the same slot win, as a
-    GPU race between them usually ends, instead of refusing the duplicate slot as the
-    suite's write functions do. Only the planted ``no_copy_on_write`` fault needs it
-    (two forked samples then write one shared row in the same step): the write is split
-    into two ordered writes, each with distinct slots."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.name = inner.name
-
-    def write(self, q, k, v, cache, slot_mapping, positions) -> None:
-        slots = slot_mapping.tolist()
-        last = {slot: i for i, slot in enumerate(slots)}
-        early = [i for i, slot in enumerate(slots) if last[slot] != i]
-        if not early:
-            return self.inner.write(q, k, v, cache, slot_mapping, positions)
-        for rows in (early, [i for i in range(len(slots)) if i not in early]):
-            idx = torch.tensor(rows, dtype=torch.long, device=q.device)
-            part = q[idx].contiguous()
-            self.inner.write(part, k[idx].contiguous(), v[idx].contiguous(), cache, slot_mapping[idx], positions[idx])
-            q[idx] = part
-
-    def prefill(self, *args, **kwargs):
-        return self.inner.prefill(*args, **kwargs)
-
-    def decode(self, *args, **kwargs):
-        return self.inner.decode(*args, **kwargs)
-
-
 def make_attention(path: str, head_dim: int, rope_theta: float):
     """The backend for ``path`` (``"torch"`` or ``"triton"``); ValueError otherwise."""
     if path == "torch":
         return TorchAttention(head_dim, rope_theta)
     if path == "triton":
+        # Imported here, not at the top: pagedkv_engine imports no triton until a caller
+        # asks for the kernel path (the module's name says what it brings in).
+        from .triton_attention import TritonAttention
+
         return TritonAttention(head_dim, rope_theta)
     raise ValueError(f"attention={path!r} must be one of {ATTENTION_PATHS}")

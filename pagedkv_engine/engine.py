@@ -23,25 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv_lib import KVCacheManager, PagedKVPool
-from pagedkv_lib.faults import NoCopyOnWriteManager
+from pagedkv_lib import PagedKVPool, runtime
+from pagedkv_lib.faults import ENGINE_FAULTS
 from pagedkv_lib.formats import pad_block_tables
+from pagedkv_lib.indexing import check_page_size
 
-from .attention import LastWriterWins, make_attention
+from .attention import make_attention
 from .model import LlamaModel, StepInput
+from .parts import EngineParts
 from .scheduler import SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
 
 __all__ = ["ENGINE_FAULTS", "Engine", "EngineStats", "StepRecord"]
-
-# Planted bugs for the end-to-end check (tests and notebook 12 switch them on by name).
-ENGINE_FAULTS = {
-    "decode_rope_off_by_one": "decode steps pass position seq_len instead of seq_len - 1 to the write kernel's RoPE",
-    "no_copy_on_write": (
-        "forks share pages but a write into a shared page is not preceded by a copy; two samples then write "
-        "one row in the same step, which the suite's writes refuse (duplicate slot) and a GPU races on: "
-        "the race is emulated, the later sample's K/V win"
-    ),
-}
 
 
 @dataclass
@@ -96,7 +88,10 @@ class Engine:
         prefix_cache: share full prompt pages across requests.
         record_logits: keep every generated token's logits (``[vocab]`` fp32 each).
         eos_token_id: ends a sequence (default: the model's generation config).
-        faults: names from :data:`ENGINE_FAULTS`, planted bugs for the checks.
+        parts: the engine's replaceable parts (:class:`~pagedkv_engine.parts.EngineParts`:
+            position builder, manager, attention wrapper); the correct ones by default.
+        faults: names from :data:`ENGINE_FAULTS` (:mod:`pagedkv_lib.faults`), planted
+            bugs for the checks: shorthand for ``parts=EngineParts.with_faults(faults)``.
 
     Raises ValueError naming the argument before anything is allocated.
     """
@@ -113,11 +108,12 @@ class Engine:
         prefix_cache: bool = True,
         record_logits: bool = False,
         eos_token_id: int | None = None,
+        parts: EngineParts | None = None,
         faults=(),
     ) -> None:
+        check_page_size(page_size, owner="Engine")
         for name, value in (
             ("num_pages", num_pages),
-            ("page_size", page_size),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_num_seqs", max_num_seqs),
         ):
@@ -128,27 +124,20 @@ class Engine:
                 f"Engine: max_num_seqs={max_num_seqs} > max_num_batched_tokens={max_num_batched_tokens}: "
                 "every running sequence must be able to decode in one step"
             )
-        self.faults = frozenset(faults)
-        unknown = sorted(self.faults - ENGINE_FAULTS.keys())
-        if unknown:
-            raise ValueError(f"faults={unknown} unknown; known: {sorted(ENGINE_FAULTS)}")
+        if parts is not None and faults:
+            raise ValueError(f"Engine: give parts= or faults={sorted(faults)}, not both")
+        self.parts = EngineParts.with_faults(faults) if parts is None else parts
         cfg = hf_model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if isinstance(attention, str):
             rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
             attention = make_attention(attention, head_dim, rope["rope_theta"])
-        if "no_copy_on_write" in self.faults:
-            attention = LastWriterWins(attention)
-        device = "cpu"
-        if attention.name == "triton":
-            from pagedkv_lib import runtime
-
-            device = runtime.device()
+        attention = self.parts.attention(attention)
+        device = runtime.device() if attention.name == "triton" else "cpu"
         self.model = LlamaModel(hf_model, attention, device)
         self.device = self.model.device
         self.page_size = page_size
-        manager_cls = NoCopyOnWriteManager if "no_copy_on_write" in self.faults else KVCacheManager
-        self.manager = manager_cls(num_pages, page_size, prefix_cache=prefix_cache)
+        self.manager = self.parts.manager(num_pages, page_size, prefix_cache=prefix_cache)
         self.pools = [
             PagedKVPool(num_pages, page_size, self.model.num_kv_heads, head_dim, self.model.dtype, device=device)
             for _ in range(self.model.num_layers)
@@ -243,12 +232,8 @@ class Engine:
         """Flatten the schedule into the model's tensors (prefill rows first)."""
         ids, positions, slots, logit_rows = [], [], [], []
         for chunk in plan.chunks:
-            n = len(chunk.token_ids)
             ids += chunk.token_ids
-            pos = range(chunk.start, chunk.start + n)
-            if not chunk.is_prefill and "decode_rope_off_by_one" in self.faults:
-                pos = range(chunk.start + 1, chunk.start + n + 1)  # planted bug: seq_len instead of seq_len - 1
-            positions += pos
+            positions += self.parts.positions(chunk)
             slots += chunk.slots
             if chunk.wants_logits:
                 logit_rows.append(len(ids) - 1)

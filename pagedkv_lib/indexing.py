@@ -29,10 +29,11 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check_page_size(page_size: int) -> None:
-    """Raise ValueError unless ``page_size`` is a positive int (tokens per page)."""
+def check_page_size(page_size: int, owner: str = "") -> None:
+    """Raise ValueError unless ``page_size`` is a positive int (tokens per page); the
+    message starts with ``owner`` (``"PagedKVPool: page_size=0 ..."``) when given."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size={page_size!r} must be a positive int")
+        raise ValueError(f"{owner + ': ' if owner else ''}page_size={page_size!r} must be a positive int")
 
 
 def locate(position: Index, page_size: int) -> tuple[Index, Index]:

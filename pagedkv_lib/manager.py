@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .allocator import BlockAllocator, OutOfBlocksError
-from .indexing import locate, slot_of
+from .indexing import check_page_size, locate, slot_of
 from .sharing import PrefixCache, as_token_ids, block_hash
 from .window import RingWindow
 
@@ -66,8 +66,7 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, page_size: int, window: RingWindow | None = None, prefix_cache: bool = False
     ) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size={page_size!r} must be a positive int")
+        check_page_size(page_size)
         if window is not None and window.tokens_per_block != page_size:
             raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
         if window is not None and prefix_cache:

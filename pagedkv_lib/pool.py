@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .indexing import element_offset
+from .indexing import check_page_size, element_offset
 
 __all__ = ["LAYOUTS", "CacheDims", "check_layout", "cache_dims", "cache_strides", "PagedKVPool"]
 
@@ -97,9 +97,9 @@ class PagedKVPool:
         layout: str = "NHD",
         device: torch.device | str = "cpu",
     ) -> None:
+        check_page_size(page_size, owner="PagedKVPool")
         for name, value in (
             ("num_pages", num_pages),
-            ("page_size", page_size),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):

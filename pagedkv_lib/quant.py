@@ -42,6 +42,7 @@ kernel that performs the same operations in the same order reproduces every bit.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -66,6 +67,9 @@ __all__ = [
     "e2m1_decode",
     "pack_nibbles",
     "unpack_nibbles",
+    "NVFP4Blocks",
+    "nvfp4_blocks",
+    "nvfp4_codes",
     "nvfp4_quantize",
     "nvfp4_quantize_loop",
     "nvfp4_dequantize",
@@ -254,17 +258,20 @@ def _check_nvfp4_input(x: torch.Tensor) -> None:
     check_nvfp4_head_dim(x.shape[-1])
 
 
-def nvfp4_quantize(x: torch.Tensor, global_scale, *, round_scale: bool = True):
-    """NVFP4 codes of ``x [..., head_dim]`` (``head_dim`` a multiple of 16).
+class NVFP4Blocks(NamedTuple):
+    """The blocks of 16 of one NVFP4 quantization and their scales, before any code."""
 
-    Returns ``(packed, block_scales)``: ``packed [..., head_dim / 2]`` uint8 (two E2M1
-    codes per byte, even element in the low nibble) and ``block_scales [..., head_dim /
-    16]`` float8_e4m3fn. ``global_scale`` as
-    :func:`pagedkv_lib.checks.check_global_scale`.
-    ``round_scale=False`` is the fault ``nvfp4_unrounded_scale``: the codes use the
-    unrounded ``sf`` (the stored block scales are the same). Raises ValueError for a
-    ``head_dim`` that is not a multiple of 16 or a bad ``global_scale``.
-    """
+    blocks: torch.Tensor  # fp32 [..., head_dim / 16, 16]
+    sf: torch.Tensor  # fp32 [..., head_dim / 16]: finite amax / (6 * global_scale), unrounded
+    sf8: torch.Tensor  # uint8 [..., head_dim / 16]: fp8 code of sf (FP8_NAN for a block with a NaN)
+    has_nan: torch.Tensor  # bool [..., head_dim / 16]
+    global_scale: torch.Tensor  # fp32 0-d
+
+
+def nvfp4_blocks(x: torch.Tensor, global_scale) -> NVFP4Blocks:
+    """The first half of :func:`nvfp4_quantize`: ``x [..., head_dim]`` cut into blocks of
+    16 and each block's scale ``sf`` and stored fp8 code ``sf8``. ValueError as
+    :func:`nvfp4_quantize`."""
     _check_nvfp4_input(x)
     gs = torch.tensor(check_global_scale("global_scale", global_scale), dtype=torch.float32)
     blocks = x.detach().to(torch.float32).unflatten(-1, (-1, NVFP4_BLOCK))
@@ -272,11 +279,31 @@ def nvfp4_quantize(x: torch.Tensor, global_scale, *, round_scale: bool = True):
     sf8 = fp8_encode(sf)
     has_nan = torch.isnan(blocks).any(-1)
     sf8 = torch.where(has_nan, torch.tensor(FP8_NAN, dtype=torch.uint8), sf8)
-    used = fp8_decode(sf8) if round_scale else torch.where(has_nan, math.nan, sf)
-    den = used * gs
+    return NVFP4Blocks(blocks, sf, sf8, has_nan, gs)
+
+
+def nvfp4_codes(blocks: NVFP4Blocks, scale: torch.Tensor) -> torch.Tensor:
+    """The second half of :func:`nvfp4_quantize`: packed E2M1 codes (``uint8 [...,
+    head_dim / 2]``) of ``blocks.blocks / (scale * global_scale)``, with ``scale`` fp32
+    ``[..., head_dim / 16]`` the block scale the codes are computed from (a block whose
+    ``scale * global_scale`` is 0 gets code 0)."""
+    den = scale * blocks.global_scale
     q_scale = torch.where(den > 0, 1.0 / torch.where(den > 0, den, 1.0), 0.0)
-    codes = e2m1_encode(blocks * q_scale[..., None]).flatten(-2)
-    return pack_nibbles(codes), sf8.view(torch.float8_e4m3fn)
+    return pack_nibbles(e2m1_encode(blocks.blocks * q_scale[..., None]).flatten(-2))
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale):
+    """NVFP4 codes of ``x [..., head_dim]`` (``head_dim`` a multiple of 16).
+
+    Returns ``(packed, block_scales)``: ``packed [..., head_dim / 2]`` uint8 (two E2M1
+    codes per byte, even element in the low nibble) and ``block_scales [..., head_dim /
+    16]`` float8_e4m3fn. ``global_scale`` as
+    :func:`pagedkv_lib.checks.check_global_scale`. The codes are computed from the
+    stored (fp8-rounded) block scale, the one a reader multiplies by. Raises ValueError
+    for a ``head_dim`` that is not a multiple of 16 or a bad ``global_scale``.
+    """
+    blocks = nvfp4_blocks(x, global_scale)
+    return nvfp4_codes(blocks, fp8_decode(blocks.sf8)), blocks.sf8.view(torch.float8_e4m3fn)
 
 
 def nvfp4_quantize_loop(x: torch.Tensor, global_scale):

@@ -217,6 +217,24 @@ def test_planted_no_copy_on_write_is_caught_at_the_fork(tiny):
     assert report.first_failure.seq_id == "r0.0" and report.first_failure.step == 1
 
 
+def test_planted_decode_rope_off_by_one_is_caught_at_the_first_decode(tiny):
+    # The prompt's prefill is right (token 0 matches); the first decode step rotates the
+    # new token's K and Q one position too far, so token 1 already differs.
+    engine = Engine(tiny, "torch", num_pages=16, page_size=8, record_logits=True, faults={"decode_rope_off_by_one"})
+    engine.add_request(prompts([9], seed=7)[0], SamplingParams(max_new_tokens=4))
+    engine.run()
+    report = check_engine(engine, tiny, tol=TOL)
+    assert not report.ok
+    assert report.first_failure.seq_id == "r0" and report.first_failure.step == 1
+
+
+def test_an_engine_built_from_parts_refuses_fault_names_as_well():
+    from pagedkv_engine.parts import EngineParts
+
+    with pytest.raises(ValueError, match="not both"):
+        Engine(None, "torch", parts=EngineParts(), faults={"no_copy_on_write"})
+
+
 def test_temperature_sampling_is_reproducible(tiny):
     def run():
         engine = Engine(tiny, "torch", num_pages=16, page_size=8)
@@ -242,6 +260,16 @@ def test_clear_cache_removes_only_converted_models(tmp_path, monkeypatch, capsys
     assert main(["--clear-cache"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated"]
     assert "removed 1 cached model" in capsys.readouterr().out
+
+
+def test_cli_plants_the_registrys_engine_faults_and_refuses_the_harness_ones(capsys):
+    from pagedkv_engine.__main__ import build_parser
+
+    args = build_parser().parse_args(["--standard-batch", "--check", "--fault", "decode_rope_off_by_one"])
+    assert args.fault == ["decode_rope_off_by_one"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--standard-batch", "--fault", "past_len_zero"])  # the harness's, not the engine's
+    assert "invalid choice: 'past_len_zero'" in capsys.readouterr().err
 
 
 class _WordTokenizer:

@@ -1,7 +1,8 @@
 """Bringing a kernel not written for this suite: contracts, other engines' cache layouts,
 crash isolation, guard regions and reports that locate the bug.
 
-The kernels under test are :mod:`kernels.engine_styles`: a flat-slot store with
+The kernels under test are :mod:`kernels.peer_conventions` (and their planted bugs, faulty copies in
+:mod:`pagedkv_lib.faults.peer_kernels`): a flat-slot store with
 nano-vllm's interface and a separate-K/V decode with vLLM's flash layout, wrapped here
 in the adapters an engineer would write (a few lines each, with a contract), with and
 without their planted bugs. Every bug must come back as a report that names the
@@ -25,7 +26,8 @@ from pagedkv_lib.formats import PAD
 from pagedkv_lib.indexing import split_slot
 
 # isort: split
-from kernels import engine_styles
+from kernels import peer_conventions
+from pagedkv_lib.faults import peer_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAT = dict(cache_layout="flat", strided_kv=False)
@@ -37,33 +39,33 @@ TUPLE = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes="pow2", min_s
 
 @verify.contract(**FLAT)
 def flat_store(k, v, cache, slot_mapping):
-    engine_styles.store_kvcache_flat(k, v, *cache, slot_mapping)
+    peer_conventions.store_kvcache_flat(k, v, *cache, slot_mapping)
 
 
 @verify.contract(**FLAT)
 def flat_store_without_minus_one_guard(k, v, cache, slot_mapping):
-    engine_styles.store_kvcache_flat(k, v, *cache, slot_mapping, bug="no_minus_one_guard")
+    peer_kernels.store_kvcache_flat_no_minus_one_guard(k, v, *cache, slot_mapping)
 
 
 @verify.contract(**FLAT)
 def flat_store_with_unguarded_v_store(k, v, cache, slot_mapping):
-    engine_styles.store_kvcache_flat(k, v, *cache, slot_mapping, bug="unguarded_v_store")
+    peer_kernels.store_kvcache_flat_unguarded_v_store(k, v, *cache, slot_mapping)
 
 
 @verify.contract(**FLAT)
 def flat_store_far_out_of_bounds(k, v, cache, slot_mapping):
     """A slot computed wildly wrong: the write lands far outside any guard (a crash)."""
-    engine_styles.store_kvcache_flat(k, v, *cache, torch.where(slot_mapping >= 0, slot_mapping + 2**40, -1))
+    peer_conventions.store_kvcache_flat(k, v, *cache, torch.where(slot_mapping >= 0, slot_mapping + 2**40, -1))
 
 
 @verify.contract(**TUPLE)
 def tuple_decode(q, cache, block_tables, seq_lens):
-    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens)
+    return peer_conventions.decode_kv_tuple(q, *cache, block_tables, seq_lens)
 
 
 @verify.contract(**TUPLE)
 def tuple_decode_off_by_one_block(q, cache, block_tables, seq_lens):
-    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens, bug="off_by_one_block")
+    return peer_kernels.decode_kv_tuple_off_by_one_block(q, *cache, block_tables, seq_lens)
 
 
 @verify.contract(cache_layout="vllm_x", head_dims=(64, 128))

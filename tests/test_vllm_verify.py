@@ -4,7 +4,7 @@ pages of 16 or more, no empty sequences, no windows) gets a full grid and every
 scenario; runs that check nothing fail; NaN in unused rows is attributed; baselines
 report only what changed; repro lines run as printed.
 
-The kernels are :mod:`kernels.engine_styles` (store, decode and prefill in vLLM's
+The kernels are :mod:`kernels.peer_conventions` (store, decode and prefill in vLLM's
 convention), through the adapters an engineer would write.
 """
 
@@ -23,7 +23,8 @@ from pagedkv_lib import mla, quant_reference, reference, verify
 # isort: split
 import mutants
 
-from kernels import engine_styles
+from kernels import peer_conventions
+from pagedkv_lib.faults import peer_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 # An honest contract for a kernel whose tile is one page (tl.dot needs >= 16 rows).
@@ -32,22 +33,22 @@ VLLM = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes=(16, 32, 64, 1
 
 @verify.contract(**VLLM, strided_kv=False)
 def vllm_store(k, v, cache, slot_mapping):
-    engine_styles.store_kv_tuple(k, v, *cache, slot_mapping)
+    peer_conventions.store_kv_tuple(k, v, *cache, slot_mapping)
 
 
 @verify.contract(**VLLM)
 def vllm_decode(q, cache, block_tables, seq_lens):
-    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens)
+    return peer_conventions.decode_kv_tuple(q, *cache, block_tables, seq_lens)
 
 
 @verify.contract(**VLLM)
 def vllm_prefill(q, cache, qo_indptr, block_tables, seq_lens):
-    return engine_styles.prefill_kv_tuple(q, *cache, qo_indptr, block_tables, seq_lens)
+    return peer_conventions.prefill_kv_tuple(q, *cache, qo_indptr, block_tables, seq_lens)
 
 
 @verify.contract(**VLLM)
 def vllm_decode_whole_pages(q, cache, block_tables, seq_lens):
-    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens, bug="whole_page_loads")
+    return peer_kernels.decode_kv_tuple_whole_page_loads(q, *cache, block_tables, seq_lens)
 
 
 def tuple_reference_decode(q, cache, block_tables, seq_lens):

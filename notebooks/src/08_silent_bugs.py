@@ -352,9 +352,10 @@ assert verify.run_case("append", broken.failures[0].case, append_fn=kernels.appe
 # (shows the module's current source; shown, not compared)
 from IPython.display import display
 
-from kernels import engine_styles
+from kernels import peer_conventions
+from pagedkv_lib.faults import peer_kernels
 
-display(viz.source_code(engine_styles.store_kvcache_flat))
+display(viz.source_code(peer_conventions.store_flat_kernel))
 
 # %% [markdown]
 # Three things bring it to the harness, in a few lines:
@@ -376,7 +377,7 @@ display(viz.source_code(engine_styles.store_kvcache_flat))
 @verify.contract(cache_layout="flat", strided_kv=False)
 def flat_store(k, v, cache, slot_mapping):
     k_cache, v_cache = cache
-    engine_styles.store_kvcache_flat(k, v, k_cache, v_cache, slot_mapping)
+    peer_conventions.store_kvcache_flat(k, v, k_cache, v_cache, slot_mapping)
 
 
 mine = verify.run(append_fn=flat_store, checks=("append", "chunked_prefill", "fork_cow"))
@@ -395,7 +396,7 @@ assert mine.passed, f"the flat-slot store should pass inside its contract:\n{min
 # %%
 @verify.contract(cache_layout="flat", strided_kv=False)
 def flat_store_without_guard(k, v, cache, slot_mapping):
-    engine_styles.store_kvcache_flat(k, v, *cache, slot_mapping, bug="no_minus_one_guard")
+    peer_kernels.store_kvcache_flat_no_minus_one_guard(k, v, *cache, slot_mapping)
 
 
 unguarded = verify.run(append_fn=flat_store_without_guard, checks=("append",))
@@ -418,7 +419,7 @@ VLLM = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes=(16, 32, 64, 1
 
 @verify.contract(**VLLM)
 def tuple_decode(q, cache, block_tables, seq_lens):
-    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens)
+    return peer_conventions.decode_kv_tuple(q, *cache, block_tables, seq_lens)
 
 
 short = [c for c in verify.decode_grid() if max(c["seq_lens"]) <= 80]  # the long cases take long here
@@ -441,7 +442,7 @@ assert any("page_size 1->16" in r.case.get("substituted", "") for r in checked),
 # %%
 @verify.contract(**VLLM)
 def whole_page_decode(q, cache, block_tables, seq_lens):
-    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens, bug="whole_page_loads")
+    return peer_kernels.decode_kv_tuple_whole_page_loads(q, *cache, block_tables, seq_lens)
 
 
 case = dict(layout="NHD", dtype="fp32", head_dim=64, page_size=16, group=2, num_kv_heads=2, seq_lens=[40, 17, 1])
@@ -462,7 +463,7 @@ assert "the tail of a partly filled last page" in nan.attribution, "the whole-pa
 # %%
 @verify.contract(**VLLM)
 def unscaled_decode(q, cache, block_tables, seq_lens):
-    return engine_styles.decode_kv_tuple(q, *cache, block_tables, seq_lens, scale=1.0, bug="whole_page_loads")
+    return peer_kernels.decode_kv_tuple_whole_page_loads(q, *cache, block_tables, seq_lens, scale=1.0)
 
 
 saved = verify.Report([verify.run_case("decode", c, decode_fn=whole_page_decode, isolate=False) for c in short])

@@ -325,6 +325,13 @@ plt.show()
 # reads well, but the new token's query and key now sit one position too far from every
 # earlier key. The comparison names the first request, step and token where the
 # logits leave the tolerance.
+#
+# The bug is not an `if` inside the engine. The engine is built from parts
+# (`pagedkv_engine.parts.EngineParts`: the position builder, the block-table manager, a
+# wrapper around the attention backend), and `faults={"decode_rope_off_by_one"}` asks
+# the one fault registry, `pagedkv_lib.faults`, for a faulty position builder, the
+# correct one with one wrong line, which the engine then runs where the correct one
+# would go.
 
 # %%
 buggy = Engine(model, "torch", record_logits=True, faults={"decode_rope_off_by_one"}, **oracle.standard_engine_args(4))
@@ -361,7 +368,7 @@ assert where == ("r0", 1), f"the bug should be caught at r0's first decoded toke
 #    are left; the cell prints each request's, and the preemption assert fails if there
 #    are none.
 # 3. Plant the other engine fault, `faults={"no_copy_on_write"}`, in the planted-bug cell
-#    (`pagedkv_engine.ENGINE_FAULTS` describes both). Which request fails first, and at
+#    (`pagedkv_lib.faults.ENGINE_FAULTS` describes both). Which request fails first, and at
 #    which step? The cell's last assert names it.
 # 4. Tighten the tolerance: `oracle.check_engine(batch, model, tol=1e-5, references=references)`.
 #    Predict whether the batch still passes, given the differences plotted above.
