@@ -23,6 +23,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
+from .compare import bits
 from .pool import cache_dims, cache_strides
 
 __all__ = [
@@ -740,8 +741,6 @@ def row_status(got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, 
     0 untouched as it should be, 1 written right, 2 should be written but is wrong, 3
     should be untouched but changed (keys of :func:`plot_wrong_rows`'s legend). Rows
     are compared bit for bit, so NaN payloads count."""
-    # One home for the bit view; imported here, as importing verify loads the whole harness.
-    from .verify.compare import bits
 
     def rows(t):
         t = t.detach().cpu()

@@ -5,7 +5,7 @@ Each check runs a few small teaching cases first, whose failures are easy to rea
 cases of the conformance harness (:func:`pagedkv_lib.verify.append_case` and
 :func:`~pagedkv_lib.verify.decode_case` on the harness's grid). Expectations are the
 float64 references; a copy must match bit for bit, attention within
-:data:`pagedkv_lib.verify.TOLERANCES`. In Triton's interpreter the learner's kernel runs
+:data:`pagedkv_lib.compare.TOLERANCES`. In Triton's interpreter the learner's kernel runs
 with masked lanes poisoned (``poison_masked=True``, the default: a masked ``tl.load``
 without ``other=`` reads NaN, as undefined as on a GPU, instead of 0). This module never
 imports triton: the learner's kernel brings it.
@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from .. import reference, runtime
+from ..compare import DTYPES, TOLERANCES, bits, compare
 from ..pool import PagedKVPool, cache_dims
-from ..verify import TOLERANCES, append_case, append_grid, decode_case, decode_grid, long_decode_cases
-from ..verify.compare import DTYPES, bits, compare, rand
+from ..verify import append_case, append_grid, decode_case, decode_grid, long_decode_cases
 from ..verify.decode_checks import decode_inputs
+from ..verify.grid import rand
 from ..verify.guards import CANARY, Guards
 from .cases import Case, Mismatch, run_cases
 from .result import LearnerError, call, show
@@ -740,7 +741,7 @@ def check_decode_kernel(decode, block_n: int = 32, *, isolate: bool = True, pois
     """Exercise 08: ``decode(q, cache, block_tables, seq_lens, layout="NHD") -> out`` (the
     exercise's launcher around the learner's kernel; tiles of ``block_n`` tokens) on teaching
     cases, then the short cases of the harness's decode grid, within
-    :data:`pagedkv_lib.verify.TOLERANCES` of the float64 reference. ``isolate`` and
+    :data:`pagedkv_lib.compare.TOLERANCES` of the float64 reference. ``isolate`` and
     ``poison_masked`` as :func:`check_append_kernel`; a NaN result then names the masked
     loads that read poison."""
     poisoned: list = []

@@ -19,12 +19,12 @@ import torch
 
 from .. import reference, runtime
 from ..cache_layouts import to_paged
+from ..compare import DTYPES, TOLERANCES, compare, first_difference
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..pool import PagedKVPool
 from ..window import RingWindow
-from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .contract import Contract, contract_of
-from .grid import accepts, cover
+from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison

@@ -23,13 +23,13 @@ import torch
 
 from .. import reference, runtime
 from ..cache_layouts import to_paged
+from ..compare import DTYPES, TOLERANCES, compare, first_difference
 from ..formats import pad_block_tables, scatter_pages
 from ..pool import PagedKVPool
 from ..window import RingWindow
-from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .contract import Contract, contract_of
 from .decode_checks import write_sequence
-from .grid import accepts, cover
+from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison
