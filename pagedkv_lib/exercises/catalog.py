@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import bookkeeping, kernel_checks
+from . import bookkeeping, kernel_checks, sharing
 
 __all__ = ["Exercise", "EXERCISES", "get"]
 
@@ -53,7 +53,7 @@ EXERCISES: dict[str, Exercise] = {
             "cow_append",
             "Append with copy-on-write",
             ("append_slots",),
-            bookkeeping.check_cow_append,
+            sharing.check_cow_append,
             "refcounts, and copying a shared, partly filled last page before writing it",
         ),
         Exercise(
@@ -69,7 +69,7 @@ EXERCISES: dict[str, Exercise] = {
             "prefix_cache",
             "The prefix hash chain",
             ("block_hashes", "num_cached_tokens"),
-            bookkeeping.check_prefix_cache,
+            sharing.check_prefix_cache,
             "chained block hashes; a full hit still computes one token",
         ),
         Exercise(
