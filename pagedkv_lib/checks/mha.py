@@ -22,20 +22,6 @@ from .shared import (
     check_window,
 )
 
-__all__ = [
-    "check_append_args",
-    "check_csr_append_args",
-    "check_rope_args",
-    "check_v_tail_args",
-    "check_block_tables",
-    "check_decode_args",
-    "check_csr_decode_args",
-    "check_prefill_args",
-    "check_csr_prefill_args",
-    "check_merge_args",
-]
-
-
 # --------------------------------------------------------------------------- append
 
 

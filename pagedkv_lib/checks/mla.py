@@ -24,16 +24,6 @@ from .shared import (
     check_slots,
 )
 
-__all__ = [
-    "MLACacheDims",
-    "mla_cache_dims",
-    "check_mla_append_args",
-    "check_mla_csr_append_args",
-    "check_mla_rope_args",
-    "check_mla_weights",
-    "check_mla_decode_args",
-]
-
 
 class MLACacheDims(NamedTuple):
     """The sizes of an MLA pool (:func:`mla_cache_dims`): pages, rows per page, and the

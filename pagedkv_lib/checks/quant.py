@@ -17,18 +17,6 @@ from ..formats import csr_slot_mapping, index_tensor
 from ..pool import CacheDims, cache_dims
 from .shared import check_kv_rows, check_slots, check_window
 
-__all__ = [
-    "QUANT_FORMATS",
-    "NVFP4_BLOCK",
-    "check_global_scale",
-    "check_kv_format",
-    "check_nvfp4_head_dim",
-    "quant_widths",
-    "check_quant_pool",
-    "check_quant_append_args",
-    "check_quant_csr_append_args",
-]
-
 QUANT_FORMATS = {"fp8": ("tensor", "token"), "nvfp4": ("block",)}  # kv_dtype -> its scale modes
 NVFP4_BLOCK = 16  # elements per NVFP4 block scale
 

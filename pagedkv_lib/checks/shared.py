@@ -15,21 +15,6 @@ from ..formats import PAD, index_tensor
 from ..pool import CacheDims, cache_dims
 from ..window import RingWindow
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "ROPE_STYLES",
-    "MAX_SCALE",
-    "check_window",
-    "check_scale",
-    "check_float_tensor",
-    "check_kv_rows",
-    "check_q",
-    "check_kv",
-    "check_slots",
-    "check_rope_style",
-    "check_rope_positions",
-]
-
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 ROPE_STYLES = (None, "neox", "gptj")
 MAX_SCALE = 1e4

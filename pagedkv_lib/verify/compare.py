@@ -4,26 +4,4 @@ code lives here; the harness's own modules import :mod:`pagedkv_lib.compare`."""
 
 from __future__ import annotations
 
-from ..compare import (
-    DTYPES,
-    FP32_ATOL,
-    TOLERANCES,
-    Comparison,
-    bit_compare,
-    bits,
-    compare,
-    first_difference,
-    max_abs_difference,
-)
-
-__all__ = [
-    "TOLERANCES",
-    "FP32_ATOL",
-    "DTYPES",
-    "Comparison",
-    "compare",
-    "bits",
-    "first_difference",
-    "max_abs_difference",
-    "bit_compare",
-]
+from ..compare import *  # noqa: F403  (exactly pagedkv_lib.compare.__all__)

@@ -14,15 +14,6 @@ from matplotlib.ticker import MaxNLocator
 from ..pool import cache_dims, cache_strides
 from .style import FREE, PALETTE, SHARED, sequence_colors
 
-__all__ = [
-    "occupancy",
-    "plot_occupancy",
-    "plot_occupancy_steps",
-    "plot_block_table",
-    "plot_address_map",
-    "plot_ring_slots",
-]
-
 
 def occupancy(manager, order: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per page of a :class:`KVCacheManager`: ``owner`` (index of the owning sequence in

@@ -13,15 +13,6 @@ from matplotlib.ticker import MaxNLocator
 
 from .style import FREE, PALETTE, as_array, integer_ticks, is_integer
 
-__all__ = [
-    "line_plot",
-    "bar_plot",
-    "plot_grouped_bars",
-    "plot_histogram",
-    "plot_heatmap",
-    "plot_categories",
-]
-
 
 def line_plot(
     x: Sequence[float],

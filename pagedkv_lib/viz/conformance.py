@@ -11,11 +11,6 @@ from matplotlib.patches import Patch
 
 from .style import FAIL_RED, OK_GREEN
 
-__all__ = [
-    "conformance_margins",
-    "plot_conformance",
-]
-
 
 def conformance_margins(results) -> tuple[list[str], list[float], list[bool]]:
     """``(labels, ratios, passed)`` of the checked results of a conformance report, where

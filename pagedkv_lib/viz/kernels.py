@@ -18,15 +18,6 @@ from ..compare import bits
 from .charts import plot_categories
 from .style import FAIL_RED, FREE, OK_GREEN, as_array
 
-__all__ = [
-    "plot_exact_match",
-    "plot_access_pattern",
-    "row_status",
-    "plot_wrong_rows",
-    "plot_chunk_masks",
-    "source_code",
-]
-
 
 def plot_exact_match(got, want, before=None, title: str = "kernel vs reference"):
     """Instead of a heatmap of an all-zero difference: state the exact equality in the

@@ -11,10 +11,6 @@ import torch
 
 from ..quant import E2M1_VALUES, e2m1_decode, e2m1_encode
 
-__all__ = [
-    "plot_e2m1_grid",
-]
-
 
 def plot_e2m1_grid(samples: Mapping[str, float] | None = None, title: str = "E2M1: the 8 magnitudes and where ties go"):
     """The E2M1 magnitudes on a number line, the rounding threshold between each pair (a

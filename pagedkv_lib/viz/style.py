@@ -9,20 +9,6 @@ import numpy as np
 import torch
 from matplotlib.ticker import MaxNLocator
 
-__all__ = [
-    "PALETTE",
-    "FREE",
-    "SHARED",
-    "OK_GREEN",
-    "FAIL_RED",
-    "use_style",
-    "sequence_colors",
-    "is_integer",
-    "integer_ticks",
-    "as_array",
-]
-
-
 # Okabe & Ito's colour-blind-safe palette, most distinct first.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#56B4E9", "#CC79A7", "#F0E442", "#000000")
 _HATCHES = (None, "//", "..", "xx")  # a second, third... round of the palette gets a hatch
