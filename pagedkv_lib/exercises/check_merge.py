@@ -24,6 +24,11 @@ from .result import call, show
 __all__ = ["MergeTeaching", "MERGE_TEACHING", "MERGE_CONFORMANCE", "check_merge_kernel"]
 
 
+MERGE_TOLERANCE = TOLERANCES[torch.float32]  # (atol, rtol): the merge's outputs are fp32
+# The rule as the learner reads it: "1e-5 + 1e-6 |ref|" (numbers without the exponent's 0).
+MERGE_RULE = " + ".join(f"{x:g}".replace("e-0", "e-") for x in MERGE_TOLERANCE) + " |ref|"
+
+
 def _empty_split(part: torch.Tensor, lse: torch.Tensor) -> None:
     lse[0, :, 1] = float("-inf")
     part[0, :, 1] = float("nan")
@@ -131,7 +136,7 @@ def _merge_run(merge, part, lse, expected, poisoned: list):
     if not isinstance(got, torch.Tensor):
         return Mismatch(f"a tensor {tuple(expected.shape)}", f"merge returned {show(got)}")
     got = got.detach().cpu()
-    result = compare(got, expected, *TOLERANCES[torch.float32])
+    result = compare(got, expected, *MERGE_TOLERANCE)
     if result.passed:
         return None
     if result.worst is None:
@@ -174,13 +179,13 @@ def _merge_run(merge, part, lse, expected, poisoned: list):
         ):
             w = torch.where(finite, w, 0.0)
             guess = (w[..., None] * torch.nan_to_num(part.double())).sum(-2) / w.sum(-1, keepdim=True)
-            if compare(got, guess, *TOLERANCES[torch.float32]).passed:
+            if compare(got, guess, *MERGE_TOLERANCE).passed:
                 hint = {
                     "natural": "lse is in base 2: weigh with exp2, not exp.",
                     "uniform": "weigh each split by 2**(lse_s - max lse): a plain mean ignores how much of the "
                     "softmax mass each split holds.",
                 }[name]
-    return Mismatch("the float64 merge, within 1e-5 + 1e-6 |ref|", f"max |error| {result.max_abs:.3g}", detail, hint)
+    return Mismatch(f"the float64 merge, within {MERGE_RULE}", f"max |error| {result.max_abs:.3g}", detail, hint)
 
 
 def _masked_lse_loaded_as_zero(part, lse, got) -> bool:
@@ -194,7 +199,7 @@ def _masked_lse_loaded_as_zero(part, lse, got) -> bool:
     part_pad = torch.cat([part.double(), part.new_zeros((*part.shape[:-2], pad, part.shape[-1])).double()], -2)
     w = torch.exp2(lse_pad - lse_pad.amax(-1, keepdim=True))
     guess = (w[..., None] * torch.where(w[..., None] > 0, part_pad.nan_to_num(), 0.0)).sum(-2) / w.sum(-1)[..., None]
-    return compare(got, guess, *TOLERANCES[torch.float32]).passed
+    return compare(got, guess, *MERGE_TOLERANCE).passed
 
 
 def _teaching_inputs(gen: torch.Generator) -> list[tuple[MergeTeaching, torch.Tensor, torch.Tensor]]:
