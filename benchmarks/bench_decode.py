@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +38,7 @@ from pagedkv_lib import runtime  # noqa: E402  (chooses the backend before trito
 # isort: split
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 import kernels  # noqa: E402
 from pagedkv_lib.memory import kv_dtype  # noqa: E402
@@ -95,29 +94,6 @@ def route_bytes(batch, seq_len, num_kv_heads, group, head_dim, page_size, itemsi
 # ----------------------------------------------------------------------------- timing
 
 
-def _sync():
-    if torch.cuda.is_available() and not runtime.BACKEND.interpreted:
-        torch.cuda.synchronize()
-
-
-def time_fn(fn, repeats: int, warmup: int) -> float:
-    """Median seconds of ``fn()``: CUDA events via triton.testing.do_bench on a GPU,
-    wall clock (perf_counter) otherwise."""
-    if not runtime.BACKEND.interpreted:
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_one(batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, layout, repeats, warmup, seed=0):
     device = runtime.device()
     gen = torch.Generator().manual_seed(seed)
@@ -150,7 +126,7 @@ def bench_one(batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, l
         "gather+sdpa": lambda: sdpa(*(as_bhld(t) for t in kernels.run_gather(gather_plan, cache)[:2])),
         "contiguous sdpa": lambda: sdpa(kc, vc),
     }
-    seconds = {name: time_fn(fn, repeats, warmup) for name, fn in routes.items()}
+    seconds = {name: median_seconds(fn, repeats, warmup) for name, fn in routes.items()}
     nbytes = route_bytes(
         batch, seq_len, num_kv_heads, group, head_dim, page_size, cache.element_size(), plan.num_splits
     )

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import timed
 
 from pagedkv_engine import Engine, weights
 from pagedkv_engine import check as oracle
@@ -42,9 +43,7 @@ from pagedkv_engine.memory import compare_caches, summary_rows
 
 def run_engine(loaded, attention, tokens, arrivals, **settings):
     engine = Engine(loaded.model, attention, record_logits=True, **settings)
-    start = time.perf_counter()
-    engine.run(arrivals)
-    wall = time.perf_counter() - start
+    _, wall = timed(lambda: engine.run(arrivals))
     return engine, wall
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,6 +35,7 @@ from pagedkv_lib import runtime  # noqa: E402  (chooses the backend before trito
 # isort: split
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 import kernels  # noqa: E402
 
@@ -47,23 +46,6 @@ def visible_pairs(batch: int, past: int, chunk: int) -> int:
     """(query, key) pairs a causal chunk attends to: ``chunk * past + chunk (chunk + 1) / 2``
     per request."""
     return batch * (chunk * past + chunk * (chunk + 1) // 2)
-
-
-def time_fn(fn, repeats: int, warmup: int) -> float:
-    """Median seconds of ``fn()``: CUDA-event timings (triton.testing.do_bench) on a GPU,
-    wall clock otherwise."""
-    if not runtime.BACKEND.interpreted:
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def sdpa_route(q, k, v, group: int, chunk: int, seq_len: int):
@@ -101,7 +83,7 @@ def bench_one(batch, past, chunk, num_kv_heads, group, head_dim, page_size, dtyp
     result = {"batch": batch, "past": past, "chunk": chunk, "seq_len": seq_len, "visible_pairs": pairs,
               "flops": flops, "plan": {"block_m": plan.block_m, "block_n": plan.block_n, "num_tiles": plan.num_tiles,
                                        "dot_mode": plan.dot_mode, "visited_pairs": plan.visited_pairs}}  # fmt: skip
-    seconds = {"paged": time_fn(lambda: kernels.run_prefill(plan, q, cache), repeats, warmup)}
+    seconds = {"paged": median_seconds(lambda: kernels.run_prefill(plan, q, cache), repeats, warmup)}
     if not runtime.BACKEND.interpreted:
         g = kernels.gather_paged_kv(cache, table, lens, layout=layout)
 
@@ -111,7 +93,7 @@ def bench_one(batch, past, chunk, num_kv_heads, group, head_dim, page_size, dtyp
         q_bhld = q.view(batch, chunk, num_kv_heads * group, head_dim).transpose(1, 2).contiguous()
         sdpa = sdpa_route(q_bhld, as_bhld(g.k), as_bhld(g.v), group, chunk, seq_len)
         ref = sdpa().transpose(1, 2).reshape(out.shape)
-        seconds["sdpa"] = time_fn(sdpa, repeats, warmup)
+        seconds["sdpa"] = median_seconds(sdpa, repeats, warmup)
         result["tflops"] = {name: flops / s / 1e12 for name, s in seconds.items()}
         result["paged_over_sdpa"] = seconds["paged"] / seconds["sdpa"]
         result["max_abs_err_paged_vs_sdpa"] = float((out.float() - ref.float()).abs().max())

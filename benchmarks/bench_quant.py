@@ -28,22 +28,22 @@ much larger than on a GPU, where the same bytes move).
 from __future__ import annotations
 
 import pagedkv_lib  # noqa: F401  (before triton: chooses the backend)
-from pagedkv_lib import formats, quant, quant_reference, reference, runtime, verify
+from pagedkv_lib import formats, quant, quant_reference, reference, runtime
+from pagedkv_lib.compare import TOLERANCES, compare
 from pagedkv_lib.quant_pool import QuantizedKVPool
 
 # isort: split
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import timer  # noqa: E402
+
 from kernels import decode, quant_decode, quant_write, write  # noqa: E402
 
 FORMATS = {"bf16": None, "fp8": ("fp8", "tensor"), "fp8_token": ("fp8", "token"), "nvfp4": ("nvfp4", "block")}
@@ -62,24 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences of the decode")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point on CPU (median)")
     return p.parse_args(argv)
-
-
-def timer(repeats: int):
-    """``time(fn) -> seconds``: do_bench's median on a GPU, else the median of ``repeats``
-    perf_counter runs after one warm-up."""
-    if not runtime.BACKEND.interpreted:
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-
-    def cpu_time(fn):
-        fn()
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
-
-    return cpu_time
 
 
 class Case:
@@ -124,7 +106,7 @@ def measure_format(fmt: str, case: Case, args, time_it) -> dict:
         dplan = decode.plan_decode(q, cache, d["table"], d["lens"])
         out = decode.run_decode(dplan, q, cache)
         exp = reference.paged_decode_attention(q.cpu(), want, case.table, case.lens, precision="fp64")
-        tol = verify.TOLERANCES[torch.bfloat16]
+        tol = TOLERANCES[torch.bfloat16]
         append, read = (lambda: write.run_append(plan, k, v, cache)), (lambda: decode.run_decode(dplan, q, cache))
     else:
         kv_dtype, mode = FORMATS[fmt]
@@ -145,10 +127,10 @@ def measure_format(fmt: str, case: Case, args, time_it) -> dict:
         dplan = quant_decode.plan_decode_quant(d["q"], pool, d["table"], d["lens"])
         out = quant_decode.run_decode_quant(dplan, d["q"], pool)
         exp = quant_reference.paged_decode_attention_quant(case.q, want, case.table, case.lens, precision="fp64")
-        tol = verify.TOLERANCES[torch.float16]
+        tol = TOLERANCES[torch.float16]
         append = lambda: quant_write.run_append_quant(plan, d["k"], d["v"], pool)  # noqa: E731
         read = lambda: quant_decode.run_decode_quant(dplan, d["q"], pool)  # noqa: E731
-    assert verify.compare.compare(out, exp, *tol).passed, f"{fmt} decode is outside the tolerance"
+    assert compare(out, exp, *tol).passed, f"{fmt} decode is outside the tolerance"
     tokens, per_token = sum(case.lens), pool_bytes_per_token(fmt, args)
     q_bytes = 2 * case.q.numel() * 2  # q read, output written (16-bit)
     append_bytes = case.k.numel() * 2 * 2 + tokens * per_token  # fp16 K and V read, the pool's bytes written

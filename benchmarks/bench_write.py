@@ -30,15 +30,14 @@ from pagedkv_lib import reference, runtime
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import timer  # noqa: E402
+
 from kernels import write  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -58,24 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layout", choices=("NHD", "HND"), default="NHD")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per point on CPU (median)")
     return p.parse_args(argv)
-
-
-def timer(repeats: int):
-    """``time(fn) -> seconds``: do_bench's median on a GPU, else the median of
-    ``repeats`` perf_counter runs after one warm-up."""
-    if not runtime.BACKEND.interpreted:
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-
-    def cpu_time(fn):
-        fn()
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
-
-    return cpu_time
 
 
 def make_case(num_tokens, heads, head_dim, page_size, dtype, layout, gen):

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..verify.isolation import can_isolate, run_isolated
 from .result import CheckResult, Failure, LearnerError, show, where_in_learner_code
 
-__all__ = ["Case", "Mismatch", "run_cases", "first_wrong_index", "CHECK_TIMEOUT_S"]
+__all__ = ["Case", "Mismatch", "run_cases", "first_wrong_index", "as_ints", "CHECK_TIMEOUT_S"]
 
 CHECK_TIMEOUT_S = 900.0  # a whole isolated check; the slowest solution (decode) takes about a minute
 
@@ -166,3 +166,12 @@ def first_wrong_index(got: list, expected: list) -> int | None:
 def listing(values) -> str:
     """Render a returned sequence for a message."""
     return show(list(values) if isinstance(values, tuple) else values)
+
+
+def as_ints(name: str, value) -> list[int] | Mismatch:
+    """``value`` as a list of Python ints, or a Mismatch saying what came back instead."""
+    try:
+        values = value.tolist() if hasattr(value, "tolist") else list(value)
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        return Mismatch("a list of ints", f"{name} returned {show(value)} ({type(value).__name__})")

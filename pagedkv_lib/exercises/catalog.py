@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import bookkeeping, kernel_checks
+from . import bookkeeping, check_append, check_decode, check_merge, sharing
 
 __all__ = ["Exercise", "EXERCISES", "get"]
 
@@ -53,7 +53,7 @@ EXERCISES: dict[str, Exercise] = {
             "cow_append",
             "Append with copy-on-write",
             ("append_slots",),
-            bookkeeping.check_cow_append,
+            sharing.check_cow_append,
             "refcounts, and copying a shared, partly filled last page before writing it",
         ),
         Exercise(
@@ -69,7 +69,7 @@ EXERCISES: dict[str, Exercise] = {
             "prefix_cache",
             "The prefix hash chain",
             ("block_hashes", "num_cached_tokens"),
-            bookkeeping.check_prefix_cache,
+            sharing.check_prefix_cache,
             "chained block hashes; a full hit still computes one token",
         ),
         Exercise(
@@ -77,7 +77,7 @@ EXERCISES: dict[str, Exercise] = {
             "append_kernel",
             "A Triton append kernel (slot mapping)",
             ("append",),
-            kernel_checks.check_append_kernel,
+            check_append.check_append_kernel,
             "a Triton kernel: program ids, masks, strides, a bit-exact copy",
             runs_kernels=True,
         ),
@@ -86,7 +86,7 @@ EXERCISES: dict[str, Exercise] = {
             "merge_kernel",
             "A Triton split-KV merge",
             ("merge",),
-            kernel_checks.check_merge_kernel,
+            check_merge.check_merge_kernel,
             "log-sum-exp weights, base 2, empty splits, overflow",
             runs_kernels=True,
         ),
@@ -95,7 +95,7 @@ EXERCISES: dict[str, Exercise] = {
             "decode_kernel",
             "A Triton paged decode kernel",
             ("decode",),
-            kernel_checks.check_decode_kernel,
+            check_decode.check_decode_kernel,
             "a block-table walk with an online softmax, GQA, NaN guards",
             runs_kernels=True,
         ),

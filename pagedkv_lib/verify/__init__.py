@@ -37,16 +37,44 @@ exit 1 when a check fails. In Triton's interpreter the run poisons masked lanes 
 masked ``tl.load`` without ``other=`` reads NaN, as undefined as on a GPU;
 ``poison_masked=False`` / ``--no-poison-masked`` turn it off). This package never imports
 ``kernels``, nor ``triton`` at import (the poisoning imports it when a run starts).
+
+Modules: :mod:`.runner` (:func:`run`, :func:`run_case`), :mod:`.cli` and ``__main__``
+(the command line), :mod:`.contract` (what a kernel declares), :mod:`.grid` (case grids,
+their inputs), :mod:`.append_checks`, :mod:`.decode_checks`, :mod:`.prefill_checks`,
+:mod:`.quant_checks`, :mod:`.mla_checks` (one case grid per family), :mod:`.generated`
+(hypothesis cases), :mod:`.scenarios`, :mod:`.prefill_scenarios` and :mod:`.bench`
+(their test bench), :mod:`.guards` (canary bytes around every tensor), :mod:`.stale`,
+:mod:`.isolation` (a child process per check), :mod:`.report`, :mod:`.baseline`, and
+:mod:`.compare` (the name under which the harness shows :mod:`pagedkv_lib.compare`, the
+tolerance table and the comparisons).
 """
 
+from ..compare import TOLERANCES
+from . import compare
 from .append_checks import append_case, append_grid
 from .baseline import BaselineDiff
 from .cli import main
-from .compare import TOLERANCES
 from .contract import FULL, Contract, contract, contract_of
 from .decode_checks import decode_case, decode_grid, long_decode_cases
 from .generated import generated_cases
+from .mla_checks import (
+    deepseek_v2_case,
+    mla_append_case,
+    mla_append_grid,
+    mla_decode_case,
+    mla_decode_grid,
+    mla_decode_inputs,
+)
+from .prefill_checks import long_prefill_cases, prefill_case, prefill_grid
 from .prefill_scenarios import check_prefill_chunks, check_prefix_hit
+from .quant_checks import (
+    QUANT_CHECKS,
+    check_quant_scales,
+    quant_append_case,
+    quant_append_grid,
+    quant_decode_case,
+    quant_decode_grid,
+)
 from .report import CaseResult, Report
 from .runner import CHECKS, callable_path, resolve_callable, run, run_case
 from .scenarios import (
@@ -62,27 +90,51 @@ from .scenarios import (
 )
 
 __all__ = [
-    "TOLERANCES",
+    # running the harness
     "CHECKS",
+    "QUANT_CHECKS",
     "SCENARIOS",
     "SCENARIO_NEEDS",
+    "TOLERANCES",
+    "compare",
     "Contract",
     "FULL",
     "contract",
     "contract_of",
     "CaseResult",
     "Report",
+    "BaselineDiff",
     "run",
     "run_case",
     "main",
     "callable_path",
     "resolve_callable",
+    # append grid
     "append_grid",
     "append_case",
+    "generated_cases",
+    # decode grid
     "decode_grid",
     "long_decode_cases",
     "decode_case",
-    "generated_cases",
+    # prefill grid
+    "prefill_grid",
+    "long_prefill_cases",
+    "prefill_case",
+    # quantized pools
+    "quant_append_grid",
+    "quant_append_case",
+    "quant_decode_grid",
+    "quant_decode_case",
+    "check_quant_scales",
+    # MLA latent cache
+    "mla_append_grid",
+    "mla_append_case",
+    "mla_decode_grid",
+    "mla_decode_inputs",
+    "mla_decode_case",
+    "deepseek_v2_case",
+    # scenarios
     "check_chunked_prefill",
     "check_ring_window",
     "check_v_tail",
@@ -92,54 +144,4 @@ __all__ = [
     "check_large_pool",
     "check_prefill_chunks",
     "check_prefix_hit",
-    "BaselineDiff",
-]
-
-# --------------------------------------------------------------------------- prefill
-# (added with kernels/prefill.py) ``run(..., prefill_fn=fn)`` also runs the prefill grid
-# of :mod:`.prefill_checks` on ``fn`` (the signature of ``kernels.paged_prefill_attention``:
-# ``fn(q, cache, qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``):
-# chunked prefill, prefix-cache hits mid-page, decode steps, empty requests, ring windows
-# that cut the chunk's own triangle, NaN-poisoned pools; fault ``chunk_local_mask`` fails it.
-from .prefill_checks import long_prefill_cases, prefill_case, prefill_grid  # noqa: E402
-
-__all__ += ["prefill_grid", "long_prefill_cases", "prefill_case"]
-
-# =========================================================================== MLA latent cache
-# ``run(..., mla_append_fn=..., mla_decode_fn=...)`` runs these grids (see .mla_checks).
-from .mla_checks import (  # noqa: E402
-    deepseek_v2_case,
-    mla_append_case,
-    mla_append_grid,
-    mla_decode_case,
-    mla_decode_grid,
-    mla_decode_inputs,
-)
-
-__all__ += [
-    "mla_append_grid",
-    "mla_append_case",
-    "mla_decode_grid",
-    "mla_decode_inputs",
-    "mla_decode_case",
-    "deepseek_v2_case",
-]
-
-# --- quantized pools (pagedkv_lib/verify/quant_checks.py)
-from .quant_checks import (  # noqa: E402
-    QUANT_CHECKS,
-    check_quant_scales,
-    quant_append_case,
-    quant_append_grid,
-    quant_decode_case,
-    quant_decode_grid,
-)
-
-__all__ += [
-    "QUANT_CHECKS",
-    "quant_append_grid",
-    "quant_append_case",
-    "quant_decode_grid",
-    "quant_decode_case",
-    "check_quant_scales",
 ]

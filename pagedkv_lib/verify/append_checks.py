@@ -18,11 +18,11 @@ import torch
 
 from .. import reference, runtime
 from ..cache_layouts import to_paged
+from ..compare import DTYPES, bit_compare, first_difference
 from ..formats import scatter_pages, slot_mapping
 from ..pool import PagedKVPool
-from .compare import DTYPES, bit_compare, first_difference, rand
 from .contract import Contract, contract_of
-from .grid import accepts, cover
+from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
 

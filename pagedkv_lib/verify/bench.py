@@ -14,8 +14,8 @@ import torch
 
 from .. import reference, runtime
 from ..cache_layouts import native_tensors, to_native, to_paged
+from ..compare import compare
 from ..pool import PagedKVPool
-from .compare import compare
 from .contract import contract_of
 from .guards import Guards
 

@@ -19,17 +19,17 @@ import torch
 
 from .. import reference, runtime
 from ..cache_layouts import to_paged
+from ..compare import DTYPES, TOLERANCES, compare, first_difference
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..pool import PagedKVPool
 from ..window import RingWindow
-from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .contract import Contract, contract_of
-from .grid import accepts, cover
+from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison
 
-__all__ = ["decode_grid", "long_decode_cases", "decode_inputs", "decode_case", "write_sequence"]
+__all__ = ["decode_grid", "long_decode_cases", "decode_inputs", "decode_case", "write_sequence", "read_changes"]
 
 
 def long_decode_cases() -> list[dict]:
@@ -125,6 +125,23 @@ def decode_inputs(case: dict):
     return q, pool.cache, tables, torch.tensor(lens, dtype=torch.int32), window
 
 
+def read_changes(kind: str, case: dict, cache, native, cache_layout: str, originals: dict, inputs: dict) -> list[str]:
+    """What a read (``kind``: "decode", "prefill") changed: the pool ``native`` (in the
+    kernel's ``cache_layout``) against the paged ``cache`` it was built from, bit for bit,
+    and each input ``inputs[name]`` against ``originals[name]``; one note per change."""
+    layout = case["layout"]
+    dims = (cache.shape[0], case["page_size"], case["num_kv_heads"], case["head_dim"])
+    after = {"cache": to_paged(native, cache_layout, layout, *dims).cpu()}
+    after.update({name: t.cpu() for name, t in inputs.items()})
+    notes = []
+    for name, before in {"cache": cache, **originals}.items():
+        count, where = first_difference(after[name], before, layout if name == "cache" else None)
+        if count:
+            what = "wrote into the pool" if name == "cache" else f"modified its input {name}"
+            notes.append(f"{kind} {what}: {count} elements changed, first at {where}")
+    return notes
+
+
 def decode_case(decode_fn, case: dict, contract: Contract | None = None) -> CaseResult:
     """Run one decode case: the output within tolerance of the float64 reference, and
     the pool, ``q`` and the page table bit-for-bit unchanged, nothing written next to
@@ -164,14 +181,7 @@ def decode_case(decode_fn, case: dict, contract: Contract | None = None) -> Case
             detail = f"{detail}, the first at {where}"
         else:
             detail = f"first beyond tolerance: {where}, |err| = {result.tol_ratio:.3g} x (atol + rtol |ref|)"
-    dims = (cache.shape[0], case["page_size"], case["num_kv_heads"], case["head_dim"])
-    after = {"cache": to_paged(native, contract.cache_layout, layout, *dims).cpu()}
-    after.update({name: t.cpu() for name, t in inputs.items()})
-    for name, before in {"cache": cache, **originals}.items():
-        count, where = first_difference(after[name], before, layout if name == "cache" else None)
-        if count:
-            what = "wrote into the pool" if name == "cache" else f"modified its input {name}"
-            notes.append(f"decode {what}: {count} elements changed, first at {where}")
+    notes += read_changes("decode", case, cache, native, contract.cache_layout, originals, inputs)
     notes += guards.corrupted()
     ok = ok and not [n for n in notes if not n.startswith("decode_fn takes no")]
     detail = "; ".join([detail, *notes]) if detail else "; ".join(notes)

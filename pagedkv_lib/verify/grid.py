@@ -1,11 +1,14 @@
-"""Building case grids: every value of every parameter occurs, without the full product."""
+"""Building case grids (every value of every parameter occurs, without the full product)
+and drawing their inputs."""
 
 from __future__ import annotations
 
 import inspect
 import itertools
 
-__all__ = ["cover", "accepts"]
+import torch
+
+__all__ = ["cover", "accepts", "rand"]
 
 
 def cover(values: dict[str, list], extra: list[dict] = (), outer: int = 2) -> list[dict]:
@@ -35,3 +38,9 @@ def accepts(fn, name: str) -> bool:
     except (TypeError, ValueError):  # builtins without a signature: assume not
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def rand(shape, dtype, gen: torch.Generator) -> torch.Tensor:
+    """Standard normal values drawn in fp32 from ``gen``, then cast to ``dtype`` (so every
+    dtype draws the same stream)."""
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)

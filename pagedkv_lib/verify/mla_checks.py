@@ -24,10 +24,10 @@ import math
 import torch
 
 from .. import mla, runtime
+from ..compare import DTYPES, TOLERANCES, compare, first_difference
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..reference import rope_reference
-from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
-from .grid import accepts
+from .grid import accepts, rand
 from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison

@@ -22,14 +22,13 @@ import math
 import torch
 
 from .. import reference, runtime
-from ..cache_layouts import to_paged
+from ..compare import DTYPES, TOLERANCES, compare
 from ..formats import pad_block_tables, scatter_pages
 from ..pool import PagedKVPool
 from ..window import RingWindow
-from .compare import DTYPES, TOLERANCES, compare, first_difference, rand
 from .contract import Contract, contract_of
-from .decode_checks import write_sequence
-from .grid import accepts, cover
+from .decode_checks import read_changes, write_sequence
+from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison
@@ -171,14 +170,7 @@ def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> Ca
             f"query {i} (position {pos}), head {result.worst[1]}"
         )
         detail = f"{detail}; {where}" if detail else where
-    dims = (cache.shape[0], case["page_size"], case["num_kv_heads"], case["head_dim"])
-    after = {"cache": to_paged(native, contract.cache_layout, layout, *dims).cpu()}
-    after.update({name: t.cpu() for name, t in inputs.items()})
-    for name, before in {"cache": cache, **originals}.items():
-        count, at = first_difference(after[name], before, layout if name == "cache" else None)
-        if count:
-            what = "wrote into the pool" if name == "cache" else f"modified its input {name}"
-            notes.append(f"prefill {what}: {count} elements changed, first at {at}")
+    notes += read_changes("prefill", case, cache, native, contract.cache_layout, originals, inputs)
     notes += guards.corrupted()
     ok = ok and not notes
     detail = "; ".join([x for x in (detail, *notes) if x])

@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 
 from .. import faults as F
+from ..compare import FP32_ATOL
 from ..formats import pad_block_tables, slot_mapping
 from ..manager import KVCacheManager
 from .bench import Bench, locate_output
-from .compare import rand
+from .grid import rand
 from .report import CaseResult
 from .scenarios import attention_oracle, finish, scenario_case
 
@@ -58,7 +59,7 @@ def check_prefill_chunks(
         expected = _causal(q[start:end], k, v, range(start, end))
         rows = [f"request 0, chunk step {step}, query at position {start + i} (pages {tables[0].tolist()})"
                 for i in range(end - start)]  # fmt: skip
-        ok, max_abs, detail = locate_output(out, expected, 1e-5, rows)
+        ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
         worst = max(worst, max_abs)
         if not ok:
             return finish("prefill_chunks", bench, False, f"{detail}; the chunk sees the wrong keys", max_abs, **case)
@@ -100,7 +101,7 @@ def check_prefix_hit(
     rows = [f"request 0 (A, its decode step at position {hit}, pages {manager.block_table('A')})"]
     rows += [f"request 1 (B, a prefix hit of {hit} tokens, query at position {hit + i}, pages "
              f"{manager.block_table('B')})" for i in range(new)]  # fmt: skip
-    ok, max_abs, detail = locate_output(out, expected, 1e-5, rows)
+    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
     if not ok:
         detail += "; the queries after a mid-page prefix hit do not see exactly their own keys"
     setup = f"a hit of {hit} tokens ending mid-page, +{new} for B and +1 for A, pages of {ps}"

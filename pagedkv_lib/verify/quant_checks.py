@@ -28,11 +28,11 @@ import torch
 
 from .. import faults as F
 from .. import quant, quant_reference, runtime
+from ..compare import DTYPES, TOLERANCES, bits, compare, first_difference, max_abs_difference
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..quant_pool import QuantizedKVPool
 from ..window import RingWindow
-from .compare import DTYPES, TOLERANCES, bits, compare, first_difference, rand
-from .grid import accepts, cover
+from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
 
@@ -182,8 +182,7 @@ def quant_append_case(quant_append_fn, case: dict) -> CaseResult:
     ok = not notes
     max_abs = 0.0
     if not ok:
-        diff = (got.to("cpu").dequantize().double() - expected.dequantize().double()).abs()
-        max_abs = float(diff.nan_to_num(math.inf).max())
+        max_abs = max_abs_difference(got.to("cpu").dequantize(), expected.dequantize())
     return CaseResult("quant_append", case, ok, max_abs, 0.0, 0.0, "; ".join(notes), 0.0 if ok else math.inf)
 
 

@@ -347,9 +347,9 @@ def run(
     ``full``: the larger grids. ``hypothesis_examples``: generated append and decode
     cases. ``checks``: a subset of :data:`CHECKS`. ``baseline``: a saved report (a path
     to its JSON, its data, or a :class:`Report`): the report then lists only what
-    changed, and fails only on new failures (:mod:`.baseline`). ``poison_masked``: in Triton's interpreter, masked
-    ``tl.load`` lanes without ``other=`` read NaN (integers: a far out-of-range value)
-    instead of 0, as undefined as on a GPU
+    changed, and fails only on new failures (:mod:`.baseline`). ``poison_masked``: in
+    Triton's interpreter, masked ``tl.load`` lanes without ``other=`` read NaN (integers:
+    a far out-of-range value) instead of 0, as undefined as on a GPU
     (:func:`pagedkv_lib.runtime.masked_lanes_poisoned`; a no-op on the GPU backend);
     ``False`` lets them read 0.
     """
@@ -357,29 +357,57 @@ def run(
     fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
     fns |= {"quant_append_fn": quant_append_fn, "quant_decode_fn": quant_decode_fn}
     session = _Session(fns, faults, contracts, isolate, timeout_s)
+    wanted = _wanted(checks)
+    report = Report()
+    with runtime.masked_lanes_poisoned(poison_masked), _quiet_nan_arithmetic():
+        report.results += _run_grids(session, wanted, full, hypothesis_examples)
+        report.results += _run_scenarios(session, wanted)
+    report.results += _nothing_called(report.results)
+    if baseline is not None:
+        report.baseline = diff_against(report.results, baseline)
+    return report
+
+
+def _wanted(checks: tuple[str, ...] | None) -> set[str]:
+    """The checks a run asked for (all of :data:`CHECKS` by default); ValueError names unknown ones."""
     wanted = set(checks) if checks else set(CHECKS)
     unknown = wanted - set(CHECKS)
     if unknown:
         raise ValueError(f"checks={sorted(unknown)} unknown; choose from {', '.join(CHECKS)}")
-    report = Report()
-    with runtime.masked_lanes_poisoned(poison_masked), _quiet_nan_arithmetic():
-        for check, family in FAMILIES.items():
-            if family.fn_arg in session.fns and check in wanted:
-                results = [session.case(check, c) for c in _grid(session, check, full)]
-                if hypothesis_examples and family.generated:
-                    results += session.generated(check, hypothesis_examples)
-                nothing = _nothing_checked(check, results, family.fn_arg)
-                report.results += results + ([nothing] if nothing else [])
-        for name, sides in SCENARIO_SIDES.items():
-            if name in wanted and any(arg in session.fns for arg in sides):
-                report.results.append(session.scenario(name))
-    checked = any(r.passed is not None and r.kind == "kernel" for r in report.results)
-    if not checked and not any(r.kind == "nothing" for r in report.results):  # one "nothing checked" is enough
-        detail = "nothing checked: no check of this run called a kernel under test and got a verdict"
-        report.results.append(CaseResult("run", {}, False, detail=detail, kind="nothing"))
-    if baseline is not None:
-        report.baseline = diff_against(report.results, baseline)
-    return report
+    return wanted
+
+
+def _run_grids(session: _Session, wanted: set[str], full: bool, hypothesis_examples: int) -> list[CaseResult]:
+    """Every wanted family whose callable was given: its grid, its generated cases, and a
+    "nothing checked" failure for a family in which no case ran."""
+    out = []
+    for check, family in FAMILIES.items():
+        if family.fn_arg in session.fns and check in wanted:
+            results = [session.case(check, c) for c in _grid(session, check, full)]
+            if hypothesis_examples and family.generated:
+                results += session.generated(check, hypothesis_examples)
+            nothing = _nothing_checked(check, results, family.fn_arg)
+            out += results + ([nothing] if nothing else [])
+    return out
+
+
+def _run_scenarios(session: _Session, wanted: set[str]) -> list[CaseResult]:
+    """Every wanted scenario one of whose sides was given."""
+    return [
+        session.scenario(name)
+        for name, sides in SCENARIO_SIDES.items()
+        if name in wanted and any(arg in session.fns for arg in sides)
+    ]
+
+
+def _nothing_called(results: list[CaseResult]) -> list[CaseResult]:
+    """A failure for a run in which no check called a kernel under test and got a verdict
+    (none when a family already reported "nothing checked": one is enough)."""
+    checked = any(r.passed is not None and r.kind == "kernel" for r in results)
+    if checked or any(r.kind == "nothing" for r in results):
+        return []
+    detail = "nothing checked: no check of this run called a kernel under test and got a verdict"
+    return [CaseResult("run", {}, False, detail=detail, kind="nothing")]
 
 
 @contextlib.contextmanager

@@ -23,14 +23,14 @@ import torch
 from .. import faults as F
 from .. import reference, runtime
 from ..cache_layouts import to_native, to_paged
+from ..compare import FP32_ATOL, TOLERANCES, bit_compare, compare
 from ..formats import block_table_to_csr, pad_block_tables, slot_mapping
 from ..indexing import element_offset
 from ..manager import KVCacheManager
 from ..pool import PagedKVPool
 from ..window import RingWindow
 from .bench import Bench, locate_output
-from .compare import TOLERANCES, bit_compare, compare, rand
-from .grid import accepts
+from .grid import accepts, rand
 from .report import CaseResult
 
 __all__ = [
@@ -67,7 +67,7 @@ def finish(name: str, bench: Bench, ok: bool, detail: str, max_abs: float, **cas
     guards = bench.guard_notes()
     if guards:
         ok, detail = False, f"{detail}; {guards}" if detail else guards
-    return _scenario(name, ok, detail, max_abs, 1e-5, **case)
+    return _scenario(name, ok, detail, max_abs, FP32_ATOL, **case)
 
 
 def scenario_case(page_size: int, **case) -> dict:
@@ -107,7 +107,7 @@ def check_chunked_prefill(
             return finish("chunked_prefill", bench, False, detail, max_abs, **case)
     out = bench.decode(q, pool, tables, [n])
     rows = [f"request 0 (decode after {-(-n // chunk)} chunk steps, seq_len {n}, pages {tables[0].tolist()})"]
-    ok, max_abs, detail = locate_output(out, attention_oracle(q[0], k, v, list(range(n)))[None], 1e-5, rows)
+    ok, max_abs, detail = locate_output(out, attention_oracle(q[0], k, v, list(range(n)))[None], FP32_ATOL, rows)
     if not ok:
         detail += "; the pool is right after every chunk, so the decode reads it wrongly"
     return finish("chunked_prefill", bench, ok, detail, max_abs, **case)
@@ -146,7 +146,7 @@ def check_ring_window(
     expected = torch.stack([attention_oracle(q[b], ks[b], vs[b], visible[b]) for b in range(len(lens))])
     rows = [f"request {b} (decode after {n} one-token steps, ring pages {tables[b, : blocks[b]].tolist()})"
             for b, n in enumerate(lens)]  # fmt: skip
-    ok, max_abs, detail = locate_output(out, expected, 1e-5, rows)
+    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
     setup = f"window {size}, {sinks} sinks, pages of {ps}"
     detail = f"{detail}; {setup}: the decode does not see exactly the sinks and the last tokens" if detail else setup
     return finish("ring_window", bench, ok, detail, max_abs, **scenario_case(ps, seq_lens=tuple(lens)))
@@ -181,7 +181,7 @@ def check_v_tail(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layo
     out = F.whole_page_decode(q, paged, tables, lens)
     expected = torch.stack([attention_oracle(q[i], k[b == i], v[b == i], list(range(n))) for i, n in enumerate(lens)])
     rows = [f"request {i} (a whole-page read after the prefill write, seq_len {n})" for i, n in enumerate(lens)]
-    ok, max_abs, detail = locate_output(out, expected, 1e-5, rows)
+    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
     detail = "; ".join(filter(None, [detail, *notes])) or f"seq_lens {lens}, pages of {ps}, NaN pool"
     if notes:
         detail += ": the write did not zero the V tail it was given"
@@ -229,7 +229,7 @@ def check_fork(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout
     out = bench.decode(q, pool, torch.tensor([table], dtype=torch.int32), [prompt + 3])
     rows = [f"the child (decode after the child's and the parent's steps, seq_len {prompt + 3}, pages {table})"]
     expected = attention_oracle(q[0], k_ref, v_ref, list(range(prompt + 3)))[None]
-    ok, max_abs, detail = locate_output(out, expected, 1e-5, rows)
+    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
     if detail and not changed:
         detail += "; both read back what was written for them, so the decode reads the child's pages wrongly"
     detail = "; ".join([x for x in [detail, *changed] if x]) or f"prompt {prompt}, +3 each, pages of {ps}"
@@ -263,12 +263,12 @@ def check_reused_page(
     q = rand((1, 4, d), torch.float32, gen)
     out = bench.decode(q, pool, torch.tensor([table], dtype=torch.int32), [n])
     rows = [f"request C (decode after A was freed and D reused its pages; table {table})"]
-    ok, max_abs, detail = locate_output(out, attention_oracle(q[0], *data["C"], list(range(n)))[None], 1e-5, rows)
+    ok, max_abs, detail = locate_output(out, attention_oracle(q[0], *data["C"], list(range(n)))[None], FP32_ATOL, rows)
     reused = sorted(set(stale) & set(manager.block_table("D")))
     if ok:
         return finish("reused_page", bench, ok, f"A freed; its pages {reused} now hold D", max_abs, **scenario_case(ps))
     k_t, v_t = reference.gather_paged_kv(pool.paged(), table, n)
-    what_it_names = compare(out, attention_oracle(q[0], k_t, v_t, list(range(n)))[None], 1e-5)
+    what_it_names = compare(out, attention_oracle(q[0], k_t, v_t, list(range(n)))[None], FP32_ATOL)
     in_d = sorted(set(table) & set(manager.block_table("D")))
     if table != own and in_d and what_it_names.passed:
         reason = (f"the table it read names pages {table}, of which {in_d} now hold D's tokens (C's own pages "
@@ -315,7 +315,7 @@ def check_large_pool(append_fn, decode_fn, faults, *, cache_layout: str | None =
     ok, max_abs, detail = locate_output(out, expected, atol, ["request 0 (the pool's last page)"], rtol)
     if not same:
         detail = "; ".join(filter(None, [detail, "the appended token is not in the last row of the last page"]))
-    return _scenario("large_pool", same and ok, detail or f"{pages * 2 * ps * hk * d:.2e} elements", max_abs, 1e-2)
+    return _scenario("large_pool", same and ok, detail or f"{pages * 2 * ps * hk * d:.2e} elements", max_abs, atol)
 
 
 def to_paged_last_page(native, cache_layout: str, num_pages: int, page_size: int, heads: int, dim: int):

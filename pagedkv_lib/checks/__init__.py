@@ -1,0 +1,116 @@
+"""Argument rules shared by the Python references and the Triton kernels.
+
+This package is the one home of every value rule a paged-KV call must satisfy: shapes,
+dtypes, page ids inside the pool, lengths that fit their tables, padding slots, the
+V-tail and RoPE options. :mod:`pagedkv_lib.reference` and the launchers in ``kernels``
+call the same functions, so the two accept exactly the same inputs (a test feeds both
+the same bad and edge inputs). What only a launch needs (the tensors' device, the
+kernels' dtypes, int32 index ranges, memory overlap, addresses inside the storage)
+lives in ``kernels/validate.py``.
+
+Every check raises ValueError naming the argument, before anything is written,
+allocated or launched, and returns the index tensors it read as host int64 tensors.
+Callers use the package (``checks.check_decode_args(...)``); its modules, by family:
+
+- :mod:`.shared`: rules every family builds on: float dtypes, the ring window, the
+  softmax scale, query and K/V tensors, slots inside the pool, the RoPE options.
+- :mod:`.mha`: the MHA/GQA pool tensor: appends (slot mapping, CSR, fused RoPE, V tails)
+  and reads (padded and CSR page tables for decode and prefill, the split merge).
+- :mod:`.quant`: quantized pools (FP8, NVFP4): formats, scales, the pool's tensors, appends.
+- :mod:`.mla`: the MLA latent pool: its dims, appends, RoPE, up-projections and decode.
+"""
+
+from __future__ import annotations
+
+from .mha import (
+    check_append_args,
+    check_block_tables,
+    check_csr_append_args,
+    check_csr_decode_args,
+    check_csr_prefill_args,
+    check_decode_args,
+    check_merge_args,
+    check_prefill_args,
+    check_rope_args,
+    check_v_tail_args,
+)
+from .mla import (
+    MLACacheDims,
+    check_mla_append_args,
+    check_mla_csr_append_args,
+    check_mla_decode_args,
+    check_mla_rope_args,
+    check_mla_weights,
+    mla_cache_dims,
+)
+from .quant import (
+    NVFP4_BLOCK,
+    QUANT_FORMATS,
+    check_global_scale,
+    check_kv_format,
+    check_nvfp4_head_dim,
+    check_quant_append_args,
+    check_quant_csr_append_args,
+    check_quant_pool,
+    quant_widths,
+)
+from .shared import (
+    FLOAT_DTYPES,
+    MAX_SCALE,
+    ROPE_STYLES,
+    check_float_tensor,
+    check_kv,
+    check_kv_rows,
+    check_q,
+    check_rope_positions,
+    check_rope_style,
+    check_scale,
+    check_slots,
+    check_window,
+)
+
+__all__ = [
+    # constants and building blocks (shared)
+    "FLOAT_DTYPES",
+    "ROPE_STYLES",
+    "MAX_SCALE",
+    "check_window",
+    "check_scale",
+    "check_float_tensor",
+    "check_q",
+    "check_kv",
+    "check_kv_rows",
+    "check_slots",
+    "check_rope_style",
+    "check_rope_positions",
+    # append (MHA)
+    "check_append_args",
+    "check_csr_append_args",
+    "check_rope_args",
+    "check_v_tail_args",
+    # attention: decode, prefill, merge (MHA)
+    "check_block_tables",
+    "check_decode_args",
+    "check_csr_decode_args",
+    "check_prefill_args",
+    "check_csr_prefill_args",
+    "check_merge_args",
+    # quantized pools: format, pool, append
+    "QUANT_FORMATS",
+    "NVFP4_BLOCK",
+    "check_global_scale",
+    "check_kv_format",
+    "check_nvfp4_head_dim",
+    "quant_widths",
+    "check_quant_pool",
+    "check_quant_append_args",
+    "check_quant_csr_append_args",
+    # MLA latent pool: dims, append, decode
+    "MLACacheDims",
+    "mla_cache_dims",
+    "check_mla_append_args",
+    "check_mla_csr_append_args",
+    "check_mla_rope_args",
+    "check_mla_weights",
+    "check_mla_decode_args",
+]

@@ -1,0 +1,256 @@
+"""Argument rules of the MHA/GQA family: appends (slot mapping or CSR, fused RoPE,
+V-tail zeroing) and attention reads (padded or CSR page tables for decode and prefill,
+the split merge), on a pool tensor ``[num_pages, 2, ...]`` in ``layout`` (NHD or HND).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import check_csr, csr_seq_lens, csr_slot_mapping, csr_to_block_table, index_tensor
+from ..pool import cache_dims
+from ..window import RingWindow
+from .shared import (
+    FLOAT_DTYPES,
+    check_float_tensor,
+    check_kv,
+    check_q,
+    check_rope_positions,
+    check_rope_style,
+    check_scale,
+    check_slots,
+    check_window,
+)
+
+# --------------------------------------------------------------------------- append
+
+
+def check_append_args(k, v, cache, slot_mapping, layout: str = "NHD") -> torch.Tensor:
+    """Validate a slot-mapping append; return ``slot_mapping`` as host int64.
+
+    ``k, v`` as :func:`check_kv`, with at least ``num_tokens`` rows (vLLM pads K/V for
+    CUDA graphs; rows past ``num_tokens`` are not written); ``slot_mapping
+    [num_tokens]`` integer, each ``-1`` (padding) or in ``[0, num_pages * page_size)``,
+    no slot twice (two writers of one row would race).
+    """
+    dims = check_kv(k, v, cache, layout)
+    slots = index_tensor("slot_mapping", slot_mapping, 1)
+    if slots.numel() > k.shape[0]:
+        raise ValueError(f"slot_mapping has {slots.numel()} entries but k has only {k.shape[0]} rows")
+    check_slots(slots, dims)
+    return slots
+
+
+def check_csr_append_args(
+    k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout: str = "NHD", window=None
+) -> torch.Tensor:
+    """Validate a CSR append (FlashInfer's addressing); return each token's flat slot as
+    host int64 (``-1`` for padding).
+
+    ``batch_indices, positions [num_tokens]``: ``-1`` in either marks padding; any other
+    negative value is refused. Every real token must land on one of its request's
+    pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (through ``window`` when given),
+    and that page must be in the pool; then the slots follow :func:`check_append_args`'s
+    rules (no slot twice).
+    """
+    dims = check_kv(k, v, cache, layout)
+    check_window(window)
+    batch = index_tensor("batch_indices", batch_indices, 1)
+    if batch.numel() > k.shape[0]:
+        raise ValueError(f"batch_indices has {batch.numel()} entries but k has only {k.shape[0]} rows")
+    slots = csr_slot_mapping(batch, positions, kv_indices, kv_indptr, dims.page_size, window, dims.num_pages)
+    check_slots(slots, dims, name="the slots of batch_indices/positions")
+    return slots
+
+
+def check_rope_args(rope, positions, rope_theta, q, k, cache, layout: str, slots: torch.Tensor):
+    """Validate the fused-RoPE options of an append; return ``positions`` as host int64
+    (None without RoPE).
+
+    ``rope`` is None, ``"neox"`` or ``"gptj"``. With it: an even ``head_dim``,
+    ``rope_theta`` a finite number > 1, ``positions [num_tokens]`` integers that are
+    >= 0 for every token that is written (``slots >= 0``). ``q`` (rotated in place)
+    needs ``rope`` and is ``[num_tokens, num_q_heads, head_dim]`` (a float tensor,
+    ``num_q_heads`` any positive count; extra rows, like K's, are left alone). Without
+    ``rope``, ``positions`` is ignored.
+    """
+    check_rope_style(rope)
+    if rope is None:
+        if q is not None:
+            raise ValueError("q is given but rope is None: q is only touched to rotate it")
+        return None
+    head_dim = cache_dims(cache, layout).head_dim
+    if head_dim % 2:
+        raise ValueError(f"rope needs an even head_dim, the cache has {head_dim}")
+    pos = check_rope_positions(rope_theta, positions, slots.numel(), slots)
+    if q is not None:
+        check_float_tensor("q", q, "[num_tokens, num_q_heads, head_dim]")
+        if q.shape[0] < slots.numel() or q.shape[2] != head_dim or q.shape[1] == 0:
+            raise ValueError(f"q has shape {tuple(q.shape)}; expected [{slots.numel()}, num_q_heads, {head_dim}]")
+    return pos
+
+
+def check_v_tail_args(
+    cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", written: torch.Tensor | None = None
+) -> list[tuple[int, int]]:
+    """Validate a V-tail zeroing request; return ``(last_page, first_unused_row)`` for
+    every request whose last page has unused rows.
+
+    A CSR page table (:func:`pagedkv_lib.formats.check_csr`) with page ids inside the
+    pool. A last page with unused rows (``kv_last_page_len[b] < page_size``) may appear
+    only once in ``kv_indices``: zeroing its tail would erase rows another request
+    reads (a full last page has no tail and may be shared). ``written [num_tokens]``
+    (host slots of the same call, ``-1`` ignored) must not lie in a tail, where the
+    zeroing would erase the token just written.
+    """
+    dims = cache_dims(cache, layout)
+    indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
+    has_tail = (indptr[1:] > indptr[:-1]) & (last < dims.page_size)
+    tail_pages = indices[indptr[1:][has_tail] - 1]
+    uses = (indices[None, :] == tail_pages[:, None]).sum(1)
+    if (uses > 1).any():
+        page = int(tail_pages[uses > 1][0])
+        raise ValueError(
+            f"kv_indices holds page {page} more than once, and it is a last page with unused rows: "
+            "zeroing its V tail would erase rows another request reads"
+        )
+    if written is not None and tail_pages.numel():
+        rows = torch.arange(dims.page_size)
+        in_tail = rows[None, :] >= last[has_tail][:, None]
+        tail_slots = (tail_pages[:, None] * dims.page_size + rows[None, :])[in_tail]
+        hit = torch.isin(written, tail_slots)
+        if hit.any():
+            i = int(torch.nonzero(hit)[0])
+            raise ValueError(
+                f"token {i} is written to slot {int(written[i])}, inside a V tail that kv_last_page_len zeroes"
+            )
+    return list(zip(tail_pages.tolist(), last[has_tail].tolist()))
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def check_block_tables(cache, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None):
+    """Validate a padded page table against the pool; return ``(block_tables, seq_lens)``
+    as host int64.
+
+    ``block_tables [batch, max_blocks]``: the first ``ceil(rows / page_size)`` entries of
+    row ``b`` must be page ids, where ``rows`` is ``seq_lens[b]`` (or the ring's cache
+    length with a window); ``seq_lens [batch]`` >= 0.
+    """
+    dims = cache_dims(cache, layout)
+    check_window(window, dims.page_size)
+    table = index_tensor("block_tables", block_tables, 2)
+    lens = index_tensor("seq_lens", seq_lens, 1)
+    if table.shape[0] != lens.numel():
+        raise ValueError(f"block_tables has {table.shape[0]} rows but seq_lens has {lens.numel()} entries")
+    if (lens < 0).any():
+        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
+    rows = lens if window is None else window.cache_len(lens)
+    needed = torch.div(rows + dims.page_size - 1, dims.page_size, rounding_mode="floor")
+    if (needed > table.shape[1]).any():
+        b = int(torch.nonzero(needed > table.shape[1])[0])
+        raise ValueError(
+            f"seq_lens[{b}]={int(lens[b])} needs {int(needed[b])} pages; block_tables has {table.shape[1]} columns"
+        )
+    used = torch.arange(table.shape[1]) < needed[:, None]
+    bad = used & ((table < 0) | (table >= dims.num_pages))
+    if bad.any():
+        b, j = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"block_tables[{b}, {j}]={int(table[b, j])} is not a page of the pool ({dims.num_pages} pages) "
+            f"but seq_lens[{b}]={int(lens[b])} reads it"
+        )
+    return table, lens
+
+
+def check_decode_args(
+    q, cache, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None, scale=None
+):
+    """Validate a decode-attention call; return ``(block_tables, seq_lens)`` as host int64.
+
+    ``q [batch, num_q_heads, head_dim]`` (:func:`check_q`), a page table as
+    :func:`check_block_tables` wants it, ``scale`` as :func:`check_scale`.
+    """
+    check_q(q, cache, layout)
+    check_scale(scale)
+    table, lens = check_block_tables(cache, block_tables, seq_lens, layout, window)
+    if q.shape[0] != lens.numel():
+        raise ValueError(f"q has {q.shape[0]} rows but seq_lens has {lens.numel()} entries")
+    return table, lens
+
+
+def check_csr_decode_args(q, cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None):
+    """Validate a decode over a CSR page table; return ``(kv_indptr, kv_indices,
+    kv_last_page_len, seq_lens)`` as host int64 (lengths by
+    :func:`pagedkv_lib.formats.csr_seq_lens`)."""
+    dims = check_q(q, cache, layout)
+    check_scale(scale)
+    indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
+    if q.shape[0] != last.numel():
+        raise ValueError(f"q has {q.shape[0]} rows but kv_last_page_len has {last.numel()} entries")
+    return indptr, indices, last, csr_seq_lens(indptr, last, dims.page_size).to(torch.int64)
+
+
+def check_prefill_args(
+    q, cache, qo_indptr, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None, scale=None
+):
+    """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
+    host int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most
+    ``seq_lens[b]`` queries each (at most ``window.max_chunk_len()`` with a ring window)."""
+    dims = check_q(q, cache, layout)
+    check_scale(scale)
+    check_window(window, dims.page_size)  # before the chunk rule, which counts in the window's pages
+    indptr = index_tensor("qo_indptr", qo_indptr, 1)
+    lens = index_tensor("seq_lens", seq_lens, 1)
+    if indptr.numel() != lens.numel() + 1 or indptr.numel() == 0 or int(indptr[0]) != 0:
+        raise ValueError(f"qo_indptr={indptr.tolist()} must start at 0 and have {lens.numel() + 1} entries (batch + 1)")
+    if int(indptr[-1]) != q.shape[0]:
+        raise ValueError(f"qo_indptr[-1]={int(indptr[-1])} but q has {q.shape[0]} rows")
+    q_lens = indptr[1:] - indptr[:-1]
+    if (q_lens > lens).any() or (q_lens < 0).any():
+        b = int(torch.nonzero((q_lens > lens) | (q_lens < 0))[0])
+        raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
+    if window is not None and (q_lens > window.max_chunk_len()).any():
+        raise ValueError(
+            f"a chunk of {int(q_lens.max())} tokens overwrites ring slots its own queries need; "
+            f"this window allows {window.max_chunk_len()} (use one_more_block for chunks)"
+        )
+    table, lens = check_block_tables(cache, block_tables, lens, layout, window)
+    return indptr, table, lens
+
+
+def check_merge_args(partials, lse) -> None:
+    """``partials [batch, heads, splits, head_dim]`` and ``lse [batch, heads, splits]``
+    (base-2 log-sum-exp per split), float tensors with ``splits >= 1``."""
+    for name, t, dims in (("partials", partials, 4), ("lse", lse, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be a {dims}-D float tensor, got {getattr(t, 'shape', type(t))}")
+    if tuple(lse.shape) != tuple(partials.shape[:3]):
+        raise ValueError(
+            f"lse has shape {tuple(lse.shape)}; partials {tuple(partials.shape)} need {tuple(partials.shape[:3])}"
+        )
+    if partials.shape[2] == 0:
+        raise ValueError("partials has 0 splits")
+
+
+def check_csr_prefill_args(
+    q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None
+):
+    """Validate a prefill over a CSR page table; return ``(qo_indptr, kv_indptr,
+    kv_indices, kv_last_page_len, seq_lens)`` as host int64.
+
+    The page table follows :func:`pagedkv_lib.formats.check_csr` with page ids inside
+    the pool; the KV lengths it implies (:func:`pagedkv_lib.formats.csr_seq_lens`) then
+    obey :func:`check_prefill_args`'s rules (no window: a ring's pages do not give the
+    sequence length).
+    """
+    dims = check_q(q, cache, layout)
+    check_scale(scale)
+    indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
+    table, lens = csr_to_block_table(indptr, indices, last, dims.page_size)
+    try:  # what is left to fail is the qo_indptr rule, against lengths the caller did not pass
+        qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, None, scale)
+    except ValueError as err:
+        raise ValueError(f"{err} (seq_lens: the KV lengths kv_indptr and kv_last_page_len give)") from None
+    return qo, indptr, indices, last, lens

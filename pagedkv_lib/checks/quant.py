@@ -1,0 +1,143 @@
+"""Argument rules of quantized pools (FP8 E4M3 and NVFP4, :mod:`pagedkv_lib.quant`),
+shared by the references of :mod:`pagedkv_lib.quant_reference` and the quantized kernels.
+
+A quantized pool is passed whole (a :class:`pagedkv_lib.quant_pool.QuantizedKVPool`);
+the shape-only MHA rules (:mod:`.mha`: RoPE, V tails, page tables, queries) are applied
+to its ``shape_proxy``, a meta tensor of the logical ``[num_pages, 2, ..., head_dim]``
+shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats import csr_slot_mapping, index_tensor
+from ..pool import CacheDims, cache_dims
+from .shared import check_kv_rows, check_slots, check_window
+
+QUANT_FORMATS = {"fp8": ("tensor", "token"), "nvfp4": ("block",)}  # kv_dtype -> its scale modes
+NVFP4_BLOCK = 16  # elements per NVFP4 block scale
+
+
+def check_global_scale(name: str, value) -> float:
+    """A per-tensor scale: return ``value`` rounded to fp32 as a Python float.
+
+    ValueError naming ``name`` unless it is a real number (or a one-element tensor)
+    whose fp32 value is finite and > 0, with ``6 * value`` finite too (NVFP4 divides by
+    it). A zero, negative, NaN or infinite scale would turn every code into 0, NaN or
+    +-max without any error, so it is refused here."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} must be a positive finite number")
+    as32 = torch.tensor(float(value), dtype=torch.float32)
+    if not (math.isfinite(float(value)) and float(as32) > 0 and math.isfinite(float(as32 * 6))):
+        raise ValueError(f"{name}={value!r} must be a positive finite number (in fp32, and 6x it finite)")
+    return float(as32)
+
+
+def check_kv_format(kv_dtype, scale_mode=None) -> tuple[str, str]:
+    """``(kv_dtype, scale_mode)``: ``kv_dtype`` ``"fp8"`` (``scale_mode`` ``"tensor"``, the
+    default, or ``"token"``) or ``"nvfp4"`` (``"block"``, its only and default mode)."""
+    if kv_dtype not in QUANT_FORMATS:
+        raise ValueError(f"kv_dtype={kv_dtype!r} must be one of {sorted(QUANT_FORMATS)}")
+    modes = QUANT_FORMATS[kv_dtype]
+    mode = modes[0] if scale_mode is None else scale_mode
+    if mode not in modes:
+        raise ValueError(f"scale_mode={scale_mode!r} is not a scale mode of {kv_dtype}; use one of {modes}")
+    return kv_dtype, mode
+
+
+def check_nvfp4_head_dim(head_dim: int) -> None:
+    """NVFP4 scales blocks of 16 consecutive features: ``head_dim`` must be a multiple of 16."""
+    if head_dim % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 needs head_dim to be a multiple of {NVFP4_BLOCK}, got {head_dim}")
+
+
+def quant_widths(kv_dtype: str, scale_mode: str, head_dim: int) -> tuple[int, int]:
+    """``(data_width, scale_groups)``: bytes of one stored K or V vector (``head_dim``,
+    or ``head_dim / 2`` for NVFP4's packed nibbles) and scales per vector (0 per
+    tensor, 1 per token and head, ``head_dim / 16`` per NVFP4 block)."""
+    if kv_dtype == "nvfp4":
+        return head_dim // 2, head_dim // NVFP4_BLOCK
+    return head_dim, 1 if scale_mode == "token" else 0
+
+
+def check_quant_pool(pool) -> CacheDims:
+    """A quantized pool's tensors must agree with its format; return its logical dims
+    ``(num_pages, page_size, num_kv_heads, head_dim)``.
+
+    ``pool.data``: uint8, the pool's layout, last dim ``data_width`` (:func:`quant_widths`);
+    ``pool.scales``: None per tensor, else the same ``[num_pages, 2, rows/heads]`` with
+    last dim ``scale_groups``, float32 per token, uint8 (E4M3 bits) per NVFP4 block;
+    ``pool.global_scale``: float32 ``[2]`` (K, V), each finite and > 0.
+    """
+    kv_dtype, mode = check_kv_format(pool.kv_dtype, pool.scale_mode)
+    layout = pool.layout
+    dims = cache_dims(pool.data, layout)
+    if pool.data.dtype != torch.uint8:
+        raise ValueError(f"pool.data.dtype={pool.data.dtype}; quantized codes are stored as uint8")
+    head_dim = pool.head_dim
+    if kv_dtype == "nvfp4":
+        check_nvfp4_head_dim(head_dim)
+    width, groups = quant_widths(kv_dtype, mode, head_dim)
+    if dims.head_dim != width:
+        raise ValueError(
+            f"pool.data has last dim {dims.head_dim}; {kv_dtype} stores {width} bytes for head_dim {head_dim}"
+        )
+    if groups == 0:
+        if pool.scales is not None:
+            raise ValueError("pool.scales must be None with per-tensor fp8 scales")
+    else:
+        want_dtype = torch.float32 if mode == "token" else torch.uint8
+        want_shape = (*pool.data.shape[:4], groups)
+        if not isinstance(pool.scales, torch.Tensor) or tuple(pool.scales.shape) != want_shape:
+            got = tuple(pool.scales.shape) if isinstance(pool.scales, torch.Tensor) else pool.scales
+            raise ValueError(f"pool.scales has shape {got}; {kv_dtype} ({mode} scales) needs {want_shape}")
+        if pool.scales.dtype != want_dtype:
+            raise ValueError(f"pool.scales.dtype={pool.scales.dtype}; {kv_dtype} ({mode} scales) needs {want_dtype}")
+    gs = pool.global_scale
+    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (2,):
+        raise ValueError("pool.global_scale must be a float32 tensor [2] holding the K and V scales")
+    if gs.device.type == "meta":
+        raise ValueError("pool.global_scale is on the meta device and holds no values")
+    for name, value in zip(("k_scale", "v_scale"), gs.tolist()):
+        check_global_scale(f"pool.global_scale ({name})", value)
+    return CacheDims(dims.num_pages, dims.page_size, dims.num_kv_heads, head_dim)
+
+
+def _check_quant_kv(k, v, pool) -> CacheDims:
+    """``k, v [num_tokens, num_kv_heads, head_dim]`` float tensors of equal shape, with the
+    pool's heads and head_dim (any float dtype: they are quantized on the way in)."""
+    dims = check_quant_pool(pool)
+    check_kv_rows(k, v, dims, "pool")
+    return dims
+
+
+def check_quant_append_args(k, v, pool, slot_mapping) -> torch.Tensor:
+    """Validate a slot-mapping append into a quantized pool; return ``slot_mapping`` as
+    host int64. The pool as :func:`check_quant_pool`, ``k, v`` float
+    ``[num_tokens, num_kv_heads, head_dim]``, slots as :func:`check_append_args`."""
+    dims = _check_quant_kv(k, v, pool)
+    slots = index_tensor("slot_mapping", slot_mapping, 1)
+    if slots.numel() != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slots.numel()} entries for {k.shape[0]} tokens")
+    check_slots(slots, dims)
+    return slots
+
+
+def check_quant_csr_append_args(k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window=None):
+    """Validate a CSR append into a quantized pool; return each token's flat slot as host
+    int64 (``-1`` for padding). Rules as :func:`check_csr_append_args`."""
+    dims = _check_quant_kv(k, v, pool)
+    check_window(window)
+    batch = index_tensor("batch_indices", batch_indices, 1)
+    if batch.numel() != k.shape[0]:
+        raise ValueError(f"batch_indices has {batch.numel()} entries for {k.shape[0]} tokens")
+    slots = csr_slot_mapping(batch, positions, kv_indices, kv_indptr, dims.page_size, window, dims.num_pages)
+    check_slots(slots, dims, name="the slots of batch_indices/positions")
+    return slots

@@ -1,0 +1,155 @@
+"""Argument rules every family shares: float dtypes, the ring window, the softmax scale,
+query and K/V tensors, slots inside the pool, and the RoPE options.
+
+The MHA (:mod:`.mha`), quantized (:mod:`.quant`) and MLA (:mod:`.mla`) rules are built
+from these, so one message names one broken rule whichever family's call broke it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats import PAD, index_tensor
+from ..pool import CacheDims, cache_dims
+from ..window import RingWindow
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+ROPE_STYLES = (None, "neox", "gptj")
+MAX_SCALE = 1e4
+
+
+# --------------------------------------------------------------------------- scalars
+
+
+def check_window(window, page_size: int | None = None) -> RingWindow | None:
+    """``window`` must be a :class:`~pagedkv_lib.window.RingWindow` or None; with
+    ``page_size``, one whose ring counts in pages of that many tokens."""
+    if window is not None and not isinstance(window, RingWindow):
+        raise ValueError(f"window must be a RingWindow or None, got {type(window).__name__}")
+    if window is not None and page_size is not None and window.tokens_per_block != page_size:
+        raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
+    return window
+
+
+def check_scale(scale) -> float | None:
+    """``scale`` (the softmax scale) must be None or a finite real number with
+    ``|scale| <= MAX_SCALE`` (1e4).
+
+    Why a bound: the kernels form ``scale * log2(e) * (q . k)`` in fp32, so a finite scale
+    of 1e38 overflows every score to inf and the softmax to NaN, where the float64
+    reference stays finite. With ``|scale| <= 1e4`` the scores stay finite for every
+    ``|q . k| < 2e34``, far past anything an fp32 dot of real activations forms. Models
+    use ``1 / sqrt(head_dim)`` (0.04 to 0.2; MLA's YaRN factor keeps it below 1)."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite number or None")
+    if abs(scale) > MAX_SCALE:
+        raise ValueError(
+            f"scale={scale!r} is beyond +-{MAX_SCALE:g}: the kernels' fp32 scores scale * q.k would overflow "
+            "(models use 1/sqrt(head_dim))"
+        )
+    return float(scale)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def check_float_tensor(name: str, x, shape_doc: str) -> None:
+    """``x`` must be a 3-D float tensor; the message names ``name`` and its wanted
+    ``shape_doc`` (e.g. ``"[tokens, num_q_heads, head_dim]"``)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be {shape_doc}, got {got}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}.dtype={x.dtype} is not a float dtype")
+
+
+def check_kv_rows(k, v, dims: CacheDims, holder: str = "cache", dtype: torch.dtype | None = None) -> None:
+    """``k, v [num_tokens, num_kv_heads, head_dim]`` float tensors of equal shape with the
+    heads and head_dim of ``dims`` (the ``holder``'s, named in the message), and with
+    ``dtype`` given, in that dtype (checked per tensor, K before V)."""
+    for name, x in (("k", k), ("v", v)):
+        check_float_tensor(name, x, "[num_tokens, num_kv_heads, head_dim]")
+        if tuple(x.shape[1:]) != (dims.num_kv_heads, dims.head_dim):
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)} but the {holder} holds {dims.num_kv_heads} KV heads of "
+                f"head_dim {dims.head_dim}"
+            )
+        if dtype is not None and x.dtype != dtype:
+            raise ValueError(f"{name}.dtype={x.dtype} differs from {holder}.dtype={dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
+
+
+def check_q(q, cache, layout: str = "NHD", rows: int | None = None, rows_name: str = "tokens") -> CacheDims:
+    """``q [rows, num_q_heads, head_dim]``: a float tensor whose head count is a positive
+    multiple of the cache's KV heads (GQA) and whose head_dim is the cache's; with
+    ``rows`` given, exactly that many rows. Returns the cache's dims."""
+    dims = cache_dims(cache, layout)
+    check_float_tensor("q", q, "[tokens, num_q_heads, head_dim]")
+    if q.shape[2] != dims.head_dim:
+        raise ValueError(f"q has head_dim {q.shape[2]} but the cache has {dims.head_dim}")
+    if q.shape[1] == 0 or q.shape[1] % dims.num_kv_heads:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {dims.num_kv_heads} KV heads")
+    if rows is not None and q.shape[0] != rows:
+        raise ValueError(f"q has {q.shape[0]} rows but there are {rows} {rows_name}")
+    return dims
+
+
+def check_kv(k, v, cache, layout: str = "NHD") -> CacheDims:
+    """``k, v [num_tokens, num_kv_heads, head_dim]``, equal shapes, in the cache's dtype
+    and head layout. Returns the cache's dims."""
+    dims = cache_dims(cache, layout)
+    check_kv_rows(k, v, dims, "cache", cache.dtype)
+    return dims
+
+
+def check_slots(slots: torch.Tensor, dims: CacheDims, name: str = "slot_mapping") -> None:
+    """Every slot (host int64 ``[num_tokens]``) is ``-1`` or inside the pool of ``dims``,
+    and no slot is written twice (two writers of one row would race)."""
+    num_slots = dims.num_pages * dims.page_size
+    bad = (slots < PAD) | (slots >= num_slots)
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(
+            f"{name}[{i}] = {int(slots[i])} is outside the pool "
+            f"({dims.num_pages} pages x {dims.page_size} slots; -1 marks padding)"
+        )
+    real = slots[slots >= 0]
+    if real.numel() != torch.unique(real).numel():
+        vals, counts = torch.unique(real, return_counts=True)
+        raise ValueError(f"{name} writes slot {int(vals[counts > 1][0])} more than once (two writers of one row)")
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def check_rope_style(rope) -> None:
+    """``rope`` must be None, ``"neox"`` or ``"gptj"`` (:data:`ROPE_STYLES`)."""
+    if rope not in ROPE_STYLES:
+        raise ValueError(f"rope={rope!r} must be None, 'neox' or 'gptj'")
+
+
+def check_rope_positions(rope_theta, positions, num_tokens: int, slots: torch.Tensor) -> torch.Tensor:
+    """The options of a fused RoPE that every family shares; return ``positions`` as
+    host int64.
+
+    ``rope_theta`` a finite number > 1; ``positions [num_tokens]`` integers, >= 0 for
+    every token that is written (``slots >= 0``, host int64 ``[num_tokens]``)."""
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not math.isfinite(rope_theta):
+        raise ValueError(f"rope_theta={rope_theta!r} must be a finite number")
+    if rope_theta <= 1:
+        raise ValueError(f"rope_theta={rope_theta!r} must be > 1")
+    if positions is None:
+        raise ValueError("rope needs positions [num_tokens], the tokens' absolute positions")
+    pos = index_tensor("positions", positions, 1)
+    if pos.numel() != num_tokens:
+        raise ValueError(f"positions has {pos.numel()} entries for {num_tokens} tokens")
+    bad = (slots >= 0) & (pos < 0)
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"positions[{i}]={int(pos[i])} must be >= 0 for a token that is written")
+    return pos

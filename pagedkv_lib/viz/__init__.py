@@ -1,0 +1,97 @@
+"""Plot helpers for the notebooks: the one home of every figure the suite draws.
+
+Every function returns a matplotlib ``Figure`` (and draws nothing else), so a
+notebook cell can assert on the data and end with ``plt.show()``.
+
+One style for all of them (:func:`use_style`): text of 11-12 px at 100 dpi, legible in a
+1400 px browser window; the Okabe-Ito palette (:data:`PALETTE`), which stays distinct
+under the common colour-vision deficiencies; discrete colours with a legend for
+categories and booleans, a colour bar only for continuous quantities; integer ticks on
+integer axes. A sequence keeps its colour in every view that is given the same
+``order`` (:func:`sequence_colors`).
+
+Notebooks call the package (``viz.line_plot(...)``); its modules, by what they show:
+
+- :mod:`.style`: the palette, the figure style, colours per sequence, integer ticks.
+- :mod:`.charts`: generic charts: lines, bars, grouped bars, histograms, heatmaps,
+  category grids.
+- :mod:`.bookkeeping`: pages and their owners, block tables, address maps, ring windows.
+- :mod:`.kernels`: what kernels do: exact matches, rows a program touches, rows a wrong
+  write got wrong, prefill masks, a kernel's source.
+- :mod:`.quant`: quantized KV: the E2M1 grid.
+- :mod:`.conformance`: a conformance report's margins by the pass rule.
+"""
+
+from __future__ import annotations
+
+from .bookkeeping import (
+    occupancy,
+    plot_address_map,
+    plot_block_table,
+    plot_occupancy,
+    plot_occupancy_steps,
+    plot_ring_slots,
+)
+from .charts import bar_plot, line_plot, plot_categories, plot_grouped_bars, plot_heatmap, plot_histogram
+from .conformance import conformance_margins, plot_conformance
+from .kernels import (
+    plot_access_pattern,
+    plot_chunk_masks,
+    plot_exact_match,
+    plot_wrong_rows,
+    row_status,
+    source_code,
+)
+from .quant import plot_e2m1_grid
+from .style import (
+    FAIL_RED,
+    FREE,
+    OK_GREEN,
+    PALETTE,
+    SHARED,
+    as_array,
+    integer_ticks,
+    is_integer,
+    sequence_colors,
+    use_style,
+)
+
+__all__ = [
+    # style
+    "PALETTE",
+    "FREE",
+    "SHARED",
+    "OK_GREEN",
+    "FAIL_RED",
+    "use_style",
+    "sequence_colors",
+    "is_integer",
+    "integer_ticks",
+    "as_array",
+    # generic charts
+    "line_plot",
+    "bar_plot",
+    "plot_grouped_bars",
+    "plot_histogram",
+    "plot_heatmap",
+    "plot_categories",
+    # bookkeeping
+    "occupancy",
+    "plot_occupancy",
+    "plot_occupancy_steps",
+    "plot_block_table",
+    "plot_address_map",
+    "plot_ring_slots",
+    # kernels
+    "plot_exact_match",
+    "plot_access_pattern",
+    "row_status",
+    "plot_wrong_rows",
+    "plot_chunk_masks",
+    "source_code",
+    # quantized KV
+    "plot_e2m1_grid",
+    # conformance reports
+    "conformance_margins",
+    "plot_conformance",
+]

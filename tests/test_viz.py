@@ -1,0 +1,43 @@
+"""The plot package keeps its one promise to notebooks: every plot function returns the
+figure it drew (so a cell can assert on it and end with ``plt.show()``), and the package
+re-exports every name its modules define."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from pagedkv_lib import viz  # noqa: E402
+
+
+def test_chunk_masks_and_e2m1_grid_return_their_figure():
+    causal = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    figs = [viz.plot_chunk_masks({"causal": causal}, past_len=2, title="t"), viz.plot_e2m1_grid({"x": 2.6})]
+    try:
+        for fig in figs:
+            assert isinstance(fig, matplotlib.figure.Figure), f"returned {type(fig).__name__}, not its Figure"
+    finally:
+        plt.close("all")
+
+
+def test_package_reexports_every_public_name_of_its_modules():
+    import ast
+    import importlib
+    import inspect
+
+    for name in ("style", "charts", "bookkeeping", "kernels", "quant", "conformance"):
+        module = importlib.import_module(f"pagedkv_lib.viz.{name}")
+        tree = ast.parse(inspect.getsource(module))
+        defined = []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.append(node.name)
+            elif isinstance(node, ast.Assign):
+                targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                defined += [t.id for t in targets if isinstance(t, ast.Name)]
+        own = [n for n in defined if not n.startswith("_")]
+        assert own, f".{name} defines nothing public"
+        missing = [n for n in own if n not in viz.__all__ or getattr(viz, n) is not getattr(module, n)]
+        assert not missing, f"pagedkv_lib.viz does not re-export {missing} of .{name}"
