@@ -75,10 +75,21 @@ class IndexerKPool:
     sees what a write left untouched).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, head_dim: int, num_layers: int = 2, pad: int = 0,
-                 *, fill: int | None = None, generator: torch.Generator | None = None, device=None):  # fmt: skip
-        for name, value, low in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
-                                 ("head_dim", head_dim, 1), ("num_layers", num_layers, 1), ("pad", pad, 0)):  # fmt: skip
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        head_dim: int,
+        num_layers: int = 2,
+        pad: int = 0,
+        *,
+        fill: int | None = None,
+        generator: torch.Generator | None = None,
+        device=None,
+    ):
+        sizes = {"num_blocks": num_blocks, "block_size": block_size, "head_dim": head_dim, "num_layers": num_layers}
+        for name, value in {**sizes, "pad": pad}.items():
+            low = 0 if name == "pad" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
         self.block_size, self.head_dim, self.num_layers = block_size, head_dim, num_layers
