@@ -18,7 +18,7 @@ one layout, the one this module builds:
   pad)`` bytes. Each block is its own segment of memory, with the other layers' bytes
   (and ``pad``) between it and the next.
 
-Because of that, the page arithmetic lives on the host (:func:`indexer_slots`): it turns
+Because of that, the page arithmetic lives on the host (:func:`flat_slots`): it turns
 each token's (page, row) into two *flat element indices* of the 4-D view, one where its
 codes start and one where its scale starts. The kernel
 (:func:`kernels.indexer_k.indexer_k_cache_scatter`) unravels a flat index over the
@@ -53,6 +53,7 @@ __all__ = [
     "SCALE_BYTES",
     "IndexerKPool",
     "indexer_slots",
+    "flat_slots",
     "quantize_indexer_k",
     "check_indexer_scatter_args",
     "scatter_indexer_k",
@@ -120,18 +121,24 @@ class IndexerKPool:
 
 
 def indexer_slots(block_tables, batch_indices, positions, block_size: int, head_dim: int):
+    """``(slot_fp8, slot_scale)`` of tokens given by request and position: the slot
+    mapping of :func:`pagedkv_lib.formats.slot_mapping` (and its errors), turned into
+    flat indices by :func:`flat_slots`. Padding tokens (batch or position ``-1``) get
+    ``-1`` in both."""
+    return flat_slots(slot_mapping(block_tables, batch_indices, positions, block_size), block_size, head_dim)
+
+
+def flat_slots(slots: torch.Tensor, block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slot_fp8, slot_scale)``, int64 ``[num_tokens]``: where each token's codes and
     scale start, as flat element indices of a pool ``[num_blocks, block_size, 1,
     head_dim + 4]`` (logical indices, as if it were contiguous; the kernel applies the
-    real strides). For a token in row ``r`` of page ``p``::
+    real strides). ``slots`` is the main pool's slot mapping (``page * block_size +
+    row``, ``-1`` for padding, which stays ``-1``); for row ``r`` of page ``p``::
 
         slot_fp8   = p * block_size * (head_dim + 4) + r * head_dim
         slot_scale = p * block_size * (head_dim + 4) + block_size * head_dim + r * 4
-
-    ``block_tables``, ``batch_indices``, ``positions`` as :func:`pagedkv_lib.formats.slot_mapping`
-    (and its errors); padding tokens (batch or position ``-1``) get ``-1`` in both.
     """
-    slots = slot_mapping(block_tables, batch_indices, positions, block_size)
+    slots = torch.as_tensor(slots).long()
     page, row = split_slot(slots.clamp(min=0), block_size)
     base = page * (block_size * (head_dim + SCALE_BYTES))
     pad = slots < 0

@@ -30,8 +30,8 @@ import torch
 
 from .. import runtime
 from ..block_copy import copy_blocks
-from ..formats import scatter_pages
-from ..indexer_cache import IndexerKPool, indexer_slots, quantize_indexer_k, scatter_indexer_k
+from ..indexer_cache import IndexerKPool, flat_slots, quantize_indexer_k, scatter_indexer_k
+from .append_checks import append_inputs
 from .compare import bits
 from .grid import cover
 from .report import CaseResult
@@ -78,29 +78,20 @@ def _keys(n: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
 
 def indexer_scatter_inputs(case: dict):
     """``(pool, codes, scales, slot_fp8, slot_scale, owners)`` of a scatter case, on the
-    CPU: a random-bytes :class:`IndexerKPool`, ``num_tokens`` tokens (``padding`` of
-    them padding) of up to 3 requests continuing after earlier tokens on scattered
-    blocks, their quantized keys and slots; ``owners[t]`` is ``(request, position)``."""
-    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    CPU: the tokens of the append case of the same shape (:func:`.append_inputs`:
+    ``num_tokens`` tokens, ``padding`` of them padding, up to 3 requests continuing
+    mid-block on scattered blocks), a random-bytes :class:`IndexerKPool` as large as
+    that case's pool, the tokens' quantized keys and flat slots; ``owners[t]`` is
+    ``(request, position)``."""
     bs, d, n = case["block_size"], case["head_dim"], case["num_tokens"]
-    real = n - case["padding"]
-    num_req = max(1, min(3, real))
-    new = [real // num_req + (b < real % num_req) for b in range(num_req)]
-    past = torch.randint(0, 2 * bs + 1, (num_req,), generator=gen).tolist()
-    blocks_each = [-(-(p + m) // bs) for p, m in zip(past, new)]
-    num_blocks = sum(blocks_each) + 2
-    table = torch.full((num_req, max(blocks_each, default=0) or 1), -1, dtype=torch.int64)
-    for b, row in enumerate(scatter_pages(blocks_each, num_blocks, gen)):
-        table[b, : len(row)] = torch.tensor(row)
-    batch = torch.cat([torch.full((m,), b) for b, m in enumerate(new)] + [torch.full((n - real,), -1)])
-    positions = torch.cat([torch.arange(p, p + m) for p, m in zip(past, new)] + [torch.full((n - real,), -1)])
-    order = torch.randperm(n, generator=gen)
-    batch, positions = batch[order].long(), positions[order].long()
-    slot_fp8, slot_scale = indexer_slots(table, batch, positions, bs, d)
-    pool = IndexerKPool(num_blocks, bs, d, case["num_layers"], case["pad"], generator=gen)
-    codes, scales = quantize_indexer_k(_keys(n, d, gen)[order])
-    owners = list(zip(batch.tolist(), positions.tolist()))
-    return pool, codes, scales, slot_fp8, slot_scale, owners
+    seed = case.get("seed", 0)
+    like = {"dtype": "fp32", "layout": "NHD", "num_kv_heads": 1, "page_size": bs, "head_dim": d, "seed": seed}
+    pages, _, _, slots, batch, positions = append_inputs({**like, "num_tokens": n, "padding": case["padding"]})
+    gen = torch.Generator().manual_seed(seed)
+    pool = IndexerKPool(pages.shape[0], bs, d, case["num_layers"], case["pad"], generator=gen)
+    codes, scales = quantize_indexer_k(_keys(n, d, gen)[torch.randperm(n, generator=gen)])
+    slot_fp8, slot_scale = flat_slots(slots, bs, d)
+    return pool, codes, scales, slot_fp8, slot_scale, list(zip(batch.tolist(), positions.tolist()))
 
 
 def _locate_arena_error(got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, pool: IndexerKPool,
