@@ -32,7 +32,7 @@ from .. import runtime
 from ..block_copy import copy_blocks
 from ..indexer_cache import IndexerKPool, flat_slots, quantize_indexer_k, scatter_indexer_k
 from .append_checks import append_inputs
-from .compare import bits
+from .compare import DTYPES, bits
 from .grid import cover
 from .report import CaseResult
 
@@ -48,8 +48,8 @@ __all__ = [
 
 def indexer_scatter_grid(full: bool = False) -> list[dict]:
     """Indexer scatter cases: layers x token counts, cycling block sizes, head sizes,
-    the layer written, padding bytes between blocks and padding tokens (6 cases; 12
-    with ``full``)."""
+    the layer written, padding bytes between blocks and padding tokens (6 cases; 8
+    with ``full``, which adds 70 tokens)."""
     values = {
         "num_layers": [1, 3],
         "num_tokens": [0, 1, 13] + ([70] if full else []),
@@ -155,15 +155,15 @@ def block_copy_grid(full: bool = False) -> list[dict]:
     pair counts and a second destination pool (6 cases; 12 with ``full``)."""
     values = {
         "layout": ["NHD", "HND"],
-        "dtype": ["fp32", "bf16", "fp16"] + (["uint8"] if full else []),
+        "dtype": ["fp32", "bf16", "fp16"],
         "num_layers": [3, 1, 2],
         "page_size": [5, 16],
         "num_heads": [2, 1],
         "head_dim": [8, 64, 24],
-        "num_pairs": [4, 1, 3, 0],
+        "num_pairs": [4, 1, 3, 0] + ([9] if full else []),
         "into_other_pool": [False, True],
     }
-    return cover(values, outer=2)
+    return cover(values, outer=3 if full else 2)
 
 
 def block_copy_inputs(case: dict):
@@ -172,7 +172,7 @@ def block_copy_inputs(case: dict):
     ``num_pairs`` distinct pairs, their counts cycling ``[0, -1, 1, page_size - 1, 2]``
     (whole, whole, partial ...)."""
     gen = torch.Generator().manual_seed(case.get("seed", 0))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "uint8": torch.uint8}[case["dtype"]]
+    dtype = DTYPES[case["dtype"]]
     layout, ps, h, d, layers, n = (
         case[k] for k in ("layout", "page_size", "num_heads", "head_dim", "num_layers", "num_pairs")
     )
