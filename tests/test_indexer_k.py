@@ -183,12 +183,14 @@ def test_inputs_off_the_kernels_device_are_refused():
         indexer_k_cache_scatter(**args)
 
 
-def test_run_refuses_a_pool_with_other_strides_than_planned():
+def test_run_refuses_a_pool_or_inputs_other_than_planned():
     args = {k: v.to(DEV) for k, v in _valid().items()}
     plan = plan_indexer_k_scatter(**args)
     contiguous = torch.zeros((2, 4, 1, 20), dtype=torch.uint8, device=DEV)
     with pytest.raises(ValueError, match="k_cache has shape"):
         run_indexer_k_scatter(plan, contiguous, args["codes"], args["scales"])
+    with pytest.raises(ValueError, match="codes.dtype=torch.int8"):
+        run_indexer_k_scatter(plan, args["k_cache"], args["codes"].view(torch.int8), args["scales"])
 
 
 def test_topk_scores_relu_per_indexer_head_then_weights():
