@@ -138,13 +138,18 @@ def plan_indexer_k_scatter(k_cache, codes, scales, slot_fp8, slot_scale) -> Inde
 def run_indexer_k_scatter(plan: IndexerScatterPlan, k_cache, codes, scales) -> None:
     """Launch a planned scatter into ``k_cache`` (the planned pool, or one of the same
     shape, strides, dtype and device), in place. ``codes`` and ``scales`` must have the
-    planned shapes; ValueError otherwise."""
+    planned shapes, their dtypes (uint8 or float8_e4m3fn, float32) and the kernels'
+    device; ValueError otherwise."""
     check_same_layout("k_cache", k_cache, plan.cache)
     if tuple(codes.shape) != (plan.num_tokens, plan.head_dim) or tuple(scales.shape) != (plan.num_tokens,):
         raise ValueError(
             f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)}; the plan was made for "
             f"[{plan.num_tokens}, {plan.head_dim}] and [{plan.num_tokens}]"
         )
+    if codes.dtype not in (torch.uint8, torch.float8_e4m3fn) or scales.dtype != torch.float32:
+        raise ValueError(f"codes.dtype={codes.dtype}, scales.dtype={scales.dtype}; E4M3 codes and float32 scales")
+    check_device("codes", codes)
+    check_device("scales", scales)
     if plan.num_tokens == 0:
         return
     code_bytes = codes.view(torch.uint8)
