@@ -1,16 +1,38 @@
-"""Triton kernels for paged KV caches, one module per concept:
+"""Triton kernels for paged KV caches: one module per kernel family, shared device code in
+modules of its own.
 
-* :mod:`kernels.write`: append new tokens' K/V (slot mapping or CSR; fused RoPE; V-tail
-  zeroing; ring windows);
+Kernel families (each: its kernel(s), one plan type, ``plan_*``, ``run_*`` and entry
+points that are exactly ``run_x(plan_x(...), ...)``):
+
+* :mod:`kernels.write`: append new tokens' K/V (slot mapping or CSR; fused RoPE; ring
+  windows); :mod:`kernels.v_tail`: zero the unwritten V rows of each last page;
 * :mod:`kernels.decode`: paged decode attention (split-KV, GQA, ring windows);
-* :mod:`kernels.merge`: the split-KV merge;
+  :mod:`kernels.merge`: the split-KV merge;
+* :mod:`kernels.prefill`: paged prefill attention, many queries per sequence;
+* :mod:`kernels.quant_write`, :mod:`kernels.quant_decode`: the same on FP8 / NVFP4 pools;
+  :mod:`kernels.quant_codes`: their device-side encoders and decoders;
+* :mod:`kernels.mla_write`, :mod:`kernels.mla_decode`: DeepSeek's latent cache (append,
+  and decode in the absorbed form);
 * :mod:`kernels.gather`: copy a batch's K/V out of the pool;
-* :mod:`kernels.addressing`: the device-side address formulas they all share;
-* :mod:`kernels.rope`: RoPE and plain head-tile copies for the write kernels;
-* :mod:`kernels.launch`: host-side launch helpers (int32 index copies, parallel
-  units, plan fingerprints);
-* :mod:`kernels.tiles`: tile sizes per backend; :mod:`kernels.validate`: launch checks;
-* :mod:`kernels.verify`: the conformance harness's command line, on these kernels.
+* :mod:`kernels.block_copy`: copy whole or partial blocks of every layer in one launch;
+* :mod:`kernels.indexer_k`: the DSA indexer's FP8 key cache, written by a stride scatter;
+* :mod:`kernels.peer_conventions`: kernels written to other engines' conventions (vLLM's
+  flat slot store, separate K/V tensors), for the conformance harness.
+
+Shared code (every rule has one home; a new family reuses these):
+
+* :mod:`kernels.addressing`: token to page, row and element offset (slot or CSR, rings);
+* :mod:`kernels.attention_core`: the read kernels' span, visible range, split range,
+  online-softmax step and partial store;
+* :mod:`kernels.rope`: RoPE angles, pairs and rotation, and plain head-tile copies;
+  :mod:`kernels.rounding`: the one fp32-to-storage rounding;
+* :mod:`kernels.launch`: host-side launch helpers (int32 index copies, parallel units,
+  fingerprints); :mod:`kernels.validate`: the launch checks; :mod:`kernels.tiles`: tile
+  sizes per backend and GPU plan.
+
+Tools: :mod:`kernels.verify` (the conformance harness on these kernels),
+:mod:`kernels.compile_check` with :mod:`kernels.launch_record` and
+:mod:`kernels.gpu_compile` (every launch compiled for real GPUs).
 
 Importing this package first imports :mod:`pagedkv_lib.runtime`, which sets
 ``TRITON_INTERPRET`` before triton is imported: compiled kernels when CUDA is
@@ -25,7 +47,9 @@ from pagedkv_lib import interpreter_poison  # isort: skip  (it imports triton: a
 
 interpreter_poison.enable_from_env()
 
-from .decode import (  # noqa: E402
+# ruff: noqa: E402  (the imports below must follow the runtime set-up above)
+from .block_copy import BlockCopyPlan, copy_paged_blocks, plan_block_copy, run_block_copy
+from .decode import (
     DecodePlan,
     paged_decode_attention,
     paged_decode_attention_csr,
@@ -34,66 +58,11 @@ from .decode import (  # noqa: E402
     plan_decode_csr,
     run_decode,
 )
-from .gather import GatheredKV, GatherPlan, gather_paged_kv, plan_gather, run_gather  # noqa: E402
-from .merge import merge_partials  # noqa: E402
-from .v_tail import zero_paged_v_tail  # noqa: E402
-from .write import (  # noqa: E402
-    AppendPlan,
-    append_paged_kv,
-    append_paged_kv_csr,
-    plan_append,
-    plan_append_csr,
-    run_append,
-)
-
-__all__ = [
-    "append_paged_kv",
-    "append_paged_kv_csr",
-    "zero_paged_v_tail",
-    "plan_append",
-    "plan_append_csr",
-    "run_append",
-    "AppendPlan",
-    "paged_decode_attention",
-    "paged_decode_attention_csr",
-    "paged_decode_attention_partials",
-    "plan_decode",
-    "plan_decode_csr",
-    "run_decode",
-    "DecodePlan",
-    "merge_partials",
-    "gather_paged_kv",
-    "plan_gather",
-    "run_gather",
-    "GatheredKV",
-    "GatherPlan",
-]
-
-# --------------------------------------------------------------------------- prefill
-# :mod:`kernels.prefill`: paged prefill attention, many queries per sequence (chunked
-# prefill, prefix-cache hits, speculative verification).
-from .prefill import (  # noqa: E402
-    PrefillPlan,
-    paged_prefill_attention,
-    paged_prefill_attention_csr,
-    plan_prefill,
-    plan_prefill_csr,
-    run_prefill,
-)
-
-__all__ += [
-    "paged_prefill_attention",
-    "paged_prefill_attention_csr",
-    "plan_prefill",
-    "plan_prefill_csr",
-    "run_prefill",
-    "PrefillPlan",
-]
-
-# =========================================================================== MLA latent cache
-# :mod:`kernels.mla`: append c_kv/k_pe rows into the latent pool (slot mapping or CSR,
-# fused RoPE on k_pe) and decode in the absorbed form with split-KV.
-from .mla import (  # noqa: E402
+from .gather import GatheredKV, GatherPlan, gather_paged_kv, plan_gather, run_gather
+from .indexer_k import IndexerScatterPlan, indexer_k_cache_scatter, plan_indexer_k_scatter, run_indexer_k_scatter
+from .merge import merge_partials
+from .mla_decode import MLADecodePlan, mla_decode_attention, plan_mla_decode, run_mla_decode
+from .mla_write import (
     MLAAppendPlan,
     append_paged_mla_kv,
     append_paged_mla_kv_csr,
@@ -101,23 +70,15 @@ from .mla import (  # noqa: E402
     plan_append_mla_csr,
     run_append_mla,
 )
-from .mla_decode import MLADecodePlan, mla_decode_attention, plan_mla_decode, run_mla_decode  # noqa: E402
-
-__all__ += [
-    "append_paged_mla_kv",
-    "append_paged_mla_kv_csr",
-    "plan_append_mla",
-    "plan_append_mla_csr",
-    "run_append_mla",
-    "MLAAppendPlan",
-    "mla_decode_attention",
-    "plan_mla_decode",
-    "run_mla_decode",
-    "MLADecodePlan",
-]
-
-# --- quantized pools (FP8 / NVFP4): kernels/quant_write.py, kernels/quant_decode.py
-from .quant_decode import (  # noqa: E402
+from .prefill import (
+    PrefillPlan,
+    paged_prefill_attention,
+    paged_prefill_attention_csr,
+    plan_prefill,
+    plan_prefill_csr,
+    run_prefill,
+)
+from .quant_decode import (
     QuantDecodePlan,
     paged_decode_attention_quant,
     paged_decode_attention_quant_csr,
@@ -125,7 +86,7 @@ from .quant_decode import (  # noqa: E402
     plan_decode_quant_csr,
     run_decode_quant,
 )
-from .quant_write import (  # noqa: E402
+from .quant_write import (
     QuantAppendPlan,
     append_paged_kv_quant,
     append_paged_kv_quant_csr,
@@ -134,19 +95,30 @@ from .quant_write import (  # noqa: E402
     run_append_quant,
     zero_paged_v_tail_quant,
 )
+from .v_tail import VTailPlan, plan_v_tail, run_v_tail, zero_paged_v_tail
+from .write import AppendPlan, append_paged_kv, append_paged_kv_csr, plan_append, plan_append_csr, run_append
 
-__all__ += [
-    "append_paged_kv_quant",
-    "append_paged_kv_quant_csr",
-    "zero_paged_v_tail_quant",
-    "plan_append_quant",
-    "plan_append_quant_csr",
-    "run_append_quant",
-    "QuantAppendPlan",
-    "paged_decode_attention_quant",
-    "paged_decode_attention_quant_csr",
-    "plan_decode_quant",
-    "plan_decode_quant_csr",
-    "run_decode_quant",
-    "QuantDecodePlan",
+# fmt: off
+__all__ = [
+    # write new tokens' K/V
+    "append_paged_kv", "append_paged_kv_csr", "plan_append", "plan_append_csr", "run_append", "AppendPlan",
+    "zero_paged_v_tail", "plan_v_tail", "run_v_tail", "VTailPlan",
+    "append_paged_kv_quant", "append_paged_kv_quant_csr", "zero_paged_v_tail_quant",
+    "plan_append_quant", "plan_append_quant_csr", "run_append_quant", "QuantAppendPlan",
+    "append_paged_mla_kv", "append_paged_mla_kv_csr", "plan_append_mla", "plan_append_mla_csr",
+    "run_append_mla", "MLAAppendPlan",
+    "indexer_k_cache_scatter", "plan_indexer_k_scatter", "run_indexer_k_scatter", "IndexerScatterPlan",
+    # read: decode (one query per sequence) and its split-KV merge
+    "paged_decode_attention", "paged_decode_attention_csr", "paged_decode_attention_partials",
+    "plan_decode", "plan_decode_csr", "run_decode", "DecodePlan", "merge_partials",
+    "paged_decode_attention_quant", "paged_decode_attention_quant_csr",
+    "plan_decode_quant", "plan_decode_quant_csr", "run_decode_quant", "QuantDecodePlan",
+    "mla_decode_attention", "plan_mla_decode", "run_mla_decode", "MLADecodePlan",
+    # read: prefill (many queries per sequence)
+    "paged_prefill_attention", "paged_prefill_attention_csr", "plan_prefill", "plan_prefill_csr",
+    "run_prefill", "PrefillPlan",
+    # move blocks and rows
+    "gather_paged_kv", "plan_gather", "run_gather", "GatheredKV", "GatherPlan",
+    "copy_paged_blocks", "plan_block_copy", "run_block_copy", "BlockCopyPlan",
 ]
+# fmt: on

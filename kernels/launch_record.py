@@ -14,9 +14,10 @@ The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``,
 * ``notebooks``: the kernels notebooks 06 and 07 build in the page (executed, asserts on);
 * ``exercises``: the workshop's kernel solutions through the exercise checker;
 * ``benchmarks``: each benchmark's default GPU dtype, head size and tiles, on short
-  sequences (the tiles stop growing at 64 keys, so longer ones add no specialization);
+  sequences (the tiles stop growing at 64 keys, so longer ones add no specialization),
+  and the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes;
 * ``foreign``: the kernels written to vLLM's and nano-vllm's conventions
-  (:mod:`kernels.engine_styles`), in fp32, fp16 and bf16.
+  (:mod:`kernels.peer_conventions`), in fp32, fp16 and bf16.
 
 Kernels defined outside ``kernels/`` (a notebook's or an exercise's) are recorded with
 the text of their file, so that the compile step can rebuild them without running it.
@@ -237,9 +238,9 @@ def _run_benchmarks() -> None:
 
 
 def _run_foreign() -> None:
-    """The kernels written to other engines' conventions (:mod:`kernels.engine_styles`,
+    """The kernels written to other engines' conventions (:mod:`kernels.peer_conventions`,
     notebook 08 and the harness tests), once per dtype, recorded dry."""
-    from . import peer_conventions as engine_styles
+    from . import peer_conventions
 
     gen = torch.Generator().manual_seed(0)
     blocks, block, heads, dim, n = 8, 16, 2, 64, 40
@@ -249,11 +250,32 @@ def _run_foreign() -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         kc, vc = (torch.zeros((blocks, block, heads, dim), dtype=dtype) for _ in range(2))
         k = torch.randn((n, heads, dim), generator=gen).to(dtype)
-        engine_styles.store_kv_tuple(k, k, kc, vc, slots)
+        peer_conventions.store_kv_tuple(k, k, kc, vc, slots)
         q = torch.randn((1, 2 * heads, dim), generator=gen).to(dtype)
-        engine_styles.decode_kv_tuple(q, kc, vc, table, lens)
+        peer_conventions.decode_kv_tuple(q, kc, vc, table, lens)
         qp = torch.randn((n, 2 * heads, dim), generator=gen).to(dtype)
-        engine_styles.prefill_kv_tuple(qp, kc, vc, torch.tensor([0, n], dtype=torch.int32), table, lens)
+        peer_conventions.prefill_kv_tuple(qp, kc, vc, torch.tensor([0, n], dtype=torch.int32), table, lens)
+
+
+def _run_production_shapes() -> None:
+    """The indexer-K scatter at DeepSeek-V3.2's shapes (indexer head 128, blocks of 64) and
+    an offload-sized block copy per dtype and layout, recorded dry (the verify grid runs
+    both kernels at small shapes)."""
+    from pagedkv_lib.indexer_cache import IndexerKPool, indexer_slots, quantize_indexer_k
+
+    from . import block_copy, indexer_k
+
+    gen = torch.Generator().manual_seed(0)
+    pool, pos = IndexerKPool(8, 64, 128, num_layers=2, fill=0), torch.arange(300)
+    fp8, sc = indexer_slots(torch.arange(8).view(1, 8), torch.zeros_like(pos), pos, 64, 128)
+    codes, scales = quantize_indexer_k(torch.randn((300, 128), generator=gen))
+    indexer_k.indexer_k_cache_scatter(pool.cache(1), codes, scales, fp8, sc)
+    for dtype in (torch.bfloat16, torch.float16):
+        for layout in ("NHD", "HND"):
+            inner = (16, 8, 128) if layout == "NHD" else (8, 16, 128)
+            ids = torch.arange(4)
+            cache = torch.zeros((4, 8, 2, *inner), dtype=dtype)
+            block_copy.copy_paged_blocks(cache, ids, ids + 4, torch.tensor([0, 3, -1, 16]), layout)
 
 
 RUNNERS = {  # (label, runner, dry)
@@ -262,7 +284,10 @@ RUNNERS = {  # (label, runner, dry)
         (f"notebook {s[:2]}", lambda s=s: _run_notebook(s), False) for s in ("06_triton_write", "07_triton_read")
     ],
     "exercises": [("exercise solutions", _run_exercises, False)],
-    "benchmarks": [("benchmark shapes (dry)", _run_benchmarks, True)],
+    "benchmarks": [
+        ("benchmark shapes (dry)", _run_benchmarks, True),
+        ("indexer and block-copy shapes (dry)", _run_production_shapes, True),
+    ],
     "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
 }
 

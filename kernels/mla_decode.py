@@ -4,7 +4,7 @@ split-KV.
 The pool (:mod:`pagedkv_lib.mla`) is ``ckv_cache [num_pages, page_size, kv_lora_rank]``
 and ``kpe_cache [num_pages, page_size, qk_rope_head_dim]``: one latent row per token,
 one "head", each cache with its own page and row strides (the appends are
-:mod:`kernels.mla`'s). :func:`mla_decode_attention` runs four launches:
+:mod:`kernels.mla_write`'s). :func:`mla_decode_attention` runs four launches:
 
 1. absorb: ``q_latent[b, h] = q_nope[b, h] @ w_uk[h]`` (``[kv_lora_rank]`` fp32), a
    per-head projection (:func:`head_matvec_kernel`);

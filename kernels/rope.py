@@ -23,7 +23,7 @@ Each caller keeps only its own load, rounding and store around :func:`rope_rotat
 K in the MHA write (:mod:`kernels.write`) and Q in it and in the quantized write go
 through :func:`rope_tile` (converted to the cache's or ``q``'s dtype); the quantized
 write (:mod:`kernels.quant_write`) rotates K as a whole-head tile in feature order and
-hands it, still fp32, to the quantizer; the MLA write (:mod:`kernels.mla`) rounds
+hands it, still fp32, to the quantizer; the MLA write (:mod:`kernels.mla_write`) rounds
 ``k_pe`` to nearest-even with :func:`kernels.rounding.round_to`, storing each half as
 soon as it is computed. They round differently because
 their stores differ (a bf16 conversion truncates in the interpreter, a quantizer needs

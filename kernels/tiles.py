@@ -210,7 +210,7 @@ def gather_block_t(num_kv_heads: int, head_dim: int, max_len: int) -> int:
     return 1 << (block_t.bit_length() - 1)
 
 
-# ------------------------------ MLA latent cache (kernels/mla.py, kernels/mla_decode.py)
+# ------------------------------ MLA latent cache (kernels/mla_write.py, kernels/mla_decode.py)
 
 
 def mla_append_block_t(num_tokens: int, row_width: int) -> int:

@@ -14,9 +14,11 @@ import sys
 from pagedkv_lib import runtime
 from pagedkv_lib.verify import cli, contract
 
+from .block_copy import copy_paged_blocks
 from .decode import paged_decode_attention
-from .mla import append_paged_mla_kv
+from .indexer_k import indexer_k_cache_scatter
 from .mla_decode import mla_decode_attention
+from .mla_write import append_paged_mla_kv
 from .prefill import paged_prefill_attention
 from .quant_decode import paged_decode_attention_quant
 from .quant_write import append_paged_kv_quant
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         "mla_decode_fn": mla_decode_attention,
         "quant_append_fn": append_paged_kv_quant,
         "quant_decode_fn": paged_decode_attention_quant,
+        "indexer_scatter_fn": indexer_k_cache_scatter,
+        "block_copy_fn": copy_paged_blocks,
     }
     return cli.main(argv, defaults=defaults, prog="python -m kernels.verify")
 

@@ -1,4 +1,4 @@
-"""The MLA Triton kernels (kernels/mla.py, kernels/mla_decode.py) against the float64 references.
+"""The MLA Triton kernels (kernels/mla_write.py, kernels/mla_decode.py) against the float64 references.
 
 Runs in Triton's interpreter on CPU and compiled on CUDA (``runtime.device()``). The
 grids are the conformance harness's MLA grids (:mod:`pagedkv_lib.verify.mla_checks`),

@@ -22,7 +22,7 @@ from pagedkv_lib import runtime
 import triton
 import triton.language as tl
 
-import kernels.mla as kmla
+import kernels.mla_write as kmla
 import kernels.quant_write as quant_write
 import kernels.rope as rope
 import kernels.write as write

@@ -21,7 +21,7 @@ from pagedkv_lib import checks, runtime
 from pagedkv_lib.quant_pool import QuantizedKVPool
 
 # isort: split
-import kernels.mla as kmla
+import kernels.mla_write as kmla
 import kernels.quant_write as quant_write
 import kernels.v_tail as v_tail
 import kernels.write as write

@@ -437,7 +437,7 @@ display(viz.source_code(addressing.token_rows))
 #    elements per program compiled (so even a short prefill spreads over every SM) and
 #    about 2**17 in the interpreter, which pays per executed operation, not per element.
 # 4. **Launch checks.** Before anything is launched, the value rules shared with the
-#    reference (`pagedkv_lib/checks.py`: slot inside the pool, no slot twice, shapes,
+#    reference (`pagedkv_lib/checks/`: slot inside the pool, no slot twice, shapes,
 #    dtypes) and the launch checks (`kernels/validate.py`: device, int32 index ranges,
 #    memory overlap, addresses inside the storage) run. Our steps would write wherever a
 #    bad slot points.

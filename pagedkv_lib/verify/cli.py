@@ -12,8 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .. import block_copy, indexer_cache, quant_reference, reference, runtime
 from .. import faults as F
-from .. import quant_reference, reference, runtime
 from .runner import FN_ARGS, run
 
 __all__ = ["main", "non_negative_int"]
@@ -26,6 +26,8 @@ _HELP = {
     "mla_decode_fn": "your MLA absorbed decode (kernels.mla_decode_attention)",
     "quant_append_fn": "your FP8/NVFP4 append (kernels.append_paged_kv_quant)",
     "quant_decode_fn": "your FP8/NVFP4 decode (kernels.paged_decode_attention_quant)",
+    "indexer_scatter_fn": "your indexer-K cache scatter (kernels.indexer_k_cache_scatter)",
+    "block_copy_fn": "your multi-layer block copy (kernels.copy_paged_blocks)",
 }
 REFERENCES = {  # --reference: the Python references of every family that has one
     "append_fn": reference.append_paged_kv,
@@ -33,6 +35,8 @@ REFERENCES = {  # --reference: the Python references of every family that has on
     "prefill_fn": reference.paged_prefill_attention,
     "quant_append_fn": quant_reference.append_paged_kv_quant,
     "quant_decode_fn": quant_reference.paged_decode_attention_quant,
+    "indexer_scatter_fn": indexer_cache.scatter_indexer_k,
+    "block_copy_fn": block_copy.copy_blocks,
 }
 
 

@@ -19,6 +19,7 @@ from .contract import SUBSTITUTES, Contract, admits, contract_of
 from .decode_checks import decode_case, decode_grid
 from .generated import generated_cases
 from .grid import accepts
+from .indexer_cases import block_copy_case, block_copy_grid, indexer_scatter_case, indexer_scatter_grid
 from .isolation import can_isolate, run_isolated
 from .mla_checks import mla_append_case, mla_append_grid, mla_decode_case, mla_decode_grid
 from .prefill_checks import prefill_case, prefill_grid
@@ -61,6 +62,9 @@ FAMILIES = {
                attributes_nan=True),
         Family("quant_append", "quant_append_fn", quant_append_grid, quant_append_case, cache_layouts=("paged",)),
         Family("quant_decode", "quant_decode_fn", quant_decode_grid, quant_decode_case, cache_layouts=("paged",)),
+        Family("indexer_scatter", "indexer_scatter_fn", indexer_scatter_grid, indexer_scatter_case,
+               cache_layouts=("paged",)),
+        Family("block_copy", "block_copy_fn", block_copy_grid, block_copy_case, cache_layouts=("paged",)),
     )
 }  # fmt: skip
 # Scenarios drive a writer and a reader together: the callables under test, or the
@@ -303,6 +307,8 @@ def run(
     mla_decode_fn=None,
     quant_append_fn=None,
     quant_decode_fn=None,
+    indexer_scatter_fn=None,
+    block_copy_fn=None,
     faults=(),
     full: bool = False,
     hypothesis_examples: int = 0,
@@ -329,7 +335,9 @@ def run(
     * ``mla_append_fn`` / ``mla_decode_fn``: those of ``kernels.append_paged_mla_kv`` and
       ``kernels.mla_decode_attention`` (:mod:`.mla_checks`);
     * ``quant_append_fn`` / ``quant_decode_fn``: those of ``kernels.append_paged_kv_quant``
-      and ``kernels.paged_decode_attention_quant`` (:mod:`.quant_checks`).
+      and ``kernels.paged_decode_attention_quant`` (:mod:`.quant_checks`);
+    * ``indexer_scatter_fn`` / ``block_copy_fn``: those of ``kernels.indexer_k_cache_scatter``
+      and ``kernels.copy_paged_blocks`` (:mod:`.indexer_cases`).
 
     A scenario runs when one of its two sides is given (``append_fn`` with
     ``decode_fn`` or ``prefill_fn``, or the quantized pair for ``quant_scales``), with
@@ -356,6 +364,7 @@ def run(
     fns = {"append_fn": append_fn, "decode_fn": decode_fn, "prefill_fn": prefill_fn}
     fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
     fns |= {"quant_append_fn": quant_append_fn, "quant_decode_fn": quant_decode_fn}
+    fns |= {"indexer_scatter_fn": indexer_scatter_fn, "block_copy_fn": block_copy_fn}
     session = _Session(fns, faults, contracts, isolate, timeout_s)
     wanted = _wanted(checks)
     report = Report()
