@@ -37,8 +37,8 @@ class Mutant:
 _WEIGHTS = 'w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))'
 _EQUAL = 'w = tl.where(lse == float("-inf"), 0.0, 1.0)'
 _ZERO_V = "tl.store(kv_ptrs + stride_kv, tl.zeros_like(v).to(cache_ptr.dtype.element_ty), mask=kv_mask)"
-_SCORES = "        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)"
-_RECENT = "recent_start = tl.maximum(sink_tokens, seq_len - window_recent)"
+_LOAD_V = "    v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0)\n"
+_RECENT = "recent_start = tl.maximum(sink_tokens, first_end - window_recent)"
 _HEADS = "heads = kv_head * group + offs_g\n"
 _HEADS_SHIFTED = "heads = (kv_head * group + offs_g + 1) % (group * tl.num_programs(1))\n"
 
@@ -46,7 +46,10 @@ DECODE_MUTANTS = [
     Mutant(
         "no_rescale",
         "online softmax without rescaling the running sum and output when the maximum grows",
-        {"decode": (("l_i = l_i * alpha + ", "l_i = l_i + "), ("acc = acc * alpha[:, None] + ", "acc = acc + "))},
+        {"attention_core": (
+            ("l_new = l_i * alpha + ", "l_new = l_i + "),
+            ("return m_new, l_new, acc * alpha[:, None], p", "return m_new, l_new, acc, p"),
+        )},
         "paged_decode_attention",
     ),
     Mutant(
@@ -58,25 +61,25 @@ DECODE_MUTANTS = [
     Mutant(
         "reads_prefix",
         "reads only the first 96 keys of every sequence",
-        {"decode": (("valid = j < n_vis\n", "valid = j < tl.minimum(n_vis, 96)\n"),)},
+        {"attention_core": (("valid = j < n_vis\n", "valid = j < tl.minimum(n_vis, 96)\n"),)},
         "paged_decode_attention",
     ),
     Mutant(
         "writes_pool",
         "zeroes the V rows it has read: the output is right, the pool is not",
-        {"decode": ((_SCORES, f"        {_ZERO_V}\n{_SCORES}"),)},
+        {"attention_core": ((_LOAD_V, f"{_LOAD_V}    {_ZERO_V}\n"),)},
         "paged_decode_attention",
     ),
     Mutant(
         "drops_last_token",
         "attends to positions 0 .. seq_len - 2: the token just written is left out",
-        {"decode": (("        n_vis = seq_len\n", "        n_vis = tl.maximum(seq_len - 1, 0)\n"),)},
+        {"attention_core": (("        n_vis = end\n", "        n_vis = tl.maximum(end - 1, 0)\n"),)},
         "paged_decode_attention",
     ),
     Mutant(
         "ignores_window",
         "attends to every position after the sinks, through the ring (keys the window excludes, and rows overwritten)",
-        {"decode": ((_RECENT, "recent_start = sink_tokens"),)},
+        {"attention_core": ((_RECENT, "recent_start = sink_tokens"),)},
         "paged_decode_attention",
     ),
     Mutant(
