@@ -68,10 +68,14 @@ def block_copy_kernel(
     t64, h64, d64 = t.to(tl.int64)[:, None, None], h.to(tl.int64)[None, :, None], d.to(tl.int64)[None, None, :]
     src = src_ptr + src_page * s_page + t64 * s_tok + h64 * s_head + d64 * s_dim
     dst = dst_ptr + dst_page * d_page + t64 * d_tok + h64 * d_head + d64 * d_dim
-    for layer in range(num_layers):
+    # A while loop: Triton 3.6's interpreter cannot range() over a runtime bound. The
+    # layer index is int64: layer * s_layer passes 2**31 elements in a large pool.
+    layer = tl.zeros([], tl.int64)
+    while layer < num_layers:
         for kv in tl.static_range(2):
             values = tl.load(src + layer * s_layer + kv * s_kv, mask=mask)
             tl.store(dst + layer * d_layer + kv * d_kv, values, mask=mask)
+        layer += 1
 # fmt: on
 
 
