@@ -11,7 +11,8 @@ and ``tests/test_notebooks.py`` fails if either disagrees.
     python scripts/notebook_times.py apply                # rewrite headers and README from it
     python scripts/notebook_times.py check                # exit 1 where they disagree
 
-``measure`` times one run per notebook; run it on a quiet machine (nothing else running)
+``measure`` rebuilds each notebook from its source, times one cold run and stores the
+executed notebook (as ``build_notebooks.py refresh`` does); run it on a quiet machine (nothing else running)
 and say which machine in ``machine``. ``apply`` edits the header's markdown cell in the
 source and in the stored ``.ipynb`` alike (a markdown change needs no re-execution).
 """
@@ -35,7 +36,6 @@ import build_notebooks as bn  # noqa: E402
 TIMES = bn.NOTEBOOKS / "run_times.toml"
 README = bn.NOTEBOOKS / "README.md"
 HEADER = re.compile(r"^# \*\*Time:\*\* .*$", re.M)  # in a percent-format source
-CELL_HEADER = re.compile(r"^\*\*Time:\*\* .*$", re.M)  # in the notebook's markdown cell
 README_CELL = re.compile(r"\| ([^|]*) \|\s*$")  # the last column of a table row
 
 
@@ -49,10 +49,10 @@ def rounded_seconds(seconds: float) -> int:
 
 def header_line(entry: dict) -> str:
     """The ``**Time:**`` line of a notebook's first cell, from its toml entry."""
-    run = f"about {rounded_seconds(entry['run_s'])} s to run"
+    how = "Restart and Run All, 2 CPU cores"
     if "first_run_extra_s" in entry:
-        run += f" (the first run converts the model's weights: {rounded_seconds(entry['first_run_extra_s'])} s more)"
-    return f"# **Time:** {run} on 2 CPU cores, {entry['read_min']} minutes to read."
+        how += f"; +{rounded_seconds(entry['first_run_extra_s'])} s once, converting weights"
+    return f"# **Time:** about {rounded_seconds(entry['run_s'])} s to run ({how}), {entry['read_min']} minutes to read."
 
 
 def readme_cell(entry: dict) -> str:
@@ -64,7 +64,9 @@ def readme_cell(entry: dict) -> str:
 
 
 def load() -> dict:
-    """The toml: ``{"machine": str, "notebooks": {stem: entry}}``."""
+    """The toml: ``{"machine": str, "measured": date, "notebooks": {stem: entry}}``."""
+    if not TIMES.exists():
+        return {"machine": "", "measured": "", "notebooks": {}}
     return tomllib.loads(TIMES.read_text())
 
 
@@ -88,9 +90,10 @@ def measure(names: list[str], machine: str | None) -> None:
     """Time a cold run of each named notebook (all by default) and update the toml."""
     data = load()
     for src in bn._selected(names):
-        nb = nbformat.read(bn.NOTEBOOKS / f"{src.stem}.ipynb", as_version=4)
-        entry = data["notebooks"][src.stem]
+        nb = bn.build(src)  # what "Restart Kernel and Run All Cells" runs, stored as refresh does
+        entry = data["notebooks"].setdefault(src.stem, {"read_min": _stated_read_minutes(src)})
         entry["run_s"] = bn.execute(nb, bn.NOTEBOOKS, src.stem)
+        bn.write(nb, bn.NOTEBOOKS / f"{src.stem}.ipynb", src)
         if "first_run_extra_s" in entry:
             entry["first_run_extra_s"] = _first_run_extra(src.stem, entry["run_s"])
         print(f"{src.stem}: {entry['run_s']:.1f} s")
@@ -98,6 +101,12 @@ def measure(names: list[str], machine: str | None) -> None:
     if machine:
         data["machine"] = machine
     _write_toml(data)
+
+
+def _stated_read_minutes(src: Path) -> int:
+    """The minutes to read that a notebook's header states today (a first measurement)."""
+    found = re.search(r"\*\*Time:\*\*.*?(\d+) minutes to read", src.read_text(), re.S)
+    return int(found.group(1)) if found else 20
 
 
 def _first_run_extra(stem: str, warm_s: float) -> float:
@@ -133,7 +142,8 @@ def disagreements() -> list[str]:
 
 
 def apply() -> None:
-    """Rewrite each header line (source and stored notebook) and each README row's time."""
+    """Rewrite each header line and each README row's time from the toml. The stored
+    notebook takes its markdown cells from the rebuilt source (outputs untouched)."""
     data = load()["notebooks"]
     readme = README.read_text().splitlines()
     for src in bn._selected([]):
@@ -141,15 +151,21 @@ def apply() -> None:
         text = src.read_text()
         if HEADER.findall(text) != [line]:
             src.write_text(HEADER.sub(line, text, count=1))
-            path = bn.NOTEBOOKS / f"{src.stem}.ipynb"
-            nb = nbformat.read(path, as_version=4)
-            for cell in nb.cells:
-                if cell.cell_type == "markdown" and CELL_HEADER.search(cell.source):
-                    cell.source = CELL_HEADER.sub(line.removeprefix("# "), cell.source, count=1)
-                    break
-            bn.write(nb, path, src)
+            _sync_markdown(src)
         readme = [README_CELL.sub(f"| {readme_cell(entry)} |", r) if f"({src.stem}.ipynb)" in r else r for r in readme]
     README.write_text("\n".join(readme) + "\n")
+
+
+def _sync_markdown(src: Path) -> None:
+    """Copy the markdown cells of the notebook built from ``src`` into the stored one."""
+    path = bn.NOTEBOOKS / f"{src.stem}.ipynb"
+    stored, built = nbformat.read(path, as_version=4), bn.build(src)
+    if [c.cell_type for c in stored.cells] != [c.cell_type for c in built.cells]:
+        raise SystemExit(f"{src.stem}: cells differ from the source; run build_notebooks.py refresh first")
+    for mine, fresh in zip(stored.cells, built.cells):
+        if mine.cell_type == "markdown":
+            mine.source = fresh.source
+    bn.write(stored, path, src)
 
 
 def main() -> None:

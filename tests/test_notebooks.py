@@ -177,3 +177,25 @@ def test_no_triton_shim_does_not_leak():
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_stated_run_times_are_the_measured_ones_in_header_and_readme():
+    """Each notebook's **Time:** line and its row in notebooks/README.md are rendered from
+    notebooks/run_times.toml (written by scripts/notebook_times.py measure); an edit to
+    either by hand, or a new measurement not applied, fails here."""
+    import notebook_times
+
+    assert notebook_times.disagreements() == []
+
+
+def test_a_hand_edited_run_time_is_caught(tmp_path, monkeypatch):
+    """The check above can fail: a README row that says 5 s where the toml says otherwise."""
+    import notebook_times
+
+    readme = tmp_path / "README.md"
+    text = notebook_times.README.read_text()
+    row = next(line for line in text.splitlines() if "(08_silent_bugs.ipynb)" in line)
+    readme.write_text(text.replace(row, notebook_times.README_CELL.sub("| 5 s / 30 min |", row)))
+    monkeypatch.setattr(notebook_times, "README", readme)
+    problems = notebook_times.disagreements()
+    assert len(problems) == 1 and problems[0].startswith("08_silent_bugs: README says"), problems

