@@ -194,7 +194,7 @@ display(viz.lesson_lines(quant_write, steps))
 # %%
 found = {step: viz.find_lines(quant_write, step) for step in steps}
 order = [found[step][0] for step in steps]
-print("the five steps at lines", order, "of kernels/quant_write.py")
+print(f"kernels/quant_write.py: the five steps are {len(order)} lines, in order: {order == sorted(order)}")
 assert all(len(lines) == 1 for lines in found.values()), f"each step should be one line of the writer: {found}"
 assert order == sorted(order), f"the steps must run in the order amax, sf8, q from sf8, codes, pack: lines {order}"
 
@@ -482,7 +482,7 @@ display(viz.lesson_lines(quant_decode, dequant_lines))
 kernel = quant_decode.quant_decode_split_kernel
 loop, loop_end = viz.find_lines(kernel, "while tile < tile_hi"), viz.find_lines(kernel, "tile += 1")
 calls = [n for n in viz.find_lines(kernel, "_dequant_tile(")]
-print(f"tile loop: lines {loop[0]}-{loop_end[0]}; dequantize calls (K, V) at lines {calls}")
+print(f"dequantize calls (K, V) inside the tile loop: {[loop[0] < n < loop_end[0] for n in calls]}")
 assert len(calls) == 2 and all(loop[0] < n < loop_end[0] for n in calls), (
     f"K and V must be dequantized inside the tile loop (lines {loop[0]}-{loop_end[0]}), found calls at {calls}"
 )
