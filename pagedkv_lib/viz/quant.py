@@ -12,7 +12,7 @@ import torch
 from ..quant import E2M1_VALUES, e2m1_decode, e2m1_encode
 from .style import PALETTE
 
-LABEL_PT = 9  # the smallest text any of these figures draws
+_LABEL_PT = 9  # the smallest text any of these figures draws
 
 
 def plot_e2m1_grid(samples: Mapping[str, float] | None = None, title: str = "E2M1: the 8 magnitudes and where ties go"):
@@ -28,7 +28,7 @@ def plot_e2m1_grid(samples: Mapping[str, float] | None = None, title: str = "E2M
     ax.scatter(grid, np.zeros_like(grid), s=50, color=PALETTE[0], zorder=3)
     for i, g in enumerate(grid):
         ax.annotate(f"{g:g}\nidx {i}", (g, 0), xytext=(0, 8), textcoords="offset points", ha="center",
-                    va="bottom", fontsize=LABEL_PT)  # fmt: skip
+                    va="bottom", fontsize=_LABEL_PT)  # fmt: skip
     for i in range(1, len(grid)):
         mid = (grid[i - 1] + grid[i]) / 2
         even = grid[i] if i % 2 == 0 else grid[i - 1]
@@ -41,14 +41,14 @@ def plot_e2m1_grid(samples: Mapping[str, float] | None = None, title: str = "E2M
         ax.annotate("", xy=(abs(rounded), y), xytext=(start, y),
                     arrowprops={"arrowstyle": "->", "color": PALETTE[3], "lw": 1.4})  # fmt: skip
         ax.plot([start], [y], "o", color=PALETTE[3], ms=4)
-        ax.text(start, y + 0.12, f"{value:.3g} -> {rounded:g}", ha="center", va="bottom", fontsize=LABEL_PT,
+        ax.text(start, y + 0.12, f"{value:.3g} -> {rounded:g}", ha="center", va="bottom", fontsize=_LABEL_PT,
                 color=PALETTE[3])  # fmt: skip
-    ax.set_yticks([0.0, *ys], ["grid", *samples], fontsize=LABEL_PT + 1)
+    ax.set_yticks([0.0, *ys], ["grid", *samples], fontsize=_LABEL_PT + 1)
     ax.set(title=title, xlabel="magnitude (units of block scale x global scale)", xlim=(-0.3, 6.8))
     ax.set_ylim(min(ys, default=-0.6) - 0.45, 0.95)
     ax.grid(False)
     fig.text(0.01, 0.01, "dotted: the threshold between two magnitudes; bar: the side a tie goes to (even index)",
-             fontsize=LABEL_PT, color="0.3")  # fmt: skip
+             fontsize=_LABEL_PT, color="0.3")  # fmt: skip
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
@@ -88,7 +88,7 @@ def plot_error_bars(
         bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name, color=PALETTE[i])
         for bar, value in zip(bars, vals):
             ax.annotate(f"{value:.2g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=LABEL_PT)  # fmt: skip
+                        textcoords="offset points", ha="center", va="bottom", fontsize=_LABEL_PT)  # fmt: skip
     ax.set_xticks(x, labels)
     ax.set(title=title, ylabel=ylabel)
     if logy:
