@@ -474,8 +474,8 @@ assert not torch.equal(wrong_deq, want_deq), "K's codes read with V's scale must
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
 display(viz.source_code(quant_decode.quant_decode_split_kernel))
-dequant_lines = ["return e2m1_decode(code) * fp8_decode(sf8) * gs", "return fp8_decode(code) * scale[:, None]",
-                 "return fp8_decode(code) * gs"]  # fmt: skip
+nvfp4_line = "return e2m1_decode(code) * fp8_decode(sf8) * gs"
+dequant_lines = [nvfp4_line, "return fp8_decode(code) * scale[:, None]", "return fp8_decode(code) * gs"]
 display(viz.lesson_lines(quant_decode, dequant_lines))
 
 # %%
@@ -544,8 +544,8 @@ def e2m1_tensor_scale_only(x):
 
 
 for name, x in (("K", k_true.float()), ("V", v)):
-    block = quant.nvfp4_dequantize(*quant.nvfp4_quantize(x, quant.global_scale_for(x, "nvfp4")),
-                                   quant.global_scale_for(x, "nvfp4"))  # fmt: skip
+    gx = quant.global_scale_for(x, "nvfp4")
+    block = quant.nvfp4_dequantize(*quant.nvfp4_quantize(x, gx), gx)
     e_block, e_tensor = quant.relative_rms_error(block, x), quant.relative_rms_error(e2m1_tensor_scale_only(x), x)
     print(f"{name}: relative RMS error with block scales {e_block:.3f}, with the per-tensor scale only {e_tensor:.3f}")
     cut = 1 - e_block / e_tensor
