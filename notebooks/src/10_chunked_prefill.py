@@ -70,6 +70,11 @@ print(runtime.backend_line())
 viz.use_style()
 torch.manual_seed(0)
 import matplotlib.pyplot as plt
+import triton
+import triton.language as tl
+from IPython.display import display
+
+from kernels import prefill as production
 
 DEV = runtime.device()
 
@@ -133,7 +138,7 @@ assert err_whole < 1e-5, f"one call over the whole prompt is off the one-shot at
 assert gap < 1e-5, f"one call and three chunks must agree: they differ by {gap:.1e}"
 ratios = [err_chunked / 1e-5, err_whole / 1e-5]  # the pass rule max |error| <= 1e-5, as a margin
 title = "paged prefill vs one-shot float64 attention: margin (atol 1e-5, rtol 0)"
-fig = viz.plot_conformance(["3 chunks (40, 40, 20)", "1 call (100)"], ratios, [r <= 1 for r in ratios], title)
+fig = viz.plot_margins(["3 chunks (40, 40, 20)", "1 call (100 queries)"], ratios, title)
 plt.show()
 
 # %% [markdown]
@@ -210,6 +215,64 @@ fig = viz.plot_chunk_masks(
 plt.show()
 
 # %% [markdown]
+# ### The mask in a kernel, and in the production kernel
+#
+# In a kernel the mask is two lines: the chunk's first query sits at `past = seq_len -
+# q_len` (every key before it is already cached), so query `i` of the chunk is at
+# absolute position `qpos = past + i`, and key `pos` is seen when `pos <= qpos`. The
+# small kernel below computes just that tile of booleans (one launch, 40 queries padded
+# to 64 lanes, 80 keys padded to 128) and must equal `window_mask` of the absolute
+# positions above, entry for entry.
+
+
+# %%
+@triton.jit
+def chunk_mask_kernel(out_ptr, seq_len, q_len, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out int8 [BLOCK_Q, BLOCK_K] (row-major): 1 where query i of the chunk sees key pos."""
+    qi = tl.arange(0, BLOCK_Q)  # the query's index in its chunk
+    pos = tl.arange(0, BLOCK_K)  # the key's absolute position
+    past = seq_len - q_len  # absolute position of the chunk's query 0
+    qpos = past + qi  # absolute positions: the causal mask compares keys with these
+    see = (qi[:, None] < q_len) & (pos[None, :] < seq_len) & (pos[None, :] <= qpos[:, None])
+    tl.store(out_ptr + qi[:, None] * BLOCK_K + pos[None, :], see.to(tl.int8))
+
+
+tile = torch.empty(64, 128, dtype=torch.int8, device=DEV)
+chunk_mask_kernel[(1,)](tile, past + q_len, q_len, BLOCK_Q=64, BLOCK_K=128)
+tile = tile.cpu().bool()
+print(f"kernel mask == absolute-position mask: {torch.equal(tile[:q_len, : past + q_len], full)}")
+assert torch.equal(tile[:q_len, : past + q_len], full), "the kernel's mask differs from the absolute-position mask"
+assert not tile[q_len:].any() and not tile[:, past + q_len :].any(), "padding lanes must see nothing"
+
+# %% [markdown]
+# The production kernel, `kernels.prefill.prefill_kernel`, has the same two lines (one
+# program per tile of `BLOCK_M` (query, head) rows of one request, so `qi = rows //
+# group`), then walks its key tiles only up to its last query's position and applies the
+# mask inside the loop, with the window's band added when there is one. Below it, the
+# lines that are the lesson, called out from the module:
+
+# %% tags=["nbval-ignore-output"]
+# (shows the module's current source; shown, not compared)
+display(viz.source_code(production.prefill_kernel))
+mask_lines = [
+    "past = seq_len - q_len",
+    "qpos = past + qi",
+    "see = valid[None, :] & (pos[None, :] <= qpos[:, None])",
+    "p_hi = past + tl.minimum",
+]
+display(viz.lesson_lines(production.prefill_kernel, mask_lines))
+
+# %%
+kernel = production.prefill_kernel
+at = {line: viz.find_lines(kernel, line) for line in mask_lines}
+loop, loop_end = viz.find_lines(kernel, "while tile < num_key_tiles")[0], viz.find_lines(kernel, "tile += 1")[0]
+print(f"the causal mask against qpos = past + qi is inside the key loop: {loop < at[mask_lines[2]][0] < loop_end}")
+assert all(len(lines) == 1 for lines in at.values()), f"each lesson line should appear once: {at}"
+assert at[mask_lines[0]][0] < at[mask_lines[1]][0] < loop, "past, then qpos = past + qi, before the key loop"
+assert loop < at[mask_lines[2]][0] < loop_end, "the causal mask against qpos is applied inside the key loop"
+assert not viz.find_lines(kernel, "<= qi[:, None]"), "no mask may compare keys with the chunk-local index qi"
+
+# %% [markdown]
 # The fault `chunk_local_mask` of the bug zoo (`pagedkv_lib.faults`) wraps a prefill
 # callable so that it behaves exactly like that kernel. On our prompt: chunk 1 is still
 # right, chunks 2 and 3 are wrong by far more than any rounding.
@@ -227,7 +290,7 @@ assert min(errors[1:]) > 0.1, f"the bug should show in chunks 2 and 3 (error > 0
 ratios = [e / 1e-5 for e in errors]
 labels = [f"chunk {i + 1} ({s}-{e - 1})" for i, (s, e) in enumerate(chunks)]
 title = "chunk-local causal mask: margin of each chunk (atol 1e-5, rtol 0)"
-fig = viz.plot_conformance(labels, ratios, [r <= 1 for r in ratios], title)
+fig = viz.plot_margins(labels, ratios, title)
 plt.show()
 
 # %% [markdown]
@@ -370,6 +433,8 @@ plt.show()
 # | one call with all 100 queries equals the three chunks | `assert` < 1e-5 |
 # | query `p` sees keys `0..p`; window 24 / 4 sinks: 24 keys, cutting the chunk's triangle | mask `assert`s |
 # | 7 windowed chunks of at most 16 through a ring equal one windowed attention | `assert` < 1e-5 |
+# | a small kernel's mask (`pos <= seq_len - q_len + i`) equals the absolute-position mask | `torch.equal` |
+# | the production kernel has those lines, the mask inside its key loop, none against `qi` | line positions |
 # | the chunk-local mask is right on chunk 1, wrong on chunks 2 and 3 | per-chunk error `assert` |
 # | the harness passes the kernel and fails every prefill case with `chunk_local_mask` | report `assert` |
 # | a 21-token prefix hit (shared page + copy-on-write), prefilled from page row 5 | `assert` < 1e-5 |

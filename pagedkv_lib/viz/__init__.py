@@ -17,8 +17,8 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
   category grids.
 - :mod:`.bookkeeping`: pages and their owners, block tables, address maps, ring windows.
 - :mod:`.kernels`: what kernels do: exact matches, rows a program touches, rows a wrong
-  write got wrong, prefill masks, a kernel's source.
-- :mod:`.quant`: quantized KV: the E2M1 grid.
+  write got wrong, prefill masks, a kernel's source and its lesson lines, margins by the pass rule.
+- :mod:`.quant`: quantized KV: the E2M1 grid, error histograms and bars.
 - :mod:`.conformance`: a conformance report's margins by the pass rule.
 """
 
@@ -35,14 +35,17 @@ from .bookkeeping import (
 from .charts import bar_plot, line_plot, plot_categories, plot_grouped_bars, plot_heatmap, plot_histogram
 from .conformance import conformance_margins, plot_conformance
 from .kernels import (
+    find_lines,
+    lesson_lines,
     plot_access_pattern,
     plot_chunk_masks,
     plot_exact_match,
+    plot_margins,
     plot_wrong_rows,
     row_status,
     source_code,
 )
-from .quant import plot_e2m1_grid
+from .quant import plot_e2m1_grid, plot_error_bars, plot_error_histograms
 from .style import (
     FAIL_RED,
     FREE,
@@ -89,8 +92,13 @@ __all__ = [
     "plot_wrong_rows",
     "plot_chunk_masks",
     "source_code",
+    "find_lines",
+    "lesson_lines",
+    "plot_margins",
     # quantized KV
     "plot_e2m1_grid",
+    "plot_error_histograms",
+    "plot_error_bars",
     # conformance reports
     "conformance_margins",
     "plot_conformance",

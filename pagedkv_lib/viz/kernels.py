@@ -207,3 +207,55 @@ def source_code(obj):
     from IPython.display import Code
 
     return Code(inspect.getsource(getattr(obj, "fn", obj)), language="python")
+
+
+def _source(obj) -> tuple[list[str], int]:
+    """``obj``'s source lines and the file line number of the first (a module, a function
+    or a ``@triton.jit`` kernel)."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(getattr(obj, "fn", obj))
+    return lines, max(start, 1)
+
+
+def find_lines(obj, needle: str) -> list[int]:
+    """File line numbers (1-based) of the lines of ``obj``'s source (a module, function or
+    ``@triton.jit`` kernel) that contain ``needle``; empty when none does. A notebook
+    asserts where a lesson line sits (e.g. inside the tile loop) with these."""
+    lines, start = _source(obj)
+    return [start + i for i, line in enumerate(lines) if needle in line]
+
+
+def lesson_lines(obj, needles: Sequence[str]):
+    """The lines of ``obj``'s source that contain one of ``needles``, each with its file
+    line number, as an ``IPython.display.Code``: the lines of a kernel that are the
+    lesson, called out from the module's own text. Raises ``ValueError`` naming a needle
+    no line contains (the kernel changed: the notebook's call-out must follow)."""
+    from IPython.display import Code
+
+    lines, start = _source(obj)
+    missing = [n for n in needles if not any(n in line for line in lines)]
+    if missing:
+        raise ValueError(f"needles {missing} are in no line of {getattr(obj, '__name__', obj)}'s source")
+    picked = [f"{start + i:4d}  {line.rstrip()}" for i, line in enumerate(lines) if any(n in line for n in needles)]
+    return Code("\n".join(picked), language="python")
+
+
+def plot_margins(labels: Sequence[str], ratios: Sequence[float], title: str, limit_label: str = "pass rule"):
+    """Horizontal bars of ``ratios`` (error / tolerance, log scale), one per label, green
+    when <= 1 (passes) and red otherwise, the pass limit 1 drawn as a dashed line;
+    labels read horizontally, values written at each bar's end in 9 pt."""
+    values = np.maximum(np.asarray(ratios, dtype=float), 1e-12)
+    fig, ax = plt.subplots(figsize=(8.0, 1.3 + 0.45 * len(values)))
+    y = np.arange(len(values))[::-1]
+    ax.barh(y, values, color=[OK_GREEN if r <= 1 else FAIL_RED for r in values], height=0.6)
+    for yi, r in zip(y, values):
+        ax.annotate(f"{r:.2g}", (r, yi), xytext=(3, 0), textcoords="offset points", va="center", fontsize=9)
+    ax.axvline(1.0, color="k", ls="--", lw=1.0, label=f"{limit_label} (error = tolerance)")
+    ax.set_yticks(y, labels)
+    ax.set_xscale("log")
+    ax.set_xlim(values.min() / 10, max(values.max(), 1.0) * 30)
+    ax.set(title=title, xlabel="max |error| / tolerance (log; <= 1 passes)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    fig.tight_layout()
+    return fig
