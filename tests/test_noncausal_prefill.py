@@ -13,7 +13,7 @@ import torch
 import pagedkv_lib  # noqa: F401  (before triton)
 from pagedkv_lib import RingWindow, reference, runtime
 from pagedkv_lib.verify.compare import DTYPES, TOLERANCES, compare
-from pagedkv_lib.verify.prefill_checks import prefill_inputs
+from pagedkv_lib.verify.prefill_checks import noncausal_prefill_cases, prefill_case, prefill_inputs
 
 # isort: split
 from kernels.prefill import paged_prefill_attention, paged_prefill_attention_csr, plan_prefill
@@ -109,3 +109,13 @@ def test_causal_prefill_still_refuses_more_queries_than_keys():
     q, cache, qo, tables, lens = inputs()
     with pytest.raises(ValueError, match="request 1 has 9 queries but seq_lens"):
         paged_prefill_attention(*on_dev(q, cache, qo, tables, lens))
+
+
+@pytest.mark.parametrize("case", noncausal_prefill_cases(), ids=lambda c: f"{c['layout']}-{c['dtype']}")
+def test_harness_noncausal_cases_pass_the_kernel_and_fail_the_mutant(case):
+    assert prefill_case(paged_prefill_attention, case).passed is True
+    wrong = prefill_case(ignores_causal, case)
+    assert wrong.passed is False
+    if all(m <= n for n, m in case["requests"]):  # the causal kernel takes the case: its mask is what fails
+        assert not wrong.detail.startswith("raised") and wrong.max_abs > 0.01
+    assert prefill_case(lambda q, c, qo, t, sl, layout="NHD": q, case).passed is None  # no causal option: outside
