@@ -78,8 +78,8 @@ def noncausal_prefill_cases() -> list[dict]:
     the middle of a sequence, over key tiles it would not reach causally, and a whole
     prompt (the first case: a causal kernel takes it and gets it wrong); more queries
     than keys and a request without keys (the second: a causal kernel refuses it). A
-    kernel that ignores ``causal=False`` fails them. Not in :func:`prefill_grid` (whose results stay those of the causal kernels):
-    run them with :func:`prefill_case` on a kernel that takes ``causal``."""
+    kernel that ignores ``causal=False`` fails them. Not in :func:`prefill_grid` (whose
+    results stay those of the causal kernels): run them with :func:`prefill_case` on a kernel that takes ``causal``."""
     base = {"head_dim": 64, "group": 2, "num_kv_heads": 2, "causal": False}
     return [
         {**base, "layout": "NHD", "dtype": "fp32", "page_size": 16, "requests": ((150, 20), (12, 0), (40, 40))},
