@@ -9,6 +9,7 @@ points that are exactly ``run_x(plan_x(...), ...)``):
 * :mod:`kernels.decode`: paged decode attention (split-KV, GQA, ring windows);
   :mod:`kernels.merge`: the split-KV merge;
 * :mod:`kernels.prefill`: paged prefill attention, many queries per sequence;
+  :mod:`kernels.cascade`: attention states' merge (``merge_state(s)``) and cascade attention;
 * :mod:`kernels.quant_write`, :mod:`kernels.quant_decode`: the same on FP8 / NVFP4 pools;
   :mod:`kernels.quant_codes`: their device-side encoders and decoders;
 * :mod:`kernels.mla_write`, :mod:`kernels.mla_decode`: DeepSeek's latent cache (append,
@@ -49,6 +50,7 @@ interpreter_poison.enable_from_env()
 
 # ruff: noqa: E402  (the imports below must follow the runtime set-up above)
 from .block_copy import BlockCopyPlan, copy_paged_blocks, plan_block_copy, run_block_copy
+from .cascade import cascade_attention, merge_state, merge_states
 from .decode import (
     DecodePlan,
     paged_decode_attention,
@@ -117,6 +119,8 @@ __all__ = [
     # read: prefill (many queries per sequence)
     "paged_prefill_attention", "paged_prefill_attention_csr", "plan_prefill", "plan_prefill_csr",
     "run_prefill", "PrefillPlan",
+    # read: attention states (out, base-2 lse) merged, and cascade attention
+    "merge_state", "merge_states", "cascade_attention",
     # move blocks and rows
     "gather_paged_kv", "plan_gather", "run_gather", "GatheredKV", "GatherPlan",
     "copy_paged_blocks", "plan_block_copy", "run_block_copy", "BlockCopyPlan",

@@ -57,6 +57,7 @@ __all__ = [
     "load_kv_tile",
     "online_softmax_step",
     "softmax_state",
+    "row_lse",
     "store_partial",
     "PageTable",
     "ReadPlan",
@@ -225,6 +226,15 @@ def softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def row_lse(m_i, l_i):
+    """fp32 ``[BLOCK_M]``: the base-2 log-sum-exp ``m_i + log2(l_i)`` of each row's scaled
+    scores (FlashInfer's ``lse = log2(sum_j 2**(s_j))``, ``s_j = scale * log2(e) *
+    q.k_j``), ``-inf`` for a row without keys (``l_i == 0``)."""
+    has = l_i > 0.0
+    return tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+
+
+@triton.jit
 def store_partial(
     out_ptr, lse_ptr,
     acc, m_i, l_i,
@@ -243,7 +253,7 @@ def store_partial(
     o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     if WRITE_LSE:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        lse = row_lse(m_i, l_i)
         tl.store(lse_ptr + b64 * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=h_mask)
 
 

@@ -69,6 +69,7 @@ from .attention_core import (
     visible_range,
     window_args,
 )
+from .cascade import launch_merge_states
 from .launch import fingerprint, parallel_units
 from .tiles import decode_tiles
 from .validate import (
@@ -288,18 +289,25 @@ def plan_decode_csr(
     return _make_plan(q, cache, layout, scale, None, max_visible, num_splits, table)
 
 
-def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials: bool = False):
-    """Launch a planned decode. Returns ``[batch, num_q_heads, head_dim]`` in ``q.dtype``;
+def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials: bool = False, return_lse=False):
+    """Launch a planned decode. Returns ``[batch, num_q_heads, head_dim]`` in ``q.dtype``
+    (with ``return_lse=True`` ``(out, lse)``, see :func:`paged_decode_attention`);
     with ``partials=True`` stage 1 alone, ``(partials [batch, num_q_heads, num_splits,
     head_dim] fp32, lse [batch, num_q_heads, num_splits] fp32)`` (see
     :func:`paged_decode_attention_partials`). ``q`` and ``cache`` must match the plan
     (ValueError otherwise)."""
     check_same_layout("cache", cache, plan.cache)
     check_planned("q", q, (plan.batch, plan.num_q_heads, plan.head_dim), plan.q_dtype)
+    checks.check_flag("return_lse", return_lse)
     out = torch.empty((plan.batch, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
     part, lse, part_strides, lse_strides = split_outputs(out, plan.num_splits, partials)
+    total = None
+    if return_lse and not partials:
+        total = torch.empty((plan.batch, plan.num_q_heads), dtype=torch.float32, device=q.device)
+        if part is out:  # one split writes the final output, and then the final lse (split stride 0)
+            lse, lse_strides = total, (*total.stride(), 0)
     if plan.batch == 0:
-        return (part, lse) if partials else out
+        return (part, lse) if partials else ((out, total) if return_lse else out)
     # fmt: off
     decode_split_kernel[(plan.batch, plan.num_kv_heads, plan.num_splits)](
         # pointers
@@ -318,11 +326,15 @@ def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials:
         *window_args(plan.window),
         # constexprs
         BLOCK_G=plan.block_g, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, WRITE_LSE=part is not out,
+        HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, WRITE_LSE=part is not out or total is not None,
         num_warps=plan.num_warps,
     )
     # fmt: on
-    return finish_splits(out, part, lse, partials)
+    if total is None:
+        return finish_splits(out, part, lse, partials)
+    if part is not out:  # the splits' states merge into the output and its total lse
+        launch_merge_states(part, lse, out, total)
+    return out, total
 
 
 # --------------------------------------------------------------------------- entry points
@@ -337,7 +349,8 @@ def paged_decode_attention(
     layout: str = "NHD",
     num_splits: int | None = None,
     window: RingWindow | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Decode attention over a paged KV pool, one query token per sequence.
 
     Args:
@@ -356,18 +369,24 @@ def paged_decode_attention(
             ``MAX_SPLITS``; ``None`` picks one with :func:`choose_num_splits`.
         window: a :class:`~pagedkv_lib.window.RingWindow` (sliding window with sinks,
             stored in a ring of ``window.tokens_per_block == page_size`` rows), or None.
+        return_lse: also return the log-sum-exp (below).
 
     GQA maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``. A
     sequence of length 0 returns zeros. The pool is only read.
 
     Returns:
-        ``[batch, num_q_heads, head_dim]`` in ``q.dtype`` (softmax and accumulation in fp32).
+        ``[batch, num_q_heads, head_dim]`` in ``q.dtype`` (softmax and accumulation in fp32);
+        with ``return_lse=True`` ``(out, lse)``, ``lse [batch, num_q_heads]`` fp32 in
+        **base 2** (FlashInfer's definition): ``lse = log2(sum_j 2**(s_j))`` over the
+        visible keys, ``s_j = scale * log2(e) * q.k_j``; ``-inf`` for length 0. With
+        several splits the splits' lse merge into it (:func:`kernels.cascade.merge_states_kernel`).
 
     Raises:
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
         ``num_splits``, ``scale``, ``window``) before anything is launched.
     """
-    return run_decode(plan_decode(q, cache, block_tables, seq_lens, scale, layout, num_splits, window), q, cache)
+    plan = plan_decode(q, cache, block_tables, seq_lens, scale, layout, num_splits, window)
+    return run_decode(plan, q, cache, return_lse=return_lse)
 
 
 def paged_decode_attention_partials(
@@ -401,7 +420,8 @@ def paged_decode_attention_csr(
     scale: float | None = None,
     layout: str = "NHD",
     num_splits: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Decode attention with a CSR page table (FlashInfer's format), walked in-kernel.
 
     Request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
@@ -413,7 +433,8 @@ def paged_decode_attention_csr(
     padded table is built (same kernel as :func:`paged_decode_attention`, a constexpr
     switch at its start). No window: with a ring the pages cover the ring's rows, not
     the sequence, so ``last_page_len`` cannot give the length; use the padded entry.
-    Other arguments, result and errors as :func:`paged_decode_attention`.
+    Other arguments (``return_lse`` included), result and errors as
+    :func:`paged_decode_attention`.
     """
     plan = plan_decode_csr(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale, layout, num_splits)
-    return run_decode(plan, q, cache)
+    return run_decode(plan, q, cache, return_lse=return_lse)

@@ -90,6 +90,7 @@ from .attention_core import (
     load_kv_tile,
     online_softmax_step,
     read_plan_fields,
+    row_lse,
     sequence_span,
     softmax_state,
     visible_keys,
@@ -132,13 +133,14 @@ def prefill_kernel(
     q_ptr, cache_ptr,
     block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
     qo_indptr_ptr, tile_request_ptr, tile_row_ptr,
-    out_ptr,
+    out_ptr, lse_ptr,
     # strides (elements): q [total_q, heads, dim]; the pool's page, K/V, row, head, feature
     stride_qt, stride_qh, stride_qd,
     stride_page, stride_kv, stride_n, stride_h, stride_d,
     stride_table,
-    # strides: the output [total_q, heads, dim]
+    # strides: the output [total_q, heads, dim] and its lse [total_q, heads]
     stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
     # sizes
     qk_scale, group, head_dim, page_size,
     # ring window (kernels.attention_core.window_args)
@@ -146,9 +148,12 @@ def prefill_kernel(
     # constexprs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
+    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
-    head) rows of one request."""
+    head) rows of one request; with ``WRITE_LSE`` also their base-2 log-sum-exp
+    (:func:`kernels.attention_core.row_lse`). ``CAUSAL=False`` (never with a window):
+    every row sees all ``seq_len`` keys of its request."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(tile_request_ptr + tile_id)
@@ -184,7 +189,10 @@ def prefill_kernel(
     # Keys this tile may need: up to its last query's position (the causal limit), and
     # with a window only the sinks and the recent range of its first query onwards.
     p_lo = past + row0 // group
-    p_hi = past + tl.minimum((row0 + BLOCK_M - 1) // group, q_len - 1)
+    if CAUSAL:
+        p_hi = past + tl.minimum((row0 + BLOCK_M - 1) // group, q_len - 1)
+    else:
+        p_hi = seq_len - 1  # every key of the request
     n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, HAS_WINDOW)
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
@@ -208,7 +216,10 @@ def prefill_kernel(
             s = tl.dot(q, tl.trans(k))  # 16-bit operands, exact products, fp32 accumulation
         s = s * qk_scale  # scale * log2(e): base-2 scores for exp2
 
-        see = valid[None, :] & (pos[None, :] <= qpos[:, None])
+        if CAUSAL:
+            see = valid[None, :] & (pos[None, :] <= qpos[:, None])
+        else:
+            see = valid[None, :] & m_valid[:, None]
         if HAS_WINDOW:
             see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
         s = tl.where(see, s, float("-inf"))
@@ -235,6 +246,9 @@ def prefill_kernel(
         + offs_d[None, :] * stride_od
     )
     tl.store(o_ptrs, round_to(o, out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+    if WRITE_LSE:
+        lse_ptrs = lse_ptr + (q_start + qi).to(tl.int64) * stride_lt + heads.to(tl.int64) * stride_lh
+        tl.store(lse_ptrs, row_lse(m_i, l_i), mask=m_valid)
 
 
 # --------------------------------------------------------------------------- planning
@@ -263,6 +277,7 @@ class PrefillPlan(ReadPlan):
     tile_request: torch.Tensor  # [num_tiles] request of each tile
     tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
     qo_indptr: torch.Tensor  # [batch + 1]
+    causal: bool = True  # False: every query sees all its request's keys
 
 
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
@@ -277,7 +292,7 @@ def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     return "fp16" if cache_dtype == torch.float16 else "bf16"
 
 
-def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m: int, window):
+def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m: int, window, causal: bool = True):
     """``(tile_request, tile_row, visited_pairs)``: one tile per ``block_m`` (query, head)
     rows of every request, longest key range first; ``visited_pairs`` counts the
     (row, key) pairs of every tile's key range (what the kernel computes scores for)."""
@@ -289,7 +304,7 @@ def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m
     past = (seq_lens - q_lens)[request]
     p_lo = past + torch.div(row0, group, rounding_mode="floor")
     p_hi = past + torch.minimum(torch.div(row0 + block_m - 1, group, rounding_mode="floor"), q_lens[request] - 1)
-    keys = p_hi + 1
+    keys = p_hi + 1 if causal else seq_lens[request]
     if window is not None:
         sinks, recent = window.sink_tokens, window.max_attention_window - window.sink_tokens
         start = torch.clamp(p_lo - recent + 1, min=sinks)
@@ -299,7 +314,7 @@ def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m
     return request[order], row0[order], int((keys * live_rows).sum())
 
 
-def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable) -> PrefillPlan:
+def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, causal: bool) -> PrefillPlan:
     dims = cache_dims(cache, layout)
     fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, table)
     group = fields["group"]
@@ -310,7 +325,7 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable) -> P
     max_keys = int(lens.max()) if lens.numel() else 0
     mode = dot_mode(q.dtype, cache.dtype)
     block_m, block_n, block_d, num_warps = prefill_tiles(group, fields["head_dim"], max_rows, max_keys, mode)
-    tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window)
+    tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window, causal)
     return PrefillPlan(
         layout=layout,
         cache=fingerprint(cache),
@@ -325,6 +340,7 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable) -> P
         tile_request=int32_on_device(tile_request, q.device, min_len=1),
         tile_row=int32_on_device(tile_row, q.device, min_len=1),
         qo_indptr=int32_on_device(qo, q.device),
+        causal=causal,
         **fields,
     )
 
@@ -338,16 +354,16 @@ def plan_prefill(
     layout: str = "NHD",
     window: RingWindow | None = None,
     scale: float | None = None,
+    causal: bool = True,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention` call and fix its tiles and tile list;
     nothing is launched. Arguments and errors as :func:`paged_prefill_attention`."""
-    qo, _, lens = checks.check_prefill_args(
-        q, cache, host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens), layout, window, scale
-    )
+    host = (host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens))
+    qo, _, lens = checks.check_prefill_args(q, cache, *host, layout, window, scale, causal)
     index = {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens}
     check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
     table = PageTable.padded(block_tables, seq_lens, q.device)
-    return _make_plan(q, cache, layout, scale, window, qo, lens, table)
+    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal)
 
 
 def plan_prefill_csr(
@@ -359,39 +375,45 @@ def plan_prefill_csr(
     kv_last_page_len: torch.Tensor,
     layout: str = "NHD",
     scale: float | None = None,
+    causal: bool = True,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention_csr` call and fix its tiles and tile
     list; nothing is launched. Arguments and errors as :func:`paged_prefill_attention_csr`."""
     host = (host_copy(qo_indptr), host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
-    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale)
+    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale, causal)
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
     check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
-    return _make_plan(q, cache, layout, scale, None, qo, lens, table)
+    return _make_plan(q, cache, layout, scale, None, qo, lens, table, causal)
 
 
-def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_lse: bool = False):
     """Launch a planned prefill; returns ``[total_q, num_q_heads, head_dim]`` in
-    ``q.dtype``. ``q`` and ``cache`` must match the plan (ValueError otherwise)."""
+    ``q.dtype``, with ``return_lse=True`` ``(out, lse)`` (``lse [total_q, num_q_heads]``
+    fp32, base 2, see :func:`paged_prefill_attention`). ``q`` and ``cache`` must match
+    the plan (ValueError otherwise)."""
     check_same_layout("cache", cache, plan.cache)
     check_planned("q", q, (plan.total_q, plan.num_q_heads, plan.head_dim), plan.q_dtype)
+    checks.check_flag("return_lse", return_lse)
     # Every row belongs to one request, whose tiles cover all its (query, head) rows.
     out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((plan.total_q, plan.num_q_heads), dtype=torch.float32, device=q.device) if return_lse else out
     if plan.num_tiles == 0:  # no queries at all
-        return out
+        return (out, lse) if return_lse else out
     # fmt: off
     prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
         # pointers
         q, cache,
         *plan.table.pointers(),
         plan.qo_indptr, plan.tile_request, plan.tile_row,
-        out,
+        out, lse,
         # strides
         *q.stride(),
         *cache_strides(cache, plan.layout),
         plan.table.stride,
         *out.stride(),
+        *(lse.stride() if return_lse else (0, 0)),
         # sizes
         plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
         # ring window
@@ -399,10 +421,11 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor) -> torc
         # constexprs
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
+        CAUSAL=plan.causal, WRITE_LSE=return_lse,
         num_warps=plan.num_warps,
     )
     # fmt: on
-    return out
+    return (out, lse) if return_lse else out
 
 
 # --------------------------------------------------------------------------- entry points
@@ -417,7 +440,9 @@ def paged_prefill_attention(
     layout: str = "NHD",
     window: RingWindow | None = None,
     scale: float | None = None,
-) -> torch.Tensor:
+    causal: bool = True,
+    return_lse: bool = False,
+):
     """Attention of ``q_len >= 0`` new queries per sequence over the paged KV pool.
 
     Args:
@@ -438,6 +463,11 @@ def paged_prefill_attention(
         window: a :class:`~pagedkv_lib.window.RingWindow` (``tokens_per_block ==
             page_size``; chunks of at most ``window.max_chunk_len()`` queries), or None.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        causal: True (default): the bottom-right aligned causal mask below. False: every
+            query sees all ``seq_lens[b]`` keys of its request (FlashInfer's
+            ``causal=False``; a request may then have more queries than keys); refused
+            with a ring window, whose slots of older keys hold newer tokens.
+        return_lse: also return each row's log-sum-exp (below).
 
     Each query sees the keys at positions up to its own (causal, bottom-right aligned),
     through the window when given (its sinks and last ``window - sinks`` positions).
@@ -448,14 +478,18 @@ def paged_prefill_attention(
 
     Returns:
         ``[total_q, num_q_heads, head_dim]`` in ``q.dtype`` (softmax and accumulation
-        in fp32).
+        in fp32); with ``return_lse=True`` ``(out, lse)``, ``lse [total_q, num_q_heads]``
+        fp32 in **base 2** (FlashInfer's definition): ``lse = log2(sum_j 2**(s_j))`` over
+        the keys the row sees, ``s_j = scale * log2(e) * q.k_j``; ``-inf`` for a row with
+        no keys. :func:`kernels.cascade.merge_state` merges such ``(out, lse)`` pairs.
 
     Raises:
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
         ``qo_indptr``, ``scale``, ``window``, chunk length through a ring) before
         anything is allocated or launched.
     """
-    return run_prefill(plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale), q, cache)
+    plan = plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal)
+    return run_prefill(plan, q, cache, return_lse)
 
 
 def paged_prefill_attention_csr(
@@ -467,7 +501,9 @@ def paged_prefill_attention_csr(
     kv_last_page_len: torch.Tensor,
     layout: str = "NHD",
     scale: float | None = None,
-) -> torch.Tensor:
+    causal: bool = True,
+    return_lse: bool = False,
+):
     """Prefill attention with a CSR page table (FlashInfer's format), walked in-kernel.
 
     Request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
@@ -475,7 +511,8 @@ def paged_prefill_attention_csr(
     is ``(pages - 1) * page_size + last``. ``kv_indptr [batch + 1]``, ``kv_indices
     [nnz_pages]``, ``kv_last_page_len [batch]`` are integer tensors on the kernels'
     device. No window (a ring's pages do not give the length; use the padded entry).
-    Other arguments, result and errors as :func:`paged_prefill_attention`.
+    Other arguments (``causal``, ``return_lse`` included), result and errors as
+    :func:`paged_prefill_attention`.
     """
-    plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
-    return run_prefill(plan, q, cache)
+    plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal)
+    return run_prefill(plan, q, cache, return_lse)

@@ -250,16 +250,26 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
 
 
+def base2_lse(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's log-sum-exp in base 2 over the last dim, in float64: ``log2(sum_j
+    2**(s_j))`` with ``s_j = scores_j * log2(e)`` (``scores`` in natural units, ``scale *
+    q.k``) over the keys ``mask`` (broadcast) keeps, which is ``logsumexp(scores) /
+    ln 2``; ``-inf`` for a row with no key."""
+    masked = scores.double().masked_fill(~mask.expand_as(scores), float("-inf"))
+    return torch.logsumexp(masked, dim=-1) / math.log(2.0)
+
+
 def _attend(q, k, v, mask, scale: float, dtype: torch.dtype):
-    """Softmax attention of ``q [nq, Hq, D]`` over ``k, v [nk, Hk, D]`` under ``mask
-    [nq, nk]``; query head ``h`` reads KV head ``h // (Hq // Hk)``. Rows with nothing
-    visible return zeros; NaN in a query or visible key comes back NaN."""
+    """``(out, lse)``: softmax attention of ``q [nq, Hq, D]`` over ``k, v [nk, Hk, D]``
+    under ``mask [nq, nk]`` (query head ``h`` reads KV head ``h // (Hq // Hk)``) and its
+    base-2 log-sum-exp ``[nq, Hq]`` float64 (:func:`base2_lse`). Rows with nothing
+    visible return zeros (lse ``-inf``); NaN in a query or visible key comes back NaN."""
     group = q.shape[1] // k.shape[1]
     k = k.cpu().to(dtype).repeat_interleave(group, dim=1)
     v = v.cpu().to(dtype).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.cpu().to(dtype), k) * scale
     probs = masked_softmax(scores, mask[None])
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    return torch.einsum("hqk,khd->qhd", probs, v), base2_lse(scores, mask[None]).transpose(0, 1)
 
 
 def paged_prefill_attention(
@@ -272,6 +282,8 @@ def paged_prefill_attention(
     layout: str = "NHD",
     window: RingWindow | None = None,
     precision: str = "fp32",
+    causal: bool = True,
+    return_lse: bool = False,
 ):
     """Attention of several new query tokens per sequence over the paged KV.
 
@@ -279,21 +291,28 @@ def paged_prefill_attention(
     ``seq_lens [batch]`` are KV lengths including the new tokens. The causal mask is
     aligned bottom-right: query ``i`` of a chunk of ``q_len`` sits at position
     ``seq_len - q_len + i`` and sees keys up to it (chunked prefill). With ``window``
-    it sees the sinks and the last ``window - sinks`` positions. Softmax in fp32 (or
-    fp64 with ``precision="fp64"``, returned in float64; else in ``q.dtype``).
+    it sees the sinks and the last ``window - sinks`` positions. ``causal=False`` (no
+    window): every query sees all ``seq_lens[b]`` keys of its request, and a request may
+    have more queries than keys. Softmax in fp32 (or fp64 with ``precision="fp64"``,
+    returned in float64; else in ``q.dtype``). ``return_lse=True`` returns ``(out,
+    lse)``, ``lse [total_q, num_q_heads]`` float64 the base-2 log-sum-exp of each row's
+    scaled scores (:func:`base2_lse`; ``-inf`` for a row without keys).
     """
     dtype = _compute_dtype(precision)
-    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale)
+    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.zeros(q.shape, dtype=dtype)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
     for b in range(lens.numel()):
         lo, hi, n = int(indptr[b]), int(indptr[b + 1]), int(lens[b])
         if hi == lo:
             continue
         k, v = _sequence_kv(cache, layout, table[b], n, window)
         qpos = torch.arange(n - (hi - lo), n)
-        out[lo:hi] = _attend(q[lo:hi], k, v, window_mask(qpos, torch.arange(n), window), scale, dtype)
-    return out if precision == "fp64" else out.to(q.dtype)
+        mask = window_mask(qpos, torch.arange(n), window) if causal else torch.ones((hi - lo, n), dtype=torch.bool)
+        out[lo:hi], lse[lo:hi] = _attend(q[lo:hi], k, v, mask, scale, dtype)
+    out = out if precision == "fp64" else out.to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
 def paged_decode_attention(
@@ -305,13 +324,16 @@ def paged_decode_attention(
     layout: str = "NHD",
     window: RingWindow | None = None,
     precision: str = "fp32",
+    return_lse: bool = False,
 ):
     """Decode attention: one query token per sequence, ``q [batch, num_q_heads, head_dim]``.
 
     The query is the sequence's last token (position ``seq_len - 1``, already written).
     GQA maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``. A
     sequence of length 0 returns zeros. Returns ``[batch, num_q_heads, head_dim]`` in
-    ``q.dtype`` (float64 with ``precision="fp64"``, the oracle setting).
+    ``q.dtype`` (float64 with ``precision="fp64"``, the oracle setting); with
+    ``return_lse=True`` ``(out, lse)``, ``lse [batch, num_q_heads]`` float64 the base-2
+    log-sum-exp of the scaled scores (:func:`base2_lse`, ``-inf`` for length 0).
     """
     dtype = _compute_dtype(precision)
     table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale)
@@ -341,7 +363,8 @@ def paged_decode_attention(
     scores = torch.einsum("bhd,bthd->bht", q.cpu().to(dtype), k) * scale
     probs = masked_softmax(scores, mask[:, None, :])
     out = torch.einsum("bht,bthd->bhd", probs, v)
-    return out if precision == "fp64" else out.to(q.dtype)
+    out = out if precision == "fp64" else out.to(q.dtype)
+    return (out, base2_lse(scores, mask[:, None, :])) if return_lse else out
 
 
 def paged_decode_attention_loop(
@@ -424,16 +447,18 @@ def paged_decode_attention_csr(
     scale: float | None = None,
     layout: str = "NHD",
     precision: str = "fp32",
+    return_lse: bool = False,
 ):
     """Decode attention over a CSR page table (FlashInfer's format): request ``b`` owns
     pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills ``kv_last_page_len[b]``
     rows of the last one (length 0 without pages). Same result as
-    :func:`paged_decode_attention` over the equivalent padded table."""
+    :func:`paged_decode_attention` over the equivalent padded table (``return_lse`` as
+    there)."""
     indptr, indices, _, lens = check_csr_decode_args(q, cache, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
     rows = [indices[indptr[b] : indptr[b + 1]].tolist() for b in range(lens.numel())]
     width = max((len(r) for r in rows), default=0)
     table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
-    return paged_decode_attention(q, cache, table, lens, scale, layout, None, precision)
+    return paged_decode_attention(q, cache, table, lens, scale, layout, None, precision, return_lse)
 
 
 def merge_partials(partials, lse):
@@ -493,7 +518,7 @@ def rope_reference(x, positions, theta: float = 10000.0, style: str = "neox"):
 from .checks import check_csr_prefill_args  # noqa: E402
 from .formats import csr_to_block_table  # noqa: E402
 
-__all__ += ["paged_prefill_attention_csr", "contiguous_attention"]
+__all__ += ["paged_prefill_attention_csr", "contiguous_attention", "base2_lse"]
 
 
 def paged_prefill_attention_csr(
@@ -506,15 +531,18 @@ def paged_prefill_attention_csr(
     scale: float | None = None,
     layout: str = "NHD",
     precision: str = "fp32",
+    causal: bool = True,
+    return_lse: bool = False,
 ):
     """:func:`paged_prefill_attention` over a CSR page table (FlashInfer's format):
     request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
     ``kv_last_page_len[b]`` rows of the last one, so its KV length (new tokens
     included) is ``(pages - 1) * page_size + last``. No window. Arguments as
-    ``kernels.paged_prefill_attention_csr``; same result as the padded form."""
-    check_csr_prefill_args(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
+    ``kernels.paged_prefill_attention_csr``; same result as the padded form (``causal``
+    and ``return_lse`` as there)."""
+    check_csr_prefill_args(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal)
     table, lens = csr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, cache_dims(cache, layout).page_size)
-    return paged_prefill_attention(q, cache, qo_indptr, table, lens, scale, layout, None, precision)
+    return paged_prefill_attention(q, cache, qo_indptr, table, lens, scale, layout, None, precision, causal, return_lse)
 
 
 def contiguous_attention(q, k, v, q_positions, window: RingWindow | None = None, scale: float | None = None):

@@ -25,13 +25,17 @@ from __future__ import annotations
 from .mha import (
     check_append_args,
     check_block_tables,
+    check_causal,
     check_csr_append_args,
     check_csr_decode_args,
     check_csr_prefill_args,
     check_decode_args,
+    check_flag,
     check_merge_args,
     check_prefill_args,
     check_rope_args,
+    check_state_pair,
+    check_states_args,
     check_v_tail_args,
 )
 from .mla import (
@@ -95,6 +99,10 @@ __all__ = [
     "check_prefill_args",
     "check_csr_prefill_args",
     "check_merge_args",
+    "check_causal",
+    "check_states_args",
+    "check_state_pair",
+    "check_flag",
     # quantized pools: format, pool, append
     "QUANT_FORMATS",
     "NVFP4_BLOCK",

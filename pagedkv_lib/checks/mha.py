@@ -192,14 +192,44 @@ def check_csr_decode_args(q, cache, kv_indptr, kv_indices, kv_last_page_len, lay
     return indptr, indices, last, csr_seq_lens(indptr, last, dims.page_size).to(torch.int64)
 
 
+def check_flag(name: str, value) -> None:
+    """A boolean option (``return_lse``, ``causal``) must be a bool, not a truthy value."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be a bool")
+
+
+def check_causal(causal, window) -> None:
+    """``causal`` must be a bool; ``causal=False`` with a ring window is refused: the ring
+    keeps only the keys a causal query may still see (the sinks and the last ``window -
+    sinks`` positions), the slots of older keys hold newer tokens, so "every key" is not
+    in the cache to attend to."""
+    check_flag("causal", causal)
+    if not causal and window is not None:
+        raise ValueError(
+            "causal=False with a ring window: the ring holds only the keys a causal query can still "
+            "see (older slots were overwritten), so non-causal attention over the sequence is not in the cache"
+        )
+
+
 def check_prefill_args(
-    q, cache, qo_indptr, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None, scale=None
+    q,
+    cache,
+    qo_indptr,
+    block_tables,
+    seq_lens,
+    layout: str = "NHD",
+    window: RingWindow | None = None,
+    scale=None,
+    causal: bool = True,
 ):
     """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
     host int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most
-    ``seq_lens[b]`` queries each (at most ``window.max_chunk_len()`` with a ring window)."""
+    ``seq_lens[b]`` queries each (at most ``window.max_chunk_len()`` with a ring window);
+    with ``causal=False`` (no window, :func:`check_causal`) a request may have more
+    queries than keys, since no query has a position to align."""
     dims = check_q(q, cache, layout)
     check_scale(scale)
+    check_causal(causal, window)
     check_window(window, dims.page_size)  # before the chunk rule, which counts in the window's pages
     indptr = index_tensor("qo_indptr", qo_indptr, 1)
     lens = index_tensor("seq_lens", seq_lens, 1)
@@ -208,8 +238,9 @@ def check_prefill_args(
     if int(indptr[-1]) != q.shape[0]:
         raise ValueError(f"qo_indptr[-1]={int(indptr[-1])} but q has {q.shape[0]} rows")
     q_lens = indptr[1:] - indptr[:-1]
-    if (q_lens > lens).any() or (q_lens < 0).any():
-        b = int(torch.nonzero((q_lens > lens) | (q_lens < 0))[0])
+    bad = ((q_lens > lens) if causal else torch.zeros_like(q_lens, dtype=torch.bool)) | (q_lens < 0)
+    if bad.any():
+        b = int(torch.nonzero(bad)[0])
         raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
     if window is not None and (q_lens > window.max_chunk_len()).any():
         raise ValueError(
@@ -234,8 +265,49 @@ def check_merge_args(partials, lse) -> None:
         raise ValueError("partials has 0 splits")
 
 
+def check_states_args(v, s) -> None:
+    """Attention states to merge: ``v [seq_len, num_states, num_heads, head_dim]`` float,
+    ``s [seq_len, num_states, num_heads]`` float32 (base-2 log-sum-exps), ``num_states
+    >= 1``."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or v.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            "v must be a 4-D float tensor [seq_len, num_states, num_heads, head_dim], "
+            f"got {getattr(v, 'shape', type(v))}"
+        )
+    if not isinstance(s, torch.Tensor) or s.dim() != 3 or s.dtype != torch.float32:
+        raise ValueError(
+            "s must be a 3-D float32 tensor [seq_len, num_states, num_heads], "
+            f"got {getattr(s, 'shape', type(s))} {getattr(s, 'dtype', '')}"
+        )
+    if tuple(s.shape) != tuple(v.shape[:3]):
+        raise ValueError(f"s has shape {tuple(s.shape)}; v {tuple(v.shape)} needs {tuple(v.shape[:3])}")
+    if v.shape[1] == 0:
+        raise ValueError("v has 0 states")
+    if v.device != s.device:
+        raise ValueError(f"v is on {v.device} but s on {s.device}")
+
+
+def check_state_pair(v_a, s_a, v_b, s_b) -> None:
+    """Two attention states: ``v_a, v_b [seq_len, num_heads, head_dim]`` float of one
+    dtype and device, ``s_a, s_b [seq_len, num_heads]`` float32."""
+    for name, v, s in (("v_a", v_a, s_a), ("v_b", v_b, s_b)):
+        if not isinstance(v, torch.Tensor) or v.dim() != 3 or v.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{name} must be a 3-D float tensor [seq_len, num_heads, head_dim], got {getattr(v, 'shape', type(v))}"
+            )
+        sname = "s" + name[1:]
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != tuple(v.shape[:2]):
+            raise ValueError(
+                f"{sname} must be float32 of shape {tuple(v.shape[:2])}, got {getattr(s, 'shape', type(s))}"
+            )
+    if v_a.shape != v_b.shape or v_a.dtype != v_b.dtype or v_a.device != v_b.device:
+        raise ValueError(
+            f"v_b {tuple(v_b.shape)} {v_b.dtype} must match v_a {tuple(v_a.shape)} {v_a.dtype} (and its device)"
+        )
+
+
 def check_csr_prefill_args(
-    q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None
+    q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None, causal: bool = True
 ):
     """Validate a prefill over a CSR page table; return ``(qo_indptr, kv_indptr,
     kv_indices, kv_last_page_len, seq_lens)`` as host int64.
@@ -247,10 +319,11 @@ def check_csr_prefill_args(
     """
     dims = check_q(q, cache, layout)
     check_scale(scale)
+    check_causal(causal, None)
     indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
     table, lens = csr_to_block_table(indptr, indices, last, dims.page_size)
     try:  # what is left to fail is the qo_indptr rule, against lengths the caller did not pass
-        qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, None, scale)
+        qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, None, scale, causal)
     except ValueError as err:
         raise ValueError(f"{err} (seq_lens: the KV lengths kv_indptr and kv_last_page_len give)") from None
     return qo, indptr, indices, last, lens

@@ -33,7 +33,14 @@ from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison
 
-__all__ = ["prefill_grid", "long_prefill_cases", "prefill_inputs", "prefill_case", "locate_row"]
+__all__ = [
+    "prefill_grid",
+    "long_prefill_cases",
+    "noncausal_prefill_cases",
+    "prefill_inputs",
+    "prefill_case",
+    "locate_row",
+]
 
 # Batches of (seq_len, q_len): what each one is there for.
 BATCHES = [
@@ -63,6 +70,20 @@ def window_prefill_cases() -> list[dict]:
         {**base, "layout": "NHD", "page_size": 16, "window": (8, 2), "requests": ((37, 12), (20, 1), (60, 17))},
         {**base, "layout": "HND", "dtype": "fp16", "page_size": 5, "window": (7, 3), "requests": ((40, 6), (9, 6))},
         {**base, "layout": "NHD", "dtype": "bf16", "page_size": 4, "window": (6, 0), "requests": ((23, 5), (3, 3))},
+    ]
+
+
+def noncausal_prefill_cases() -> list[dict]:
+    """``causal=False`` (every query sees all its request's keys; no window): a chunk in
+    the middle of a sequence, over key tiles it would not reach causally, and a whole
+    prompt (the first case: a causal kernel takes it and gets it wrong); more queries
+    than keys and a request without keys (the second: a causal kernel refuses it). A
+    kernel that ignores ``causal=False`` fails them. Not in :func:`prefill_grid` (whose
+    results stay those of the causal kernels): run them with :func:`prefill_case` on a kernel that takes ``causal``."""
+    base = {"head_dim": 64, "group": 2, "num_kv_heads": 2, "causal": False}
+    return [
+        {**base, "layout": "NHD", "dtype": "fp32", "page_size": 16, "requests": ((150, 20), (12, 0), (40, 40))},
+        {**base, "layout": "HND", "dtype": "fp16", "page_size": 5, "group": 5, "requests": ((33, 4), (5, 9), (0, 2))},
     ]
 
 
@@ -145,8 +166,11 @@ def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> Ca
         return CaseResult("prefill", case, None, outside=reason)
     q, cache, qo_indptr, tables, lens, window = prefill_inputs(case)
     layout = case["layout"]
+    causal = case.get("causal", True)
+    if not causal and not accepts(prefill_fn, "causal"):
+        return CaseResult("prefill", case, None, outside="the kernel takes no causal option")
     expected = reference.paged_prefill_attention(
-        q, cache, qo_indptr, tables, lens, layout=layout, window=window, precision="fp64"
+        q, cache, qo_indptr, tables, lens, layout=layout, window=window, precision="fp64", causal=causal
     )
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
     dev, guards = runtime.device(), Guards()
@@ -156,6 +180,8 @@ def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> Ca
     kwargs = {"layout": layout} if accepts(prefill_fn, "layout") else {}
     if window is not None:
         kwargs["window"] = window
+    if not causal:
+        kwargs["causal"] = False
     try:
         out = prefill_fn(inputs["q"], native, *(inputs[n] for n in ("qo_indptr", "block_tables", "seq_lens")), **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it

@@ -1,0 +1,40 @@
+"""The float64 reference of merging attention states (FlashInfer's ``merge_state`` /
+``merge_states``; the Triton kernels are in :mod:`kernels.cascade`).
+
+A state ``(v, s)`` of a row over a key set is its softmax-normalised output ``v`` and
+the base-2 log-sum-exp ``s = log2(sum_j 2**(s_j))`` of the scaled scores ``s_j = scale *
+log2(e) * q.k_j``. States of disjoint key sets merge into the union's:
+``s = log2(sum_i 2**s_i)``, ``v = sum_i 2**(s_i - s) v_i``, computed here with the max
+subtracted first; empty states (``s = -inf``) weigh 0 (their ``v`` is never
+multiplied, NaN included); all-empty rows give ``v = 0``, ``s = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_state_pair, check_states_args
+
+__all__ = ["merge_states", "merge_state"]
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v [seq_len, num_states, num_heads, head_dim]``, ``s [seq_len, num_states,
+    num_heads]`` fp32 -> ``(v [seq_len, num_heads, head_dim], s [seq_len, num_heads])``,
+    both float64 on the CPU. ValueError naming the argument on bad input."""
+    check_states_args(v, s)
+    v, s = v.detach().cpu().double(), s.detach().cpu().double()
+    m = s.max(dim=1).values  # [seq_len, heads]
+    w = torch.exp2(s - torch.where(m == float("-inf"), 0.0, m)[:, None])  # exactly 0 for -inf states
+    v = torch.where(w[..., None] > 0, v, 0.0)  # 0 * NaN would be NaN
+    den = w.sum(1)
+    out = (w[..., None] * v).sum(1) / torch.where(den > 0, den, 1.0)[..., None]
+    lse = torch.where(den > 0, m + torch.log2(torch.where(den > 0, den, 1.0)), float("-inf"))
+    return out, lse
+
+
+def merge_state(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two states ``v_a, v_b [seq_len, num_heads, head_dim]``, ``s_a, s_b [seq_len,
+    num_heads]`` fp32 -> their merge ``(v, s)`` in float64 (:func:`merge_states`)."""
+    check_state_pair(v_a, s_a, v_b, s_b)
+    return merge_states(torch.stack((v_a, v_b), dim=1), torch.stack((s_a, s_b), dim=1))
