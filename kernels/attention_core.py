@@ -50,6 +50,7 @@ from .merge import launch_merge
 
 __all__ = [
     "sequence_span",
+    "decode_split_range",
     "visible_range",
     "visible_keys",
     "split_tiles",
@@ -121,6 +122,27 @@ def visible_range(end, first_end, sink_tokens, window_recent, HAS_WINDOW: tl.con
         recent_start = end
         n_vis = end
     return n_sink, recent_start, n_vis
+
+
+@triton.jit
+def decode_split_range(
+    b, split, num_splits,
+    block_tables_ptr, seq_lens_ptr, stride_table,
+    kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    page_size, sink_tokens, window_recent,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr,
+):  # fmt: skip
+    """What a split-KV decode program ``(b, ., split)`` reads, in one call:
+    ``(table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi)`` (:func:`sequence_span`,
+    then :func:`visible_range` for the one query at position ``seq_len - 1``, then
+    :func:`split_tiles`). The MHA and quantized decodes start with it."""
+    seq_len, table_row = sequence_span(
+        b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+        page_size, IS_CSR,
+    )  # fmt: skip
+    n_sink, recent_start, n_vis = visible_range(seq_len, seq_len, sink_tokens, window_recent, HAS_WINDOW)
+    tile_lo, tile_hi = split_tiles(n_vis, split, num_splits, BLOCK_N)
+    return table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi
 
 
 @triton.jit

@@ -55,18 +55,16 @@ from pagedkv_lib.window import RingWindow
 from .attention_core import (
     PageTable,
     ReadPlan,
+    decode_split_range,
     finish_splits,
     load_kv_tile,
     load_scaled_queries,
     online_softmax_step,
     read_plan_fields,
-    sequence_span,
     softmax_state,
     split_outputs,
-    split_tiles,
     store_partial,
     visible_keys,
-    visible_range,
     window_args,
 )
 from .cascade import launch_merge_states
@@ -128,12 +126,12 @@ def decode_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len, table_row = sequence_span(
-        b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
-        page_size, IS_CSR,
+    table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi = decode_split_range(
+        b, split, num_splits,
+        block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+        page_size, sink_tokens, window_recent,
+        BLOCK_N, HAS_WINDOW, IS_CSR,
     )  # fmt: skip
-    n_sink, recent_start, n_vis = visible_range(seq_len, seq_len, sink_tokens, window_recent, HAS_WINDOW)
-    tile_lo, tile_hi = split_tiles(n_vis, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
