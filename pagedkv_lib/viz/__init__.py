@@ -20,6 +20,7 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
   write got wrong, prefill masks, a kernel's source.
 - :mod:`.quant`: quantized KV: the E2M1 grid.
 - :mod:`.conformance`: a conformance report's margins by the pass rule.
+- :mod:`.source`: a fault's wrong line, as a diff of the correct and the faulty part.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .kernels import (
     source_code,
 )
 from .quant import plot_e2m1_grid
+from .source import SourceDiff, fault_diff, marked_source, show_fault, source_diff
 from .style import (
     FAIL_RED,
     FREE,
@@ -94,4 +96,10 @@ __all__ = [
     # conformance reports
     "conformance_margins",
     "plot_conformance",
+    # faults as diffs
+    "SourceDiff",
+    "source_diff",
+    "fault_diff",
+    "marked_source",
+    "show_fault",
 ]
