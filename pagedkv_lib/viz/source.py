@@ -37,7 +37,7 @@ def _name(obj) -> str:
     return getattr(getattr(obj, "fn", obj), "__name__", "")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SourceDiff:
     """A unified diff of two sources, rendered as HTML in a notebook.
 
@@ -64,11 +64,13 @@ class SourceDiff:
             rows.append(f'<div style="{style};white-space:pre">{html.escape(line) or " "}</div>')
         title = f'<div style="font-weight:bold;margin-bottom:2px">{html.escape(self.title)}</div>'
         body = "".join(rows)
-        box = 'font-family:monospace;font-size:12px;border:1px solid #999;padding:4px;overflow-x:auto'
+        box = "font-family:monospace;font-size:12px;border:1px solid #999;padding:4px;overflow-x:auto"
         return f'<div>{title}<div style="{box}">{body}</div></div>'
 
     def __str__(self) -> str:
         return "\n".join([self.title, *self.lines])
+
+    __repr__ = __str__  # the text/plain of a notebook output: the diff itself
 
 
 def source_diff(correct, faulty, context: int = 3, title: str = "") -> SourceDiff:
@@ -97,8 +99,7 @@ def fault_diff(fault, role: str, context: int = 3) -> SourceDiff:
     ``fault.part(role)`` or ``fault.where`` instead)."""
     if role not in fault.parts or role not in fault.replaces:
         raise ValueError(
-            f"role={role!r}: fault {fault.name!r} has parts {sorted(fault.parts)} "
-            f"replacing {sorted(fault.replaces)}"
+            f"role={role!r}: fault {fault.name!r} has parts {sorted(fault.parts)} replacing {sorted(fault.replaces)}"
         )
     title = f"{fault.name} ({role}): {fault.wrong}"
     return source_diff(fault.correct(role), fault.part(role), context=context, title=title)
@@ -120,9 +121,7 @@ def marked_source(obj, title: str = "") -> SourceDiff:
     """``obj``'s whole source with its marked lines (a comment from :data:`MARKERS`)
     highlighted as ``+`` lines: for a fault with no correct part to diff against (a
     wrapper, or the scenario function that builds the faulty input)."""
-    lines = tuple(
-        ("+" if any(m in line for m in MARKERS) else " ") + line for line in _source(obj).splitlines()
-    )
+    lines = tuple(("+" if any(m in line for m in MARKERS) else " ") + line for line in _source(obj).splitlines())
     return SourceDiff(title or _name(obj), lines)
 
 
