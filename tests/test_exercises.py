@@ -163,3 +163,34 @@ def test_an_exception_in_the_learners_code_becomes_a_message_with_where_it_was_r
     assert not result.passed and result.failure.label == "fragmentation of an empty batch allocates nothing"
     assert "fragmentation raised ZeroDivisionError" in result.message
     assert "raised at: test_exercises.py, line" in result.message and "do not divide by zero" in result.message
+
+
+def test_a_decode_numerics_failure_comes_without_the_rows_to_read_picture():
+    # a scale without log2(e) reads the right rows: the picture of them would mislead
+    space = load_solution(
+        EXERCISES["decode_kernel"], replace=("q = q * qk_scale", "q = q * qk_scale * 0.6931471805599453")
+    )
+    result = check("decode_kernel", *[space[name] for name in EXERCISES["decode_kernel"].functions])
+    assert not result.passed and "use qk_scale as given" in result.message, result.message
+    assert result.failure.picture is None and "picture" not in result.message
+
+
+def test_locate_pow2_with_a_wrong_shift_gets_the_shift_and_mask_hint():
+    space = load_solution(
+        EXERCISES["slot_mapping"], replace=("shift = page_size.bit_length() - 1", "shift = page_size")
+    )
+    result = check("slot_mapping", space["locate"], space["locate_pow2"], space["slot_mapping"])
+    assert not result.passed
+    assert "hint: shift by log2 P and mask with P - 1: with P = 16, block = pos >> 4 and offset = pos & 15" in (
+        result.message.replace("\n", " ").replace("  ", " ")
+    ), result.message
+
+
+def test_a_case_hint_does_not_repeat_what_the_diagnosis_says():
+    space = load_solution(EXERCISES["append_kernel"], replace=("slot % page_size", "slot // page_size"))
+    message = " ".join(str(check("append_kernel", space["append"])).split())
+    # the diagnosis says "the row inside the page is slot % page_size; slot // page_size is
+    # the page": the case hint keeps its lead-in, not the same formulas again
+    assert "hint: the row inside the page is slot % page_size" in message
+    assert "Each program copies one token's [heads, head_dim] block." in message
+    assert "page = slot // page_size" not in message, message

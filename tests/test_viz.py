@@ -41,3 +41,28 @@ def test_package_reexports_every_public_name_of_its_modules():
         assert own, f".{name} defines nothing public"
         missing = [n for n in own if n not in viz.__all__ or getattr(viz, n) is not getattr(module, n)]
         assert not missing, f"pagedkv_lib.viz does not re-export {missing} of .{name}"
+
+
+def test_bar_plot_takes_an_x_label():
+    import matplotlib.pyplot as plt
+
+    from pagedkv_lib import viz
+
+    fig = viz.bar_plot(["0", "1"], [1.0, 2.0], "t", "y", xlabel="position (token)")
+    assert fig.axes[0].get_xlabel() == "position (token)"
+    assert viz.bar_plot(["0"], [1.0], "t", "y").axes[0].get_xlabel() == ""
+    plt.close("all")
+
+
+def test_plot_categories_writes_labels_in_cells_and_refuses_a_wrong_shape():
+    import matplotlib.pyplot as plt
+    import pytest
+
+    from pagedkv_lib import viz
+
+    fig = viz.plot_categories([[0, 1]], {0: "a", 1: "b"}, "t", "x", "y", labels=[["7", ""]], figsize=(9, 3))
+    assert [t.get_text() for t in fig.axes[0].texts] == ["7"]
+    assert tuple(fig.get_size_inches()) == (9, 3)
+    with pytest.raises(ValueError, match="labels has shape"):
+        viz.plot_categories([[0, 1]], {0: "a", 1: "b"}, "t", "x", "y", labels=[["7"]])
+    plt.close("all")

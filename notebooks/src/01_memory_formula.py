@@ -192,14 +192,15 @@ assert all(memory.padded_tokens(lengths, p) - actual <= len(lengths) * (p - 1) f
 # ## Explore
 #
 # The explorer compares a model of your own with the presets. Called directly, it
-# returns the figure and the custom model's bytes; the slider version below needs a
-# live kernel (in JupyterLab).
+# returns the figure and the custom model's bytes, checked here; the slider version
+# below draws that figure at the same starting values (moving a slider needs a live
+# kernel, in JupyterLab), so it is drawn once, there.
 
 # %%
 fig, custom_bytes = widgets.memory_explorer_figure(
     num_layers=32, num_kv_heads=8, head_dim=128, dtype="fp16", seq_len=4096, batch=8
 )
-plt.show()
+plt.close(fig)  # the explorer below shows this figure: drawn once, not twice
 assert custom_bytes == memory.kv_cache_bytes(memory.PRESETS["llama-3-8b"], [4096] * 8), (
     "32 layers x 8 KV heads x 128 is Llama-3-8B's shape: the custom bar should equal it"
 )

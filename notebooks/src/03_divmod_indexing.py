@@ -191,8 +191,10 @@ fig = viz.bar_plot(
     "past_len = 0: error of each gathered key",
     "max |error|",
     "{:.1f}",
+    xlabel="position of the gathered key (token)",
 )
 plt.show()
+assert fig.axes[0].get_xlabel(), "the bars need an x label: they are token positions"
 assert (err > 0).all(), "with past_len = 0 every gathered key should be wrong"
 
 # %% [markdown]

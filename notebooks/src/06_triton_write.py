@@ -171,17 +171,29 @@ print("step (a) equals the reference bit for bit:", same)
 assert same, f"step (a) differs from reference.append_paged_kv: {detail}"
 
 # %% [markdown]
-# Where did each program write? Every row of the pool below is labelled with the token
-# (program id) that wrote it. The rows of one request are scattered over the pages its
-# table names, and the two padding programs wrote nothing.
+# Where did each program write? Every row of the pool below is coloured by the request
+# whose token was written there, and labelled with that token (the program id). The rows
+# of one request are scattered over the pages its table names, and the two padding
+# programs wrote nothing.
 
 # %%
 writer = torch.full((9, PAGE_SIZE), -1)
-for t, s in enumerate(slots.tolist()):
+owner = torch.full((9, PAGE_SIZE), -1)
+for t, (s, b) in enumerate(zip(slots.tolist(), batch.tolist())):
     if s >= 0:
         writer[s // PAGE_SIZE, s % PAGE_SIZE] = t
-fig = viz.plot_access_pattern(writer, "step (a): the pool row each program writes (K and V)", label="token = program")
+        owner[s // PAGE_SIZE, s % PAGE_SIZE] = b
+fig = viz.plot_categories(
+    owner.T,
+    {-1: "not written", **{b: f"request {b}" for b in sorted(set(batch.tolist()) - {-1})}},
+    "step (a): the pool row each program writes (K and V); number = token = program",
+    "page",
+    "row in the page",
+    labels=[[str(t) if t >= 0 else "" for t in row] for row in writer.T.tolist()],
+    figsize=(9.0, 3.2),
+)
 plt.show()
+assert fig.get_size_inches()[0] >= 8, "the picture should read at notebook width"
 changed = (cache_a.cpu() != before).any(-1).any(-1).any(1)  # [pages, rows]: did any K/V element change?
 off = int((changed != (writer >= 0)).sum())
 assert off == 0, f"{off} pool rows disagree with the picture: a program wrote outside its slot, or missed it"

@@ -138,7 +138,9 @@ assert cache.isnan().any() and truth.isfinite().all(), "the pool is poisoned, th
 # The mask keeps the NaN rows out of the loads; two guards keep the masked lanes out of
 # the arithmetic, and both are needed: masked lanes **load 0** (`other=0.0`: a masked
 # lane reads no memory, and without `other=` its value is undefined on a GPU, whatever
-# the register held, NaN included, and `0 * NaN = NaN` in `p * v`), and their scores are
+# the register held, NaN included; Triton's interpreter gives 0, which hides the bug, so
+# the suite's harness poisons masked lanes with NaN there; and `0 * NaN = NaN` in
+# `p * v`), and their scores are
 # set to **-inf** (a lane loaded as 0 would still score 0 and take a share of the
 # softmax). The page loop is a `while` loop, because Triton 3.6's
 # interpreter cannot `range()` over a bound known only at run time.

@@ -12,7 +12,9 @@
 #
 # Faults are switched on by name, explicitly (`faults={"past_len_zero"}`): the harness
 # swaps the one component the fault is about. Nothing is patched globally, so no fault
-# outlives its cell.
+# outlives its cell. Each section shows the fault's code as the registry holds it: a diff
+# of the correct part (red) and the faulty part that replaces it (green), or, where the
+# scenario itself builds the faulty input, the scenario's source.
 #
 # **You will learn to**
 # * recognise the symptom of seven silent paged-cache bugs, and the check that catches each;
@@ -62,11 +64,24 @@ print(runtime.backend_line())
 viz.use_style()
 torch.manual_seed(0)
 import matplotlib.pyplot as plt
+from IPython.display import display
 
 ref = (reference.append_paged_kv, reference.paged_decode_attention)
 triton_kernels = (kernels.append_paged_kv, kernels.paged_decode_attention)
 for name, what in faults.FAULTS.items():
     print(f"{name:>20}: {what}")
+
+
+def show_wrong_line(name):
+    """Display the harness fault ``name``'s code from the registry: each faulty part as a
+    diff against the correct part it replaces (red: the correct line, green: the faulty
+    one), or its source where it wraps a callable or where the scenario builds the input."""
+    (fault,) = [f for f in faults.REGISTRY if f.name == name and f.family == "harness"]
+    for shown in viz.show_fault(fault):
+        assert shown.lines, f"{name}: nothing to show"
+        assert shown.added or shown.removed or not fault.replaces, f"{name}: the diff is empty"
+        display(shown)
+
 
 # %% [markdown]
 # ## 1. Chunked prefill from position 0
@@ -76,6 +91,10 @@ for name, what in faults.FAULTS.items():
 # the first rows. The first chunk is still right, so a test on short prompts passes;
 # the error grows with the number of chunks. Check: `chunked_prefill` (pool equals a
 # single write, decode equals the contiguous oracle).
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+show_wrong_line("past_len_zero")
 
 # %%
 lengths = [8, 16, 24, 32, 48, 64]
@@ -102,6 +121,10 @@ assert not any(r.passed for r in on[1:]), "with two chunks or more, past_len = 0
 # sinks (the bubble sits in between), then a different token's K/V once the ring wraps.
 # Check: `ring_window` (attention equals the sinks + last `W - sinks` tokens of a
 # contiguous copy).
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+show_wrong_line("window_write_only")
 
 # %%
 lengths = list(range(1, 41, 3))
@@ -131,6 +154,10 @@ assert all(e > 1e-3 for n, e in zip(lengths, err["ring on write side only"]) if 
 # allocated GPU memory can hold anything, NaN included, so the write kernel zeroes the
 # unused V rows of each last page (`zero_v_tail=`). Without it, every output row of a
 # sequence whose last page is partial is NaN. Check: `v_tail`.
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+show_wrong_line("v_tail_not_zeroed")
 
 # %%
 nan_rows = {}
@@ -169,6 +196,11 @@ assert not verify.check_v_tail(*triton_kernels, {"v_tail_not_zeroed"}).passed, "
 # child writes 3 tokens, then the parent writes 3, and the child's last rows now hold
 # the parent's tokens. Check: `fork_cow` (both read back exactly what was written for
 # them).
+
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+show_wrong_line("no_copy_on_write")
 
 
 # %%
@@ -216,6 +248,10 @@ assert not verify.check_fork(*triton_kernels, {"no_copy_on_write"}).passed, "for
 # silently overwrite whatever sequence owns the last page. Check: the append grid's
 # padding cases (bytes outside the target slots must be unchanged).
 
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+show_wrong_line("minus_one_as_index")
+
 # %%
 pool = PagedKVPool(3, 4, 1, 8, torch.float32, device=runtime.device())
 before = pool.cache.clone()
@@ -249,6 +285,10 @@ assert all(r.case["padding"] > 0 for r in report.failures), "only cases with pad
 # own tokens into them. A reader still holding A's table attends D's keys for C's query,
 # with no error anywhere. Check: `reused_page`.
 
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+show_wrong_line("stale_block_table")
+
 # %%
 results = {
     f or "fresh table": verify.check_reused_page(*triton_kernels, {f} if f else set())
@@ -273,6 +313,10 @@ assert not results["stale_block_table"].passed, "reused_page missed the stale ta
 # elements, more than `2**31 - 1`. An offset computed in int32 wraps to a negative or
 # small number and the kernel writes some other page, exactly as on a GPU. Computed here,
 # not allocated: the offset of the last V row of each page, in int64 and in int32.
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+show_wrong_line("int32_offset")
 
 # %%
 strides = (2 * 16 * 8 * 128, 16 * 8 * 128, 8 * 128, 128, 1)
@@ -350,8 +394,6 @@ assert verify.run_case("append", broken.failures[0].case, append_fn=kernels.appe
 
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
-from IPython.display import display
-
 from kernels import peer_conventions
 from pagedkv_lib.faults import peer_kernels
 
@@ -390,7 +432,18 @@ assert mine.passed, f"the flat-slot store should pass inside its contract:\n{min
 # forgotten. A padding token's slot `-1` becomes an address one row *before* the cache.
 # Every tensor the kernel receives sits between guard bytes, so the write is seen, named
 # and located; every check runs in a child process, so even a write far enough away to
-# crash the process fails only its own case, and the run goes on.
+# crash the process fails only its own case, and the run goes on. The faulty copy of the
+# kernel against the correct one (from the registry's fault `no_minus_one_guard`):
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+(guard_fault,) = [f for f in faults.REGISTRY if f.name == "no_minus_one_guard"]
+guard_diff = viz.fault_diff(guard_fault, "kernel")
+display(guard_diff)
+assert guard_diff.removed and any("slot == -1" in line for line in guard_diff.removed), "the diff lost the guard"
+assert guard_diff.added and all("# the fault" in line for line in guard_diff.added), (
+    f"the faulty copy differs from the kernel in unmarked lines: {guard_diff.added}"
+)
 
 
 # %%

@@ -12,6 +12,7 @@ process's whole state: the learner's functions, the backend, every setting.
 from __future__ import annotations
 
 import multiprocessing
+import re
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -138,7 +139,7 @@ def _run_here(exercise: str, cases: list[Case], summary: str, progress=None) -> 
         except LearnerError as err:
             mismatch = _from_error(err)
         if mismatch is not None:
-            hint = " ".join(h for h in (mismatch.hint, case.hint) if h)
+            hint = combine_hints(mismatch.hint, case.hint)
             failure = Failure(
                 i,
                 len(cases),
@@ -153,6 +154,24 @@ def _run_here(exercise: str, cases: list[Case], summary: str, progress=None) -> 
             )
             return CheckResult(exercise, False, i, time.perf_counter() - start, failure)
     return CheckResult(exercise, True, len(cases), time.perf_counter() - start, None, summary)
+
+
+def combine_hints(diagnosis: str, case_hint: str) -> str:
+    """The diagnosis, then what the case tests, without saying a thing twice: a sentence of
+    ``case_hint`` whose statement (after its ``": "``) the diagnosis already makes (the
+    same words, or every formula right of an ``=``) is cut to its lead-in, or dropped when
+    the diagnosis holds all of it."""
+    kept = []
+    for sentence in (s.strip() for s in re.split(r"(?<=\.)\s+", case_hint) if s.strip()):
+        head, sep, tail = sentence.partition(": ")
+        if sentence.rstrip(".") in diagnosis:
+            continue
+        # the statement's formulas (right of each "=") all in the diagnosis: said already
+        formulas = [part.split(" = ", 1)[-1].strip(" .") for part in tail.split(", ")]
+        if sep and (tail.rstrip(".") in diagnosis or all(f and f in diagnosis for f in formulas)):
+            sentence = head + "."
+        kept.append(sentence)
+    return " ".join(h for h in (diagnosis, *kept) if h)
 
 
 def first_wrong_index(got: list, expected: list) -> int | None:

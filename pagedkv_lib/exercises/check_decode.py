@@ -113,6 +113,17 @@ def _decode_picture(tables, lens, b: int, page_size: int, num_pages: int, block_
     return save_picture(plot_access_pattern(order, title, masked, label="tile"), name)
 
 
+# Diagnoses of a decode that reads the right rows and gets the arithmetic wrong.
+NUMERICS_HINTS = frozenset(
+    {
+        "query head h reads KV head h // group: consecutive query heads share one.",
+        "multiply the scores by qk_scale (it is 1/sqrt(head_dim) times log2(e)).",
+        "qk_scale already holds log2(e) for exp2: use tl.exp2, not tl.exp.",
+        "with tl.exp2 the scale needs the factor log2(e): use qk_scale as given.",
+    }
+)
+
+
 def _guess_hint(out, q, cache, tables, lens, layout, block_n: int, atol: float, rtol: float) -> str:
     """The typical bug whose output ``out`` matches (a scale, the GQA head map, unmasked
     lanes past the end), in words; "" when none does."""
@@ -175,7 +186,6 @@ def _diagnose_decode(out, case: dict, block_n: int, poisoned: list, harness_deta
             hint="a decode only reads: store nothing but the output.",
         )
     b, h = check.worst[:2] if check.worst else (0, 0)
-    picture = _decode_picture(tables, lens, b, dims.page_size, dims.num_pages, block_n, CHECK_NAME)
     detail = (
         f"sequence {b} (length {int(lens[b])}, pages {tables[b, : -(-int(lens[b]) // dims.page_size)].tolist()}"
         f"), query head {h}: expected {show([round(x, 4) for x in expected[b, h, :3].tolist()])}..., got "
@@ -184,6 +194,12 @@ def _diagnose_decode(out, case: dict, block_n: int, poisoned: list, harness_deta
     hint = _nan_hint(out, b, h, int(lens[b]), poisoned)
     if hint is None:
         hint = _guess_hint(out, q, cache, tables, lens, layout, block_n, atol, rtol)
+    # The rows-to-read picture helps where rows are the question; a wrong scale or head map
+    # reads the right rows, so a picture of them would point the learner the wrong way.
+    numerics = hint in NUMERICS_HINTS
+    picture = (
+        None if numerics else _decode_picture(tables, lens, b, dims.page_size, dims.num_pages, block_n, CHECK_NAME)
+    )
     return Mismatch(
         f"the float64 reference within {atol:g} + {rtol:g} |ref|",
         f"max |error| {check.max_abs:.3g}",

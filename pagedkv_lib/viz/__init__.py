@@ -20,6 +20,7 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
   write got wrong, prefill masks, a kernel's source and its lesson lines, margins by the pass rule.
 - :mod:`.quant`: quantized KV: the E2M1 grid, error histograms and bars.
 - :mod:`.conformance`: a conformance report's margins by the pass rule.
+- :mod:`.source`: a fault's wrong line, as a diff of the correct and the faulty part.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from .kernels import (
     source_code,
 )
 from .quant import plot_e2m1_grid, plot_error_bars, plot_error_histograms
+from .source import SourceDiff, fault_diff, marked_source, show_fault, source_diff
 from .style import (
     FAIL_RED,
     FREE,
@@ -102,4 +104,10 @@ __all__ = [
     # conformance reports
     "conformance_margins",
     "plot_conformance",
+    # faults as diffs
+    "SourceDiff",
+    "source_diff",
+    "fault_diff",
+    "marked_source",
+    "show_fault",
 ]

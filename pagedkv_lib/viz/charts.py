@@ -56,8 +56,10 @@ def bar_plot(
     ylabel: str,
     annotate: str = "{:.1f}",
     colors: Sequence[str] | None = None,
+    xlabel: str = "",
 ):
-    """Bars with their values written on top; ``colors`` one per bar (default one colour)."""
+    """Bars with their values written on top; ``colors`` one per bar (default one colour);
+    ``xlabel`` names what the bars are (none by default)."""
     fig, ax = plt.subplots()
     bars = ax.bar(labels, values, color=list(colors) if colors is not None else PALETTE[0])
     for bar, value in zip(bars, values):
@@ -68,7 +70,7 @@ def bar_plot(
             va="bottom",
             fontsize=10,
         )
-    ax.set(title=title, ylabel=ylabel)
+    ax.set(title=title, ylabel=ylabel, xlabel=xlabel)
     ax.grid(axis="x", visible=False)
     if max((len(str(s)) for s in labels), default=0) * len(labels) > 60:
         ax.tick_params(axis="x", labelrotation=30)
@@ -184,21 +186,31 @@ def plot_categories(
     xlabel: str,
     ylabel: str,
     colors: Sequence[str] | None = None,
+    labels=None,
+    figsize: tuple[float, float] | None = None,
 ):
     """A grid of categories (booleans included: ``{0: "no", 1: "yes"}``) with one
     discrete colour and a legend entry per category, never a colour bar.
-    ``codes``: 2-D integers, each a key of ``categories``."""
+    ``codes``: 2-D integers, each a key of ``categories``. ``labels``: optional 2-D
+    strings of ``codes``' shape, written in each cell ("" for none), e.g. which token
+    wrote a row. ``figsize`` in inches (default: the style's)."""
     codes = as_array(codes).astype(int)
     keys = sorted(categories)
     unknown = set(np.unique(codes)) - set(keys)
     if unknown:
         raise ValueError(f"codes {sorted(unknown)} have no category (categories: {categories})")
+    if labels is not None and np.shape(labels) != codes.shape:
+        raise ValueError(f"labels has shape {np.shape(labels)}, codes {codes.shape}")
     colors = list(colors) if colors is not None else [FREE, *PALETTE][: len(keys)]
     cmap = ListedColormap(colors)
     norm = BoundaryNorm(np.arange(len(keys) + 1) - 0.5, len(keys))
     index = np.vectorize(keys.index)(codes) if codes.size else codes
-    fig, ax = plt.subplots()
+    fig, ax = plt.subplots(figsize=figsize)
     ax.imshow(index, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+    if labels is not None:
+        for (i, j), text in np.ndenumerate(np.asarray(labels, dtype=object)):
+            if text:
+                ax.text(j, i, str(text), ha="center", va="center", fontsize=10)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
