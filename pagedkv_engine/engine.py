@@ -414,7 +414,7 @@ class Engine:
 def default_stats_lines(engine: Engine) -> list[str]:
     """Human-readable counters for the CLI and the notebook."""
     s = engine.stats
-    return [
+    lines = [
         f"pages used: {s.peak_pages} of {engine.manager.num_blocks} at the peak "
         f"(page_size {engine.page_size}, {engine.page_bytes / 2**20:.2f} MiB per page over all layers)",
         f"prefix hits: {s.prefix_hit_tokens} prompt tokens from the cache in {s.prefix_hit_sequences} admissions",
@@ -423,3 +423,12 @@ def default_stats_lines(engine: Engine) -> list[str]:
         f"generated {s.generated_tokens} tokens in {s.steps} steps, {s.seconds:.1f} s wall, "
         f"{s.tokens_per_second:.1f} tokens/s",
     ]
+    off = engine.manager.secondary
+    if off is not None:  # only with --offload-blocks: the stored outputs without it stay as they are
+        o = off.stats
+        lines.insert(
+            3,
+            f"offload: {o.offloads} blocks offloaded, {o.restores} restored, {o.drops} dropped, "
+            f"{o.bytes_moved / 2**20:.2f} MiB moved; {s.computed_prefill_tokens} prefill tokens computed",
+        )
+    return lines

@@ -120,6 +120,20 @@ def test_integrity_catches_a_hash_left_in_both_levels():
         mgr.check_integrity()
 
 
+def test_a_prefix_committed_again_in_the_primary_pool_leaves_the_secondary_pool():
+    mgr, pools = make()
+    serve(mgr, pools, "a", [1, 2, 3], seed=0)
+    mgr.free_sequence("a")
+    serve(mgr, pools, "b", [4, 5, 6, 7, 8], seed=1)  # a's block is offloaded
+    mgr.free_sequence("b")
+    mgr.add_sequence("c")  # computes the same block itself (no admit, so no restore)
+    pools.write(mgr.append_tokens("c", 2, [1, 2]), seed=2)
+    assert len(mgr.secondary) == 1  # a's block, offloaded
+    mgr.commit("c")
+    mgr.check_integrity()  # one level per hash: the secondary copy is forgotten
+    assert len(mgr.secondary) == 0 and mgr.secondary.stats.drops == 0
+
+
 def test_secondary_blocks_need_a_prefix_cache_and_a_copy_fn():
     with pytest.raises(ValueError, match="secondary_blocks"):
         KVCacheManager(4, PS, prefix_cache=True, secondary_blocks=2)
@@ -147,9 +161,10 @@ def test_engine_with_offload_restores_the_evicted_system_prompt_and_matches_tran
     """A 16-token system prompt (2 pages of 8), then a 30-token request that needs 4 of
     the pool's 5 pages (evicting the system prompt), then the system prompt again: with
     offload it is restored, not recomputed; both runs token-identical to transformers.
-    About 1.5 s (two engine runs and the oracle)."""
+    About 3 s (two engine runs and the oracle)."""
     from pagedkv_engine import Engine
     from pagedkv_engine.check import check_engine
+    from pagedkv_engine.engine import default_stats_lines
     from pagedkv_engine.scheduler import SamplingParams
 
     model = tiny_llama()
@@ -168,3 +183,10 @@ def test_engine_with_offload_restores_the_evicted_system_prompt_and_matches_tran
     assert stats.restores > 0 and stats.offloads >= stats.restores
     assert runs[4].stats.computed_prefill_tokens < runs[0].stats.computed_prefill_tokens
     assert runs[4].outputs() == runs[0].outputs()
+    lines = default_stats_lines(runs[4])
+    assert any(
+        line.startswith(f"offload: {stats.offloads} blocks offloaded, {stats.restores} restored") for line in lines
+    )
+    assert not any(line.startswith("offload") for line in default_stats_lines(runs[0]))
+    with pytest.raises(ValueError, match="offload_blocks"):
+        Engine(model, "torch", num_pages=5, page_size=8, offload_blocks=-1)
