@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"token budget per step (default {DEFAULTS['max_batched_tokens']})",
     )
+    p.add_argument(
+        "--offload-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="secondary pool of N blocks: evicted cached pages are offloaded there and restored on a hit (default 0)",
+    )
     p.add_argument("--check", action="store_true", help="compare with transformers; exit 1 on any mismatch")
     p.add_argument(
         "--fault",
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=settings["max_batched_tokens"],
         max_num_seqs=min(16, settings["max_batched_tokens"]),
         record_logits=args.check,
+        offload_blocks=args.offload_blocks,
         faults=args.fault,
     )
     engine.run(arrivals, progress=not args.no_progress)

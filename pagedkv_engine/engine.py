@@ -4,7 +4,11 @@ Each :meth:`Engine.step`:
 
 1. the scheduler plans the step (:mod:`pagedkv_engine.scheduler`) and the manager
    reserves its slots;
-2. pending copy-on-write page copies are applied to **every** layer's pool, before
+2. the manager has already made its block copies (copy-on-write of a partly filled
+   shared page, offload of an evicted cached page, restore of a secondary hit) while
+   planning, through :meth:`Engine._copy`: the attention path's block copy (the Triton
+   kernel ``kernels.copy_paged_blocks`` or its torch reference), every layer of the one
+   ``[layers, pages, ...]`` tensor behind the per-layer pools in one call, before
    anything is written;
 3. the model runs the step's tokens; each layer writes its K/V into its pool, then
    attends (:mod:`pagedkv_engine.model`);
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv_lib import PagedKVPool, runtime
+from pagedkv_lib.block_copy import copy_blocks
 from pagedkv_lib.faults import ENGINE_FAULTS
 from pagedkv_lib.formats import pad_block_tables
 from pagedkv_lib.indexing import check_page_size
@@ -86,6 +91,9 @@ class Engine:
         max_num_batched_tokens: token budget of one step (chunked prefill fills it).
         max_num_seqs: most sequences running at once.
         prefix_cache: share full prompt pages across requests.
+        offload_blocks: blocks of a secondary pool under the prefix cache (0: none):
+            a cached page evicted from the pool is copied there and restored on a hit
+            (:mod:`pagedkv_lib.offload`); counters in ``manager.secondary.stats``.
         record_logits: keep every generated token's logits (``[vocab]`` fp32 each).
         eos_token_id: ends a sequence (default: the model's generation config).
         parts: the engine's replaceable parts (:class:`~pagedkv_engine.parts.EngineParts`:
@@ -106,6 +114,7 @@ class Engine:
         max_num_batched_tokens: int = 256,
         max_num_seqs: int = 16,
         prefix_cache: bool = True,
+        offload_blocks: int = 0,
         record_logits: bool = False,
         eos_token_id: int | None = None,
         parts: EngineParts | None = None,
@@ -137,11 +146,27 @@ class Engine:
         self.model = LlamaModel(hf_model, attention, device)
         self.device = self.model.device
         self.page_size = page_size
-        self.manager = self.parts.manager(num_pages, page_size, prefix_cache=prefix_cache)
+        if isinstance(offload_blocks, bool) or not isinstance(offload_blocks, int) or offload_blocks < 0:
+            raise ValueError(f"Engine: offload_blocks={offload_blocks!r} must be an int >= 0")
         self.pools = [
             PagedKVPool(num_pages, page_size, self.model.num_kv_heads, head_dim, self.model.dtype, device=device)
             for _ in range(self.model.num_layers)
         ]
+        # One [layers, pages, 2, page_size, heads, head_dim] tensor behind the per-layer
+        # pools, so a block copy moves a block of every layer in one launch.
+        self.kv = torch.stack([pool.cache for pool in self.pools])
+        for i, pool in enumerate(self.pools):
+            pool.cache = self.kv[i]
+        self.secondary_kv = self.kv.new_zeros((self.kv.shape[0], offload_blocks, *self.kv.shape[2:]))
+        self._copy_blocks = getattr(attention, "copy_blocks", copy_blocks)
+        self.manager = self.parts.manager(
+            num_pages,
+            page_size,
+            prefix_cache=prefix_cache,
+            copy_fn=self._copy,
+            secondary_blocks=offload_blocks,
+            block_bytes=self.kv[:, 0].nbytes,
+        )
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs)
         self.record_logits = record_logits
         gen_eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
@@ -204,9 +229,7 @@ class Engine:
         """Run one scheduled step (see the module docstring); return its schedule."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        copies = self.manager.pop_copies()
-        for pool in self.pools:  # before any write of this step
-            pool.copy_blocks(copies)
+        copies = self.manager.pop_copies()  # made already, through _copy, while planning
         if plan.chunks:
             step_input = self._prepare(plan)
             logits = self.model.forward(step_input, [pool.cache for pool in self.pools])
@@ -222,6 +245,18 @@ class Engine:
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - start
         return plan
+
+    def _copy(self, kind: str, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+        """The manager's copy function (:data:`pagedkv_lib.offload.COPY_KINDS`): the
+        attention path's block copy, every layer at once, before the step writes."""
+        pools = {
+            "cow": (self.kv, None),
+            "offload": (self.kv, self.secondary_kv),
+            "restore": (self.secondary_kv, self.kv),
+        }
+        cache, dst_cache = pools[kind]
+        ids = [torch.tensor(x, dtype=torch.int64, device=self.kv.device) for x in (src, dst, num_tokens)]
+        self._copy_blocks(cache, *ids, dst_cache=dst_cache)
 
     def _mark_written(self, seq: Sequence) -> None:
         """The one place where ``seq``'s tokens become shareable: every layer's K/V of its
@@ -379,7 +414,7 @@ class Engine:
 def default_stats_lines(engine: Engine) -> list[str]:
     """Human-readable counters for the CLI and the notebook."""
     s = engine.stats
-    return [
+    lines = [
         f"pages used: {s.peak_pages} of {engine.manager.num_blocks} at the peak "
         f"(page_size {engine.page_size}, {engine.page_bytes / 2**20:.2f} MiB per page over all layers)",
         f"prefix hits: {s.prefix_hit_tokens} prompt tokens from the cache in {s.prefix_hit_sequences} admissions",
@@ -388,3 +423,12 @@ def default_stats_lines(engine: Engine) -> list[str]:
         f"generated {s.generated_tokens} tokens in {s.steps} steps, {s.seconds:.1f} s wall, "
         f"{s.tokens_per_second:.1f} tokens/s",
     ]
+    off = engine.manager.secondary
+    if off is not None:  # only with --offload-blocks: the stored outputs without it stay as they are
+        o = off.stats
+        lines.insert(
+            3,
+            f"offload: {o.offloads} blocks offloaded, {o.restores} restored, {o.drops} dropped, "
+            f"{o.bytes_moved / 2**20:.2f} MiB moved; {s.computed_prefill_tokens} prefill tokens computed",
+        )
+    return lines

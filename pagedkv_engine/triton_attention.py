@@ -23,6 +23,8 @@ class TritonAttention:
     Triton paged decode; prefill through ``kernels.paged_prefill_attention``."""
 
     name = "triton"
+    # Block copies (copy-on-write, offload, restore): every layer in one launch.
+    copy_blocks = staticmethod(kernels.copy_paged_blocks)
 
     def __init__(self, head_dim: int, rope_theta: float, layout: str = "NHD") -> None:
         self.head_dim = head_dim

@@ -17,6 +17,13 @@ then :meth:`~KVCacheManager.commit` puts the sequence's written full blocks in t
     mgr.commit(seq)                      # now other requests can hit its full blocks
 
 A request freed before its write leaves nothing in the cache for others to hit.
+
+Two levels (``secondary_blocks > 0``, :mod:`pagedkv_lib.offload`): a cached block
+evicted from the primary pool is copied to a secondary block (every layer) that stays
+findable by its hash; an :meth:`~KVCacheManager.admit` that hits it restores it into a
+free primary block first. Those copies, and copy-on-write, then go through the
+``copy_fn`` the manager is given, at once (while it plans, before the step writes
+anything), so :meth:`~KVCacheManager.pop_copies` only reports copies already made.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import NamedTuple
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .indexing import check_page_size, locate, slot_of
+from .offload import COPY_KINDS, SecondaryPool
 from .sharing import PrefixCache, as_token_ids, block_hash
 from .window import RingWindow
 
@@ -61,16 +69,39 @@ class KVCacheManager:
     growing at ``window.num_blocks`` and new tokens overwrite the oldest ring slots.
     ``prefix_cache=True`` enables prefix sharing: :meth:`commit` registers written full
     blocks, :meth:`admit` reuses them.
+
+    ``copy_fn(kind, src_blocks, dst_blocks, num_tokens)`` (kinds in
+    :data:`~pagedkv_lib.offload.COPY_KINDS`; lists of ints, ``num_tokens <= 0`` the
+    whole block) makes the manager apply its copies itself, as it plans them.
+    ``secondary_blocks > 0`` (needs ``prefix_cache`` and ``copy_fn``) adds a secondary
+    pool of that many blocks under the prefix cache (:attr:`secondary`);
+    ``block_bytes`` (bytes of one block, every layer) feeds its byte counter.
     """
 
     def __init__(
-        self, num_blocks: int, page_size: int, window: RingWindow | None = None, prefix_cache: bool = False
+        self,
+        num_blocks: int,
+        page_size: int,
+        window: RingWindow | None = None,
+        prefix_cache: bool = False,
+        *,
+        copy_fn=None,
+        secondary_blocks: int = 0,
+        block_bytes: int = 0,
     ) -> None:
         check_page_size(page_size)
         if window is not None and window.tokens_per_block != page_size:
             raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
         if window is not None and prefix_cache:
             raise ValueError("prefix_cache cannot be combined with a ring window: the ring overwrites full blocks")
+        if copy_fn is not None and not callable(copy_fn):
+            raise ValueError(f"copy_fn={copy_fn!r} is not callable")
+        if isinstance(secondary_blocks, bool) or not isinstance(secondary_blocks, int) or secondary_blocks < 0:
+            raise ValueError(f"secondary_blocks={secondary_blocks!r} must be an int >= 0")
+        if secondary_blocks and not (prefix_cache and copy_fn is not None):
+            raise ValueError("secondary_blocks > 0 needs prefix_cache=True and a copy_fn to move the blocks")
+        self.secondary = SecondaryPool(secondary_blocks, block_bytes) if secondary_blocks else None
+        self.copy_fn = copy_fn
         self.allocator = BlockAllocator(num_blocks)
         self.page_size = page_size
         self.window = window
@@ -115,7 +146,8 @@ class KVCacheManager:
         return self.allocator.refcount(block)
 
     def pop_copies(self) -> list[tuple[int, int, int]]:
-        """Return and clear the pending ``(src, dst, num_rows)`` page copies."""
+        """Return and clear the pending ``(src, dst, num_rows)`` page copies (with a
+        ``copy_fn``: the copy-on-write copies it already made, for the record)."""
         copies, self._copies = self._copies, []
         return copies
 
@@ -146,8 +178,17 @@ class KVCacheManager:
         if n > self.allocator.num_free + evictable:
             raise OutOfBlocksError(n, self.allocator.num_free + evictable)
         while self.allocator.num_free < n:
-            self.allocator.decref(self.prefix_cache.pop_lru())  # the cache's own reference
+            block, h, tokens = self.prefix_cache.pop_lru_entry()
+            if self.secondary is not None:
+                slot = self.secondary.place(h, tokens)
+                if slot is not None:  # before the block is handed out and overwritten
+                    self._copy("offload", [block], [slot], [0])
+            self.allocator.decref(block)  # the cache's own reference
         return self.allocator.allocate_many(n)
+
+    def _copy(self, kind: str, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+        assert kind in COPY_KINDS
+        self.copy_fn(kind, src, dst, num_tokens)
 
     def append_tokens(self, seq_id, n: int, token_ids: list[int] | None = None) -> list[int]:
         """Grow a sequence by ``n`` tokens; return the flat slot of each new token.
@@ -187,6 +228,8 @@ class KVCacheManager:
             rows = min(ps, max(filled - j * ps, 0))
             if rows:
                 self._copies.append((src, dst, rows))
+                if self.copy_fn is not None:
+                    self._copy("cow", [src], [dst], [rows])
             self.allocator.decref(src)
             seq.block_table[j] = dst
         seq.block_table.extend(fresh)
@@ -239,6 +282,8 @@ class KVCacheManager:
             seq.block_hashes.append(h)
             if self.prefix_cache.insert(h, tokens, seq.block_table[j]):
                 self.allocator.incref(seq.block_table[j])
+                if self.secondary is not None:
+                    self.secondary.discard(h)
 
     def admit(self, seq_id, prompt_token_ids: list[int]) -> Admission:
         """Add a sequence for a prompt, reusing the longest run of cached full blocks;
@@ -263,33 +308,29 @@ class KVCacheManager:
         if not prompt:
             raise ValueError("prompt_token_ids is empty")
         cache, ps = self.prefix_cache, self.page_size
-        # Plan with peeks only: nothing may change until the admission is certain.
-        hits: list[tuple[int, int]] = []
-        parent, queries = None, 0
-        for j in range(len(prompt) // ps):
-            tokens = prompt[j * ps : (j + 1) * ps]
-            h = block_hash(parent, tokens)
-            queries += 1
-            block = cache.peek(h, tokens)
-            if block is None:
-                break
-            hits.append((h, block))
-            parent = h
+        hits, queries = self._plan_hits(prompt)
         found = len(hits)  # counted as hits even if the last one is recomputed below
         if len(hits) * ps >= len(prompt):
             hits.pop()
-        need = -(-len(prompt) // ps) - len(hits)
+        restores = sum(1 for _, _, block in hits if block is None)
+        need = -(-len(prompt) // ps) - len(hits) + restores
         # A hit block nobody uses is evictable now, but this admission is about to use it:
         # it is no room for the admission's own new blocks.
-        reused = sum(1 for _, block in hits if self.allocator.refcount(block) == 1)
+        reused = sum(1 for _, _, block in hits if block is not None and self.allocator.refcount(block) == 1)
         room = self.allocator.num_free + cache.num_evictable - reused
         if need > room:
             raise OutOfBlocksError(need, room)
         cache.record_lookups(queries, found)
-        seq = self._seqs[seq_id] = _Sequence()
-        for h, block in hits:
-            if self.allocator.incref(block) == 2:  # was held by the cache alone
+        # Secondary hits leave the secondary map first (so no offload below drops them),
+        # primary hits are held first (so no restore below evicts them).
+        taken = {h: self.secondary.take(h) for h, _, block in hits if block is None}
+        for _, _, block in hits:
+            if block is not None and self.allocator.incref(block) == 2:  # was held by the cache alone
                 cache.unmark_evictable(block)
+        seq = self._seqs[seq_id] = _Sequence()
+        for h, tokens, block in hits:
+            if block is None:
+                block = self._restore(h, tokens, taken[h])
             seq.block_table.append(block)
             seq.block_hashes.append(h)
         cached = len(hits) * ps
@@ -297,6 +338,33 @@ class KVCacheManager:
         seq.token_ids = prompt[:cached]
         slots = self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])  # fits: checked above
         return Admission(cached, slots)
+
+    def _plan_hits(self, prompt: list[int]) -> tuple[list[tuple[int, list[int], int | None]], int]:
+        """The prompt's leading run of cached full blocks, with peeks only (nothing may
+        change until the admission is certain): ``(hash, tokens, primary block or None
+        for a block in the secondary pool)`` each, and the number of blocks looked up."""
+        ps, hits, parent, queries = self.page_size, [], None, 0
+        for j in range(len(prompt) // ps):
+            tokens = prompt[j * ps : (j + 1) * ps]
+            h = block_hash(parent, tokens)
+            queries += 1
+            block = self.prefix_cache.peek(h, tokens)
+            if block is None and (self.secondary is None or self.secondary.peek(h, tokens) is None):
+                break
+            hits.append((h, tokens, block))
+            parent = h
+        return hits, queries
+
+    def _restore(self, h: int, tokens: list[int], slot: int) -> int:
+        """Copy secondary block ``slot`` (hash ``h``) into a fresh primary block, cache it
+        there and return it, held by the caller's table and the cache (fits: the caller
+        counted it in its admission's room)."""
+        (block,) = self._reserve(1)
+        self._copy("restore", [slot], [block], [0])
+        self.secondary.release(slot)
+        self.prefix_cache.insert(h, tokens, block)
+        self.allocator.incref(block)  # the cache's reference
+        return block
 
     def fork(self, parent_id, child_id) -> None:
         """Make ``child_id`` share every page of ``parent_id`` (refcounts up, nothing
@@ -337,7 +405,10 @@ class KVCacheManager:
         * committed <= tokens; the ids cover the tracked prefix (all tokens while tracked);
           the hash chain covers exactly the committed full blocks that have ids;
         * a cached page is a full block in every table naming it (so no append writes
-          into it), holds that table's ids for the block, and sits under its chain hash.
+          into it), holds that table's ids for the block, and sits under its chain hash;
+        * with a secondary pool: its own invariants
+          (:meth:`~pagedkv_lib.offload.SecondaryPool.check_integrity`), and no hash in
+          both levels.
         """
         self.allocator.check_integrity()
         ps, cache = self.page_size, self.prefix_cache
@@ -375,3 +446,7 @@ class KVCacheManager:
         assert self.num_free + referenced + cached_only == self.num_blocks
         if self.prefix_cache:
             assert set(self.prefix_cache.evictable_blocks()) == {b for b in cached if not named[b]}
+        if self.secondary is not None:
+            self.secondary.check_integrity()
+            both = self.prefix_cache.hashes() & {h for _, h, _ in self.secondary.entries()}
+            assert not both, f"hashes {sorted(both)} are in both levels"

@@ -138,10 +138,23 @@ class PrefixCache:
 
     def pop_lru(self) -> int:
         """Forget the least recently used evictable block and return its id."""
+        return self.pop_lru_entry()[0]
+
+    def pop_lru_entry(self) -> tuple[int, int, tuple[int, ...]]:
+        """Forget the least recently used evictable block; return ``(block, hash, token
+        ids)`` (what an offload needs to keep it findable elsewhere)."""
         block, _ = self._evictable.popitem(last=False)
-        h, _ = self._entry_of.pop(block)
+        h, tokens = self._entry_of.pop(block)
         del self._block_of[h]
-        return block
+        return block, h, tokens
+
+    def entry_of(self, block: int) -> tuple[int, tuple[int, ...]] | None:
+        """``(hash, token ids)`` cached for ``block``, or None."""
+        return self._entry_of.get(block)
+
+    def hashes(self) -> set[int]:
+        """Every hash the cache maps."""
+        return set(self._block_of)
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first."""
