@@ -13,8 +13,9 @@ gather kernels (and the kernels added later) can never disagree:
   :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`;
 * :func:`token_rows`: ``(page, row, valid)`` of a tile of tokens being written, from
   vLLM's ``slot_mapping`` or from FlashInfer's ``batch_indices`` / ``positions`` and CSR
-  page table (the write kernels of every family address tokens through it), and its
-  host-side twin :class:`TokenIndex`, the five tensors a write plan holds for it.
+  page table (the write kernels of every family address tokens through it); its
+  host-side twin is :class:`kernels.launch.TokenIndex`, the five tensors a write plan
+  holds for it.
 
 Every index is widened to int64 *before* it is multiplied by a stride, so pools past
 2**31 elements are addressed exactly; int32 arithmetic would wrap silently.
@@ -25,9 +26,7 @@ from __future__ import annotations
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
 
 # isort: split
-from dataclasses import dataclass, fields
 
-import torch
 import triton
 import triton.language as tl
 
@@ -35,7 +34,6 @@ from pagedkv_lib.window import RingWindow
 
 __all__ = [
     "ring_params",
-    "TokenIndex",
     "row_offset",
     "cache_offset",
     "table_row_offset",
@@ -50,42 +48,6 @@ def ring_params(window: RingWindow | None) -> tuple[int, int, int]:
     if window is None:
         return 0, 0, 0
     return window.sink_tokens, window.bubble_len, window.cyclic_cache_len
-
-
-@dataclass(frozen=True)
-class TokenIndex:
-    """The index tensors a write plan addresses its tokens with (:func:`token_rows`), each
-    ``[num_tokens]`` (``kv_indptr [batch + 1]``, ``kv_indices [pages]``) int32 or int64 on
-    the kernels' device, made contiguous: the slot form holds ``slot_mapping`` (and
-    ``positions`` with RoPE), the CSR form ``batch_indices``, ``positions``, ``kv_indptr``
-    and ``kv_indices``; the others are None."""
-
-    slot_mapping: torch.Tensor | None = None
-    batch_indices: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    kv_indptr: torch.Tensor | None = None
-    kv_indices: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, **tensors) -> TokenIndex:
-        """The index of ``tensors`` (already checked), each made contiguous."""
-        return cls(**{name: None if t is None else t.contiguous() for name, t in tensors.items()})
-
-    @property
-    def csr(self) -> bool:
-        """Whether tokens are addressed by request and position (else by slot)."""
-        return self.kv_indptr is not None
-
-    def named(self) -> list[tuple[str, torch.Tensor | None]]:
-        """``(name, tensor)`` of each field, for the launch checks."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self)]
-
-    def launch_args(self) -> tuple:
-        """The five tensors in :func:`token_rows`'s order; an absent one is replaced by a
-        given one, which the kernel never dereferences under its ``CSR`` and ``ROPE``
-        constexprs (a launch needs a tensor for every pointer)."""
-        given = self.slot_mapping if self.slot_mapping is not None else self.batch_indices
-        return tuple(given if t is None else t for _, t in self.named())
 
 
 @triton.jit

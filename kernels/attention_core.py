@@ -25,8 +25,9 @@ The order of floating-point operations is the one each kernel had before this mo
 existed, so the results are bit for bit the same. The helpers are few and coarse on
 purpose: in Triton's interpreter every call of a jit function (``tl.zeros`` and
 ``tl.cdiv`` included) re-patches ``triton.language``, about as costly as a tile's
-arithmetic, so each helper replaces inline code one for one or better. Host side, :class:`PageTable` holds a
-read plan's page-table tensors and :func:`split_outputs` / :func:`window_args` /
+arithmetic, so each helper replaces inline code one for one or better. Host side,
+:class:`ReadPlan` holds what every read plan fixes (its page table is a
+:class:`kernels.launch.PageTable`) and :func:`split_outputs` / :func:`window_args` /
 :func:`finish_splits` the launch steps the split-KV kernels share.
 """
 
@@ -45,7 +46,7 @@ import triton.language as tl
 from pagedkv_lib.window import RingWindow
 
 from .addressing import kv_token_idx, ring_params, table_row_offset
-from .launch import int32_on_device
+from .launch import PageTable
 from .merge import launch_merge
 
 __all__ = [
@@ -60,7 +61,6 @@ __all__ = [
     "softmax_state",
     "row_lse",
     "store_partial",
-    "PageTable",
     "ReadPlan",
     "read_plan_fields",
     "window_args",
@@ -217,22 +217,28 @@ def load_kv_tile(
 
 
 @triton.jit
-def online_softmax_step(s, m_i, l_i, acc):
-    """One key tile of the online softmax: ``(m_new, l_new, acc_scaled, p)``.
+def online_softmax_step(s, see, m_i, l_i, acc, v, SUM_PV: tl.constexpr):
+    """One key tile of the online softmax: ``(m_new, l_new, acc_new, p)``.
 
-    ``s [BLOCK_M, BLOCK_N]`` fp32 are the tile's base-2 scores, ``-inf`` where masked;
-    ``m_i``, ``l_i [BLOCK_M]`` the running max and sum, ``acc [BLOCK_M, BLOCK_D]`` the
-    running ``sum p . v``. Returns the new max and sum, the accumulator rescaled by
-    ``2**(m_i - m_new)`` and the tile's ``p = 2**(s - m_new)``; the caller adds ``p . v``
-    its own way (a broadcast sum, or ``tl.dot``).
+    ``s [BLOCK_M, BLOCK_N]`` fp32 are the tile's base-2 scores and ``see`` (broadcast to
+    them) which of them count: the others become ``-inf``. ``m_i``, ``l_i [BLOCK_M]``
+    are the running max and sum, ``acc [BLOCK_M, BLOCK_D]`` the running ``sum p . v``.
+    Returns the new max and sum, the accumulator rescaled by ``2**(m_i - m_new)`` and the
+    tile's ``p = 2**(s - m_new)``. With ``SUM_PV`` the accumulator also gets ``p . v``
+    (``v [BLOCK_N, BLOCK_D]`` fp32) as a broadcast multiply-and-sum, which the decodes
+    and the fp32 prefill use; without, the caller adds it its own way (``tl.dot``).
     """
+    s = tl.where(see, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row with no key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf = NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_new = l_i * alpha + tl.sum(p, axis=1)
-    return m_new, l_new, acc * alpha[:, None], p
+    acc = acc * alpha[:, None]
+    if SUM_PV:
+        acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_new, acc, p
 
 
 @triton.jit
@@ -280,53 +286,6 @@ def store_partial(
 
 
 # --------------------------------------------------------------------------- host side
-
-
-@dataclass(frozen=True)
-class PageTable:
-    """A read launch's page table, int32, contiguous, on the kernels' device: the padded
-    form (``block_tables [batch, max_blocks]``, ``seq_lens [batch]``) or the CSR form
-    (``kv_indptr [batch + 1]``, ``kv_indices [nnz_pages]`` with at least one entry,
-    ``kv_last_page_len [batch]``); the other form's fields are None."""
-
-    block_tables: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None
-    kv_indptr: torch.Tensor | None = None
-    kv_indices: torch.Tensor | None = None
-    kv_last_page_len: torch.Tensor | None = None
-
-    @classmethod
-    def padded(cls, block_tables, seq_lens, device: torch.device) -> PageTable:
-        """The padded form, copied to int32 on ``device`` (values already checked)."""
-        return cls(block_tables=int32_on_device(block_tables, device), seq_lens=int32_on_device(seq_lens, device))
-
-    @classmethod
-    def csr(cls, kv_indptr, kv_indices, kv_last_page_len, device: torch.device) -> PageTable:
-        """The CSR form, copied to int32 on ``device`` (values already checked)."""
-        return cls(
-            kv_indptr=int32_on_device(kv_indptr, device),
-            kv_indices=int32_on_device(kv_indices, device, min_len=1),
-            kv_last_page_len=int32_on_device(kv_last_page_len, device),
-        )
-
-    @property
-    def is_csr(self) -> bool:
-        return self.kv_indptr is not None
-
-    def pointers(self) -> tuple:
-        """``(block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len)`` as the
-        kernels take them (:func:`sequence_span`): the other form's are a tensor of this
-        one, never dereferenced."""
-        if self.is_csr:
-            dummy = self.kv_indptr
-            return dummy, dummy, self.kv_indptr, self.kv_indices, self.kv_last_page_len
-        dummy = self.seq_lens
-        return self.block_tables, self.seq_lens, dummy, dummy, dummy
-
-    @property
-    def stride(self) -> int:
-        """Elements between two rows of the padded table (0 for CSR: unused)."""
-        return 0 if self.is_csr else self.block_tables.stride(0)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,9 @@ returns). The states of disjoint key sets merge into the state of their union:
 
 An empty state (no keys: ``s = -inf``) weighs exactly 0 and its ``v`` is never
 multiplied (``0 * NaN`` would be NaN); a row whose states are all empty merges to ``v =
-0``, ``s = -inf`` (FlashInfer leaves that case undefined). The split-KV merge of
-:mod:`kernels.merge` is the same formula without the merged ``s``; it is kept as it is
-(notebook 07 shows its source), and :func:`merge_states_kernel` is the general one:
-any number of states, any strides, the merged log-sum-exp written too.
-:func:`pagedkv_lib.merge_state.merge_states` is the float64 twin.
+0``, ``s = -inf`` (FlashInfer leaves that case undefined). The merge is the
+split-KV merge's kernel (:func:`kernels.merge.merge_kernel`), with the merged log-sum-exp
+written too; :func:`pagedkv_lib.merge_state.merge_states` is the float64 twin.
 
 Cascade attention (:func:`cascade_attention`): requests that share a prefix (a system
 prompt) read it once for all of them: one non-causal pass of *all* requests' queries
@@ -32,72 +30,14 @@ from pagedkv_lib import runtime  # noqa: F401  (must run before triton is import
 
 # isort: split
 import torch
-import triton
-import triton.language as tl
 
 from pagedkv_lib import checks
 
+from .merge import launch_merge
 from .prefill import paged_prefill_attention
-from .rounding import round_to
-from .tiles import merge_tiles
 from .validate import MAX_SPLITS, check_device
 
-__all__ = ["merge_states_kernel", "launch_merge_states", "merge_state", "merge_states", "cascade_attention"]
-
-
-@triton.jit
-def merge_states_kernel(
-    # pointers: the states v [rows, heads, states, dim] and s [rows, heads, states] (any
-    # strides), the merged v [rows, heads, dim] and s [rows, heads]
-    v_ptr, s_ptr, out_ptr, lse_ptr,
-    # strides (elements)
-    stride_vr, stride_vh, stride_vs, stride_vd,
-    stride_sr, stride_sh, stride_ss,
-    stride_or, stride_oh, stride_od,
-    stride_lr, stride_lh,
-    # sizes
-    num_states, head_dim,
-    # constexprs
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Program ``(row, head)``: merge the row's ``num_states`` states (fp32 arithmetic)."""
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_states
-    d_mask = offs_d < head_dim
-    s = tl.load(s_ptr + r * stride_sr + h * stride_sh + offs_s * stride_ss, mask=s_mask, other=float("-inf"))
-    m = tl.max(s, axis=0)
-    w = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m))  # empty states weigh exactly 0
-    v_ptrs = v_ptr + r * stride_vr + h * stride_vh + offs_s[:, None] * stride_vs + offs_d[None, :] * stride_vd
-    v = tl.load(v_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    v = tl.where(w[:, None] > 0.0, v, 0.0)  # a weightless state adds nothing, NaN included
-    den = tl.sum(w, axis=0)
-    has = den > 0.0
-    o = tl.sum(w[:, None] * v, axis=0) / tl.where(has, den, 1.0)  # all empty: zeros, not NaN
-    tl.store(out_ptr + r * stride_or + h * stride_oh + offs_d * stride_od, round_to(o, out_ptr.dtype.element_ty),
-             mask=d_mask)  # fmt: skip
-    lse = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
-    tl.store(lse_ptr + r * stride_lr + h * stride_lh, lse)
-
-
-def launch_merge_states(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Launch :func:`merge_states_kernel` without checks: ``v [rows, heads, states,
-    head_dim]``, ``s [rows, heads, states]`` fp32 (views of any strides) into ``out
-    [rows, heads, head_dim]`` and ``lse [rows, heads]`` fp32."""
-    rows, heads, states, head_dim = v.shape
-    if rows == 0 or heads == 0:
-        return
-    block_s, block_d = merge_tiles(states, head_dim)
-    # fmt: off
-    merge_states_kernel[(rows, heads)](
-        v, s, out, lse,
-        *v.stride(), *s.stride(), *out.stride(), *lse.stride(),
-        states, head_dim,
-        BLOCK_S=block_s, BLOCK_D=block_d,
-    )
-    # fmt: on
+__all__ = ["merge_state", "merge_states", "cascade_attention"]
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +66,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     seq_len, _, heads, head_dim = v.shape
     out = torch.empty((seq_len, heads, head_dim), dtype=v.dtype, device=v.device)
     lse = torch.empty((seq_len, heads), dtype=torch.float32, device=v.device)
-    launch_merge_states(v.permute(0, 2, 1, 3), s.permute(0, 2, 1), out, lse)
+    launch_merge(v.permute(0, 2, 1, 3), s.permute(0, 2, 1), out, lse)
     return out, lse
 
 

@@ -53,7 +53,6 @@ from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
 from .attention_core import (
-    PageTable,
     ReadPlan,
     decode_split_range,
     finish_splits,
@@ -67,8 +66,8 @@ from .attention_core import (
     visible_keys,
     window_args,
 )
-from .cascade import launch_merge_states
-from .launch import fingerprint, parallel_units
+from .launch import PageTable, fingerprint, parallel_units
+from .merge import launch_merge
 from .tiles import decode_tiles
 from .validate import (
     MAX_SPLITS,
@@ -151,15 +150,11 @@ def decode_split_kernel(
         k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
                             stride_n, True)  # fmt: skip
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)
-        acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i, l_i, acc, _ = online_softmax_step(s, valid[None, :], m_i, l_i, acc, v, True)
         tile += 1
 
-    store_partial(
-        out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_d, g_mask, d_mask,
-        stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, WRITE_LSE,
-    )  # fmt: skip
+    store_partial(out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_d, g_mask, d_mask,
+                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, WRITE_LSE)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- planning
@@ -331,7 +326,7 @@ def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials:
     if total is None:
         return finish_splits(out, part, lse, partials)
     if part is not out:  # the splits' states merge into the output and its total lse
-        launch_merge_states(part, lse, out, total)
+        launch_merge(part, lse, out, total)
     return out, total
 
 
@@ -377,7 +372,7 @@ def paged_decode_attention(
         with ``return_lse=True`` ``(out, lse)``, ``lse [batch, num_q_heads]`` fp32 in
         **base 2** (FlashInfer's definition): ``lse = log2(sum_j 2**(s_j))`` over the
         visible keys, ``s_j = scale * log2(e) * q.k_j``; ``-inf`` for length 0. With
-        several splits the splits' lse merge into it (:func:`kernels.cascade.merge_states_kernel`).
+        several splits the splits' lse merge into it (:func:`kernels.merge.merge_kernel`).
 
     Raises:
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,

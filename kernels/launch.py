@@ -10,7 +10,9 @@ prefill, quantized and MLA modules cannot drift apart:
 * :func:`fingerprint`: ``(shape, strides, dtype, device)`` of a tensor, which a plan
   records so that a later run can refuse a tensor it was not made for;
 * :func:`memory_key`: the fingerprints plus the addresses of the tensors a plan checked,
-  so that a run given those very tensors need not check their memory again.
+  so that a run given those very tensors need not check their memory again;
+* :class:`TokenIndex` and :class:`PageTable`: the index tensors a write plan addresses
+  its tokens with, and a read plan's page table, as the kernels take them.
 
 The host copy of index tensors for the value checks is
 :func:`kernels.validate.host_copy` (it belongs with the checks that use it).
@@ -22,10 +24,11 @@ from pagedkv_lib import runtime  # noqa: F401  (must run before triton is import
 
 # isort: split
 import functools
+from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["int32_on_device", "parallel_units", "fingerprint", "memory_key"]
+__all__ = ["int32_on_device", "parallel_units", "fingerprint", "memory_key", "TokenIndex", "PageTable"]
 
 
 def int32_on_device(x, device: torch.device, min_len: int = 0) -> torch.Tensor:
@@ -71,3 +74,86 @@ def memory_key(*tensors) -> tuple:
     the key its plan recorded is covered by the plan's checks and skips them (an entry
     point, which plans and runs at once, then validates once)."""
     return tuple(None if t is None else (t.data_ptr(), *fingerprint(t)) for t in tensors)
+
+
+@dataclass(frozen=True)
+class TokenIndex:
+    """The index tensors a write plan addresses its tokens with (:func:`token_rows`), each
+    ``[num_tokens]`` (``kv_indptr [batch + 1]``, ``kv_indices [pages]``) int32 or int64 on
+    the kernels' device, made contiguous: the slot form holds ``slot_mapping`` (and
+    ``positions`` with RoPE), the CSR form ``batch_indices``, ``positions``, ``kv_indptr``
+    and ``kv_indices``; the others are None."""
+
+    slot_mapping: torch.Tensor | None = None
+    batch_indices: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, **tensors) -> TokenIndex:
+        """The index of ``tensors`` (already checked), each made contiguous."""
+        return cls(**{name: None if t is None else t.contiguous() for name, t in tensors.items()})
+
+    @property
+    def csr(self) -> bool:
+        """Whether tokens are addressed by request and position (else by slot)."""
+        return self.kv_indptr is not None
+
+    def named(self) -> list[tuple[str, torch.Tensor | None]]:
+        """``(name, tensor)`` of each field, for the launch checks."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+    def launch_args(self) -> tuple:
+        """The five tensors in :func:`token_rows`'s order; an absent one is replaced by a
+        given one, which the kernel never dereferences under its ``CSR`` and ``ROPE``
+        constexprs (a launch needs a tensor for every pointer)."""
+        given = self.slot_mapping if self.slot_mapping is not None else self.batch_indices
+        return tuple(given if t is None else t for _, t in self.named())
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """A read launch's page table, int32, contiguous, on the kernels' device: the padded
+    form (``block_tables [batch, max_blocks]``, ``seq_lens [batch]``) or the CSR form
+    (``kv_indptr [batch + 1]``, ``kv_indices [nnz_pages]`` with at least one entry,
+    ``kv_last_page_len [batch]``); the other form's fields are None."""
+
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    kv_last_page_len: torch.Tensor | None = None
+
+    @classmethod
+    def padded(cls, block_tables, seq_lens, device: torch.device) -> PageTable:
+        """The padded form, copied to int32 on ``device`` (values already checked)."""
+        return cls(block_tables=int32_on_device(block_tables, device), seq_lens=int32_on_device(seq_lens, device))
+
+    @classmethod
+    def csr(cls, kv_indptr, kv_indices, kv_last_page_len, device: torch.device) -> PageTable:
+        """The CSR form, copied to int32 on ``device`` (values already checked)."""
+        return cls(
+            kv_indptr=int32_on_device(kv_indptr, device),
+            kv_indices=int32_on_device(kv_indices, device, min_len=1),
+            kv_last_page_len=int32_on_device(kv_last_page_len, device),
+        )
+
+    @property
+    def is_csr(self) -> bool:
+        return self.kv_indptr is not None
+
+    def pointers(self) -> tuple:
+        """``(block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len)`` as the
+        kernels take them (:func:`sequence_span`): the other form's are a tensor of this
+        one, never dereferenced."""
+        if self.is_csr:
+            dummy = self.kv_indptr
+            return dummy, dummy, self.kv_indptr, self.kv_indices, self.kv_last_page_len
+        dummy = self.seq_lens
+        return self.block_tables, self.seq_lens, dummy, dummy, dummy
+
+    @property
+    def stride(self) -> int:
+        """Elements between two rows of the padded table (0 for CSR: unused)."""
+        return 0 if self.is_csr else self.block_tables.stride(0)

@@ -51,7 +51,6 @@ from pagedkv_lib.mla import default_scale
 
 from .addressing import table_row_offset
 from .attention_core import (
-    PageTable,
     finish_splits,
     load_scaled_queries,
     online_softmax_step,
@@ -62,7 +61,7 @@ from .attention_core import (
     store_partial,
 )
 from .decode import choose_num_splits
-from .launch import fingerprint, parallel_units
+from .launch import PageTable, fingerprint, parallel_units
 from .rounding import round_to
 from .tiles import head_matvec_tiles, mla_decode_tiles
 from .validate import (
@@ -190,15 +189,12 @@ def mla_split_kernel(
             kpe_cache_ptr + p_off[:, None] + feat_p[None, :], mask=valid[:, None] & p_mask[None, :], other=0.0
         ).to(tl.float32)  # [BLOCK_N, BLOCK_P]
         s = tl.sum(q_lat[:, None, :] * ckv[None, :, :], axis=2) + tl.sum(q_pe[:, None, :] * kpe[None, :, :], axis=2)
-        s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)
-        acc += tl.sum(p[:, :, None] * ckv[None, :, :], axis=1)
+        # [BLOCK_H, BLOCK_N] scores; the latent rows are the values too
+        m_i, l_i, acc, _ = online_softmax_step(s, valid[None, :], m_i, l_i, acc, ckv, True)
         tile += 1
 
-    store_partial(
-        out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_r, h_mask, r_mask,
-        stride_ob, stride_oh, stride_os, stride_or, stride_lb, stride_lh, stride_ls, WRITE_LSE,
-    )  # fmt: skip
+    store_partial(out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_r, h_mask, r_mask,
+                  stride_ob, stride_oh, stride_os, stride_or, stride_lb, stride_lh, stride_ls, WRITE_LSE)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- planning

@@ -34,22 +34,12 @@ import triton.language as tl
 
 from pagedkv_lib import checks, reference
 
-from .addressing import TokenIndex, row_offset, token_rows
-from .launch import fingerprint, memory_key
+from . import validate
+from .addressing import row_offset, token_rows
+from .launch import TokenIndex, fingerprint, memory_key
 from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_pair_features, rope_rotate_first, rope_rotate_second
 from .rounding import round_to
 from .tiles import mla_append_block_t, pow2
-from .validate import (
-    check_caches_disjoint,
-    check_device,
-    check_disjoint,
-    check_in_storage,
-    check_index_tensor,
-    check_kernel_dtype,
-    check_no_overlap,
-    check_no_self_overlap,
-    check_same_layout,
-)
 
 __all__ = [
     "mla_append_kernel",
@@ -159,18 +149,18 @@ def mla_append_kernel(
 
 def _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index_tensors: dict) -> None:
     for name, t in (("ckv", ckv), ("kpe", kpe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        check_device(name, t)
+        validate.check_device(name, t)
     for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        check_kernel_dtype(name, t)
-        check_no_self_overlap(name, t)
-        check_in_storage(name, t)
+        validate.check_kernel_dtype(name, t)
+        validate.check_no_self_overlap(name, t)
+        validate.check_in_storage(name, t)
         for src_name, src in (("ckv", ckv), ("kpe", kpe)):
-            check_no_overlap(name, t, src_name, src)
-    check_caches_disjoint(ckv_cache, kpe_cache)
+            validate.check_no_overlap(name, t, src_name, src)
+    validate.check_caches_disjoint(ckv_cache, kpe_cache)
     for name, (t, fits) in index_tensors.items():
-        check_index_tensor(name, t, fits_int32=fits)
+        validate.check_index_tensor(name, t, fits_int32=fits)
     for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # apart from each other: above
-        check_disjoint([cache], [(name, t) for name, (t, _) in index_tensors.items()])
+        validate.check_disjoint([cache], [(name, t) for name, (t, _) in index_tensors.items()])
 
 
 # --------------------------------------------------------------------------- append
@@ -295,19 +285,19 @@ def run_append_mla(
 
 def _check_append_run(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> None:
     """The tensors given to :func:`run_append_mla` must be what the plan was made for."""
-    check_same_layout("ckv_cache", ckv_cache, plan.caches[0])
-    check_same_layout("kpe_cache", kpe_cache, plan.caches[1])
+    validate.check_same_layout("ckv_cache", ckv_cache, plan.caches[0])
+    validate.check_same_layout("kpe_cache", kpe_cache, plan.caches[1])
     for name, t, width in (("ckv", ckv, plan.kv_lora_rank), ("kpe", kpe, plan.qk_rope_head_dim)):
         want = (plan.num_tokens, width)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != plan.dtype:
             raise ValueError(f"{name} must be {plan.dtype} of shape {want} as planned, got {getattr(t, 'shape', t)}")
-        check_device(name, t)
+        validate.check_device(name, t)
     for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        check_no_overlap(name, t, "ckv", ckv)
-        check_no_overlap(name, t, "kpe", kpe)
+        validate.check_no_overlap(name, t, "ckv", ckv)
+        validate.check_no_overlap(name, t, "kpe", kpe)
     index = plan.index.named()
     for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # two slices of one buffer may interleave
-        check_disjoint([cache], index)
+        validate.check_disjoint([cache], index)
 
 
 def _launch_append(plan: MLAAppendPlan, ckv, kpe, ckv_cache, kpe_cache) -> None:

@@ -85,7 +85,6 @@ from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
 from .attention_core import (
-    PageTable,
     ReadPlan,
     load_kv_tile,
     online_softmax_step,
@@ -97,7 +96,7 @@ from .attention_core import (
     visible_range,
     window_args,
 )
-from .launch import fingerprint, int32_on_device
+from .launch import PageTable, fingerprint, int32_on_device
 from .rounding import round_to
 from .tiles import prefill_tiles
 from .validate import (
@@ -222,15 +221,12 @@ def prefill_kernel(
             see = valid[None, :] & m_valid[:, None]
         if HAS_WINDOW:
             see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
-        s = tl.where(see, s, float("-inf"))
-        m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)
-        if DOT == 0:
-            acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        elif DOT == 1:
+        m_i, l_i, acc, p = online_softmax_step(s, see, m_i, l_i, acc, v, DOT == 0)
+        if DOT == 1:
             acc += tl.dot(p, v, input_precision="ieee")
         elif DOT == 2:
             acc += tl.dot(p.to(tl.float16), v)
-        else:
+        elif DOT == 3:
             # New names: rebinding p_lo/p_hi (the int32 key range above) inside the loop
             # makes them loop-carried with a new type, which the compiler refuses.
             p_big = p.to(tl.bfloat16)

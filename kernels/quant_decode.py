@@ -41,7 +41,6 @@ from pagedkv_lib.window import RingWindow
 
 from .addressing import row_offset
 from .attention_core import (
-    PageTable,
     decode_split_range,
     finish_splits,
     load_scaled_queries,
@@ -53,6 +52,7 @@ from .attention_core import (
     window_args,
 )
 from .decode import SplitKVPlan, split_kv_fields, visible_lengths
+from .launch import PageTable
 from .quant_codes import e2m1_decode, fp8_decode
 from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint
 from .tiles import quant_decode_tiles
@@ -166,15 +166,11 @@ def quant_decode_split_kernel(
             stride_h, stride_d, sstride_h, sstride_g, FORMAT,
         )  # fmt: skip
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc, p = online_softmax_step(s, m_i, l_i, acc)
-        acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i, l_i, acc, _ = online_softmax_step(s, valid[None, :], m_i, l_i, acc, v, True)
         tile += 1
 
-    store_partial(
-        out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_d, g_mask, d_mask,
-        stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, WRITE_LSE,
-    )  # fmt: skip
+    store_partial(out_ptr, lse_ptr, acc, m_i, l_i, b, heads, split, offs_d, g_mask, d_mask,
+                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, WRITE_LSE)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- planning

@@ -43,8 +43,8 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import TokenIndex, ring_params, row_offset, token_rows
-from .launch import fingerprint, memory_key
+from .addressing import ring_params, row_offset, token_rows
+from .launch import TokenIndex, fingerprint, memory_key
 from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
 from .rope import ROPE_CODES, rope_cos_sin, rope_feature_pair, rope_pair_features, rope_q_in_place, rope_rotate
 from .tiles import quant_write_tiles

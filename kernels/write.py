@@ -56,8 +56,8 @@ from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .addressing import TokenIndex, ring_params, row_offset, token_rows
-from .launch import fingerprint, memory_key
+from .addressing import ring_params, row_offset, token_rows
+from .launch import TokenIndex, fingerprint, memory_key
 from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_q_in_place, rope_tile
 from .tiles import write_tiles
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors

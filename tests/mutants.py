@@ -48,7 +48,7 @@ DECODE_MUTANTS = [
         "online softmax without rescaling the running sum and output when the maximum grows",
         {"attention_core": (
             ("l_new = l_i * alpha + ", "l_new = l_i + "),
-            ("return m_new, l_new, acc * alpha[:, None], p", "return m_new, l_new, acc, p"),
+            ("    acc = acc * alpha[:, None]\n", ""),
         )},
         "paged_decode_attention",
     ),

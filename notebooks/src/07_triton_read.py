@@ -549,7 +549,7 @@ display(viz.source_code(production_merge.merge_kernel))
 # 3. **Empty sequences and empty splits.** A length-0 sequence never enters the loop:
 #    step (a) then divides 0 by 0. Production keeps `m` finite for rows that saw no key
 #    (`m_safe` in `online_softmax_step`), stores zeros where `l_i == 0`
-#    (`attention_core.normalise`), and its merge gives a weightless split
+#    (`attention_core.store_partial`), and its merge gives a weightless split
 #    nothing, even a NaN partial.
 # 4. **A split count chosen for the device.** `choose_num_splits` splits only when the
 #    batch alone leaves SMs idle, gives every split at least 256 tokens, and never splits
