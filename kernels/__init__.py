@@ -13,7 +13,8 @@ points that are exactly ``run_x(plan_x(...), ...)``):
 * :mod:`kernels.quant_write`, :mod:`kernels.quant_decode`: the same on FP8 / NVFP4 pools;
   :mod:`kernels.quant_codes`: their device-side encoders and decoders;
 * :mod:`kernels.mla_write`, :mod:`kernels.mla_decode`: DeepSeek's latent cache (append,
-  and decode in the absorbed form);
+  and decode in the absorbed form); :mod:`kernels.mla_latent`: the same attention in
+  FlashInfer's convention (absorbed query in, latent output out, CSR, several queries);
 * :mod:`kernels.gather`: copy a batch's K/V out of the pool;
 * :mod:`kernels.block_copy`: copy whole or partial blocks of every layer in one launch;
 * :mod:`kernels.indexer_k`: the DSA indexer's FP8 key cache, written by a stride scatter;
@@ -64,6 +65,14 @@ from .gather import GatheredKV, GatherPlan, gather_paged_kv, plan_gather, run_ga
 from .indexer_k import IndexerScatterPlan, indexer_k_cache_scatter, plan_indexer_k_scatter, run_indexer_k_scatter
 from .merge import merge_partials
 from .mla_decode import MLADecodePlan, mla_decode_attention, plan_mla_decode, run_mla_decode
+from .mla_latent import (
+    MLALatentPlan,
+    mla_latent_attention,
+    mla_latent_attention_csr,
+    plan_mla_latent,
+    plan_mla_latent_csr,
+    run_mla_latent,
+)
 from .mla_write import (
     MLAAppendPlan,
     append_paged_mla_kv,
@@ -116,6 +125,8 @@ __all__ = [
     "paged_decode_attention_quant", "paged_decode_attention_quant_csr",
     "plan_decode_quant", "plan_decode_quant_csr", "run_decode_quant", "QuantDecodePlan",
     "mla_decode_attention", "plan_mla_decode", "run_mla_decode", "MLADecodePlan",
+    "mla_latent_attention", "mla_latent_attention_csr", "plan_mla_latent", "plan_mla_latent_csr",
+    "run_mla_latent", "MLALatentPlan",
     # read: prefill (many queries per sequence)
     "paged_prefill_attention", "paged_prefill_attention_csr", "plan_prefill", "plan_prefill_csr",
     "run_prefill", "PrefillPlan",

@@ -278,6 +278,24 @@ def _run_production_shapes() -> None:
             block_copy.copy_paged_blocks(cache, ids, ids + 4, torch.tensor([0, 3, -1, 16]), layout)
 
 
+def _run_mla_latent() -> None:
+    """MLA in FlashInfer's convention at DeepSeek's widths (rank 512, RoPE 64, 16 heads,
+    pages of 64): a CSR decode and a causal prefill of several queries per request,
+    recorded dry (the verify grid runs the padded absorbed decode)."""
+    from . import mla_latent
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        ckv = torch.randn((8, 64, 512), generator=gen).to(dtype)
+        kpe = torch.randn((8, 64, 64), generator=gen).to(dtype)
+        kv_indptr, kv_indices, kv_len = torch.tensor([0, 3, 5]), torch.arange(5), torch.tensor([150, 100])
+        for q_lens in ((1, 1), (30, 20)):
+            qo = torch.tensor([0, q_lens[0], sum(q_lens)])
+            q_nope = torch.randn((sum(q_lens), 16, 512), generator=gen).to(dtype)
+            q_pe = torch.randn((sum(q_lens), 16, 64), generator=gen).to(dtype)
+            mla_latent.mla_latent_attention_csr(q_nope, q_pe, ckv, kpe, qo, kv_indptr, kv_indices, kv_len, 0.07)
+
+
 RUNNERS = {  # (label, runner, dry)
     "verify": [("verify grid", _run_verify, False), ("bf16 prefill grid (dry)", _run_bf16_prefill, True)],
     "notebooks": [
@@ -287,6 +305,7 @@ RUNNERS = {  # (label, runner, dry)
     "benchmarks": [
         ("benchmark shapes (dry)", _run_benchmarks, True),
         ("indexer and block-copy shapes (dry)", _run_production_shapes, True),
+        ("FlashInfer-convention MLA shapes (dry)", _run_mla_latent, True),
     ],
     "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
 }

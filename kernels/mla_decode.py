@@ -62,6 +62,7 @@ from .attention_core import (
 )
 from .decode import choose_num_splits
 from .launch import PageTable, fingerprint, parallel_units
+from .merge import launch_merge
 from .rounding import round_to
 from .tiles import head_matvec_tiles, mla_decode_tiles
 from .validate import (
@@ -78,6 +79,9 @@ from .validate import (
 __all__ = [
     "head_matvec_kernel",
     "mla_split_kernel",
+    "LatentReadPlan",
+    "latent_read_fields",
+    "run_latent_attention",
     "MLADecodePlan",
     "plan_mla_decode",
     "run_mla_decode",
@@ -127,12 +131,13 @@ def head_matvec_kernel(
 
 @triton.jit
 def mla_split_kernel(
-    # pointers: the absorbed query's latent and RoPE parts, the two caches, the padded
-    # page table, the outputs
+    # pointers: the absorbed query's latent and RoPE parts, the two caches, the page table
+    # (padded or CSR), each query row's request and key limit (PER_QUERY), the outputs
     q_latent_ptr, q_pe_ptr, ckv_cache_ptr, kpe_cache_ptr,
-    block_tables_ptr, seq_lens_ptr,
+    block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    row_req_ptr, row_len_ptr,
     out_ptr, lse_ptr,
-    # strides (elements): q_latent, q_pe [batch, heads, dim]; each cache's page, row, feature
+    # strides (elements): q_latent, q_pe [rows, heads, dim]; each cache's page, row, feature
     stride_qlb, stride_qlh, stride_qlr,
     stride_qpb, stride_qph, stride_qpd,
     stride_cc_page, stride_cc_n, stride_cc_d,
@@ -145,17 +150,27 @@ def mla_split_kernel(
     qk_scale, num_heads, kv_lora_rank, rope_dim, page_size, num_splits,
     # constexprs
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    IS_CSR: tl.constexpr, PER_QUERY: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Program ``(b, head block, split)``: the split's partial ``o_latent`` (softmax-
-    normalised, ``[BLOCK_H, kv_lora_rank]``) and its base-2 log-sum-exp."""
+    normalised, ``[BLOCK_H, kv_lora_rank]``) of query row ``b`` and its base-2
+    log-sum-exp. One query per request (a decode): row ``b`` is request ``b`` and sees
+    all its keys. ``PER_QUERY`` (several queries per request): row ``b`` is a query of
+    request ``row_req[b]`` and sees its first ``row_len[b]`` keys (the causal limit)."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    # No CSR and no window for MLA: the padded row, and every position visible.
+    if PER_QUERY:
+        req = tl.load(row_req_ptr + b)
+    else:
+        req = b
+    # No window for MLA: every position up to the row's limit is visible.
     seq_len, table_row = sequence_span(
-        b, block_tables_ptr, seq_lens_ptr, stride_table, seq_lens_ptr, seq_lens_ptr, seq_lens_ptr, page_size, False
-    )
+        req, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+        page_size, IS_CSR,
+    )  # fmt: skip
+    if PER_QUERY:
+        seq_len = tl.minimum(seq_len, tl.load(row_len_ptr + b))
     tile_lo, tile_hi = split_tiles(seq_len, split, num_splits, BLOCK_N)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -200,20 +215,20 @@ def mla_split_kernel(
 # --------------------------------------------------------------------------- planning
 
 
-@dataclass(frozen=True)
-class MLADecodePlan:
-    """A validated MLA decode: the tiles of its four launches, the split count and the
-    page table (int32, contiguous, on the device), fixed once by
-    :func:`plan_mla_decode` and launched by :func:`run_mla_decode`."""
+@dataclass(frozen=True, kw_only=True)
+class LatentReadPlan:
+    """What every MLA read plan fixes for the attention in latent space (steps 2 and 3):
+    the caches' fingerprints and widths, the query rows and their page table (int32,
+    contiguous, on the device; padded or CSR), each row's request and key limit when a
+    request has several queries, the tiles and the split count. :class:`MLADecodePlan`
+    adds the projections, :class:`kernels.mla_latent.MLALatentPlan` FlashInfer's
+    absorbed-query convention."""
 
     caches: tuple  # fingerprints (shape, strides, dtype, device) of ckv_cache, kpe_cache
-    weights: tuple  # (shape, dtype, device) of w_uk, w_uv (any strides)
-    batch: int
+    rows: int  # query rows: one per request for a decode
     num_heads: int
-    qk_nope_head_dim: int
     qk_rope_head_dim: int
     kv_lora_rank: int
-    v_head_dim: int
     page_size: int
     q_dtype: torch.dtype
     scale: float
@@ -224,13 +239,112 @@ class MLADecodePlan:
     block_p: int
     num_warps: int
     num_splits: int
-    absorb_tiles: tuple[int, int, int]  # (BLOCK_B, BLOCK_I, BLOCK_O) of q_nope @ w_uk
-    up_tiles: tuple[int, int, int]  # the same for w_uv @ o_latent
-    table: PageTable  # the padded form
+    table: PageTable
+    row_req: torch.Tensor | None = None  # [rows] int32: each row's request (several queries per request)
+    row_len: torch.Tensor | None = None  # [rows] int32: the keys each row sees (its causal limit)
 
     @property
     def head_blocks(self) -> int:
         return triton.cdiv(self.num_heads, self.block_h)
+
+
+def latent_read_fields(ckv_cache, kpe_cache, q: torch.Tensor, max_len: int, scale: float, num_splits, table) -> dict:
+    """The :class:`LatentReadPlan` fields of a launch with queries ``q [rows, num_heads,
+    ...]`` over pages of ``table`` whose longest sequence has ``max_len`` tokens (values
+    already checked); ``num_splits=None`` is :func:`kernels.decode.choose_num_splits`'s."""
+    dims = checks.mla_cache_dims(ckv_cache, kpe_cache)
+    check_width("kv_lora_rank", dims.kv_lora_rank, MAX_KV_LORA_RANK)
+    check_width("qk_rope_head_dim", dims.qk_rope_head_dim, MAX_HEAD_DIM)
+    rows, num_heads = q.shape[:2]
+    block_h, block_n, block_r, block_p, num_warps = mla_decode_tiles(
+        num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, max_len
+    )
+    if num_splits is None:
+        head_blocks = triton.cdiv(num_heads, block_h)
+        num_splits = choose_num_splits(rows, head_blocks, max_len, block_n, parallel_units(q.device))
+    return {
+        "caches": (fingerprint(ckv_cache), fingerprint(kpe_cache)),
+        "rows": rows,
+        "num_heads": num_heads,
+        "qk_rope_head_dim": dims.qk_rope_head_dim,
+        "kv_lora_rank": dims.kv_lora_rank,
+        "page_size": dims.page_size,
+        "q_dtype": q.dtype,
+        "scale": scale,
+        "max_len": max_len,
+        "block_h": block_h,
+        "block_n": block_n,
+        "block_r": block_r,
+        "block_p": block_p,
+        "num_warps": num_warps,
+        "num_splits": num_splits,
+        "table": table,
+    }
+
+
+def run_latent_attention(plan: LatentReadPlan, q_latent, q_pe, ckv_cache, kpe_cache, out, return_lse=False):
+    """Steps 2 and 3 without checks: attention of each query row's ``q_latent [rows,
+    num_heads, kv_lora_rank]`` and ``q_pe [rows, num_heads, qk_rope_head_dim]`` over its
+    latent rows, per split, then the splits merged, into ``out [rows, num_heads,
+    kv_lora_rank]`` (fp32). Returns the base-2 log-sum-exp ``[rows, num_heads]`` fp32
+    with ``return_lse``, else None."""
+    splits = plan.num_splits
+    part, lse, part_strides, lse_strides = split_outputs(out, splits, partials=False)
+    total = None
+    if return_lse:
+        total = torch.empty((plan.rows, plan.num_heads), dtype=torch.float32, device=out.device)
+        if part is out:  # one split writes the final output, and then the final lse (split stride 0)
+            lse, lse_strides = total, (*total.stride(), 0)
+    if plan.rows == 0:
+        return total
+    per_query = plan.row_req is not None
+    row_req, row_len = (plan.row_req, plan.row_len) if per_query else (plan.table.pointers()[1],) * 2
+    # fmt: off
+    mla_split_kernel[(plan.rows, plan.head_blocks, splits)](
+        # pointers
+        q_latent, q_pe, ckv_cache, kpe_cache,
+        *plan.table.pointers(),
+        row_req, row_len,
+        part, lse,
+        # strides
+        *q_latent.stride(),
+        *q_pe.stride(),
+        *ckv_cache.stride(),
+        *kpe_cache.stride(),
+        plan.table.stride,
+        *part_strides,
+        *lse_strides,
+        # sizes
+        plan.scale * math.log2(math.e), plan.num_heads, plan.kv_lora_rank, plan.qk_rope_head_dim, plan.page_size,
+        splits,
+        # constexprs
+        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, BLOCK_R=plan.block_r, BLOCK_P=plan.block_p,
+        IS_CSR=plan.table.is_csr, PER_QUERY=per_query, WRITE_LSE=part is not out or total is not None,
+        num_warps=plan.num_warps,
+    )
+    # fmt: on
+    if total is None:
+        finish_splits(out, part, lse, partials=False)
+    elif part is not out:  # the splits' states merge into the output and its total lse
+        launch_merge(part, lse, out, total)
+    return total
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLADecodePlan(LatentReadPlan):
+    """A validated MLA decode: the latent attention's plan plus the weights and the tiles
+    of the two projections, fixed once by :func:`plan_mla_decode` and launched by
+    :func:`run_mla_decode`."""
+
+    weights: tuple  # (shape, dtype, device) of w_uk, w_uv (any strides)
+    qk_nope_head_dim: int
+    v_head_dim: int
+    absorb_tiles: tuple[int, int, int]  # (BLOCK_B, BLOCK_I, BLOCK_O) of q_nope @ w_uk
+    up_tiles: tuple[int, int, int]  # the same for w_uv @ o_latent
+
+    @property
+    def batch(self) -> int:
+        return self.rows
 
 
 def plan_mla_decode(
@@ -253,40 +367,20 @@ def plan_mla_decode(
     tensors = {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache}
     check_read_launch(tensors | {"w_uk": w_uk, "w_uv": w_uv}, {"block_tables": block_tables, "seq_lens": seq_lens})
     check_num_splits(num_splits)
-    dims = checks.mla_cache_dims(ckv_cache, kpe_cache)
-    check_width("kv_lora_rank", dims.kv_lora_rank, MAX_KV_LORA_RANK)
-    check_width("qk_rope_head_dim", dims.qk_rope_head_dim, MAX_HEAD_DIM)
-    batch, num_heads, nope = q_nope.shape
-    v_head_dim = w_uv.shape[1]
+    batch, _, nope = q_nope.shape
+    rank, v_head_dim = ckv_cache.shape[-1], w_uv.shape[1]
+    scale = default_scale(nope, kpe_cache.shape[-1]) if scale is None else float(scale)
     max_len = int(lens.max()) if lens.numel() else 0
-    block_h, block_n, block_r, block_p, num_warps = mla_decode_tiles(
-        num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, max_len
+    fields = latent_read_fields(
+        ckv_cache, kpe_cache, q_nope, max_len, scale, num_splits, PageTable.padded(table, lens, q_nope.device)
     )
-    head_blocks = triton.cdiv(num_heads, block_h)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, head_blocks, max_len, block_n, parallel_units(q_nope.device))
     return MLADecodePlan(
-        caches=(fingerprint(ckv_cache), fingerprint(kpe_cache)),
+        **fields,
         weights=tuple((tuple(w.shape), w.dtype, w.device) for w in (w_uk, w_uv)),
-        batch=batch,
-        num_heads=num_heads,
         qk_nope_head_dim=nope,
-        qk_rope_head_dim=dims.qk_rope_head_dim,
-        kv_lora_rank=dims.kv_lora_rank,
         v_head_dim=v_head_dim,
-        page_size=dims.page_size,
-        q_dtype=q_nope.dtype,
-        scale=default_scale(nope, dims.qk_rope_head_dim) if scale is None else float(scale),
-        max_len=max_len,
-        block_h=block_h,
-        block_n=block_n,
-        block_r=block_r,
-        block_p=block_p,
-        num_warps=num_warps,
-        num_splits=num_splits,
-        absorb_tiles=head_matvec_tiles(batch, nope, dims.kv_lora_rank),
-        up_tiles=head_matvec_tiles(batch, dims.kv_lora_rank, v_head_dim),
-        table=PageTable.padded(table, lens, q_nope.device),
+        absorb_tiles=head_matvec_tiles(batch, nope, rank),
+        up_tiles=head_matvec_tiles(batch, rank, v_head_dim),
     )
 
 
@@ -305,7 +399,7 @@ def run_mla_decode(
     kv_lora_rank]`` fp32 (the attention output before ``w_uv``). The tensors must match
     the plan (the caches also in strides); anything else is a ValueError."""
     _check_planned_tensors(plan, q_nope, q_pe, ckv_cache, kpe_cache, w_uk, w_uv)
-    dev, batch, heads, rank, splits = q_nope.device, plan.batch, plan.num_heads, plan.kv_lora_rank, plan.num_splits
+    dev, batch, heads, rank = q_nope.device, plan.batch, plan.num_heads, plan.kv_lora_rank
     out = torch.empty((batch, heads, plan.v_head_dim), dtype=q_nope.dtype, device=dev)
     o_latent = torch.empty((batch, heads, rank), dtype=torch.float32, device=dev)
     if batch == 0:
@@ -313,32 +407,8 @@ def run_mla_decode(
     # 1. absorb w_uk into the query: q_latent[b, h] = q_nope[b, h] @ w_uk[h] (w_uk's input is dim 1).
     q_latent = torch.empty((batch, heads, rank), dtype=torch.float32, device=dev)
     _head_matvec(q_nope, w_uk, q_latent, plan.qk_nope_head_dim, 1, plan.absorb_tiles)
-    # 2. attention in latent space, per split (one split writes o_latent directly).
-    part, lse, part_strides, lse_strides = split_outputs(o_latent, splits, partials=False)
-    # fmt: off
-    mla_split_kernel[(batch, plan.head_blocks, splits)](
-        # pointers
-        q_latent, q_pe, ckv_cache, kpe_cache,
-        plan.table.block_tables, plan.table.seq_lens,
-        part, lse,
-        # strides
-        *q_latent.stride(),
-        *q_pe.stride(),
-        *ckv_cache.stride(),
-        *kpe_cache.stride(),
-        plan.table.stride,
-        *part_strides,
-        *lse_strides,
-        # sizes
-        plan.scale * math.log2(math.e), heads, rank, plan.qk_rope_head_dim, plan.page_size, splits,
-        # constexprs
-        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, BLOCK_R=plan.block_r, BLOCK_P=plan.block_p,
-        WRITE_LSE=part is not o_latent,
-        num_warps=plan.num_warps,
-    )
-    # fmt: on
-    # 3. merge the splits' partials by their share of the softmax mass.
-    finish_splits(o_latent, part, lse, partials=False)
+    # 2.-3. attention in latent space (mla_split_kernel per split), the splits merged.
+    run_latent_attention(plan, q_latent, q_pe, ckv_cache, kpe_cache, o_latent)
     # 4. up-project: out[b, h] = w_uv[h] @ o_latent[b, h] (w_uv's input, the rank, is dim 2).
     _head_matvec(o_latent, w_uv, out, rank, 2, plan.up_tiles)
     return (out, o_latent) if return_latent else out

@@ -42,6 +42,13 @@ projecting it up (:func:`decode_flops`).
 ``scale`` defaults to ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (the query/key
 width); DeepSeek-V2's YaRN context extension multiplies it by ``mscale**2``, which the
 caller passes in.
+
+**FlashInfer's convention** (``BatchMLAPagedAttentionWrapper``) starts one step later:
+its ``q_nope`` is already absorbed (``[rows, num_heads, kv_lora_rank]``), its output is
+the latent ``o`` before ``w_uv``, several queries of a request may attend at once
+(``qo_indptr``, causal or not), the pages are a CSR table with ``kv_len`` keys per
+request, and ``sm_scale`` has no default (the absorbed query no longer says its head
+width). :func:`mla_latent_attention_ref` is its float64 oracle.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from .checks import (
     check_mla_append_args,
     check_mla_csr_append_args,
     check_mla_decode_args,
+    check_mla_latent_csr_args,
     check_mla_rope_args,
     mla_cache_dims,
 )
@@ -79,6 +87,7 @@ __all__ = [
     "mla_decode_naive",
     "mla_decode_naive_loop",
     "mla_decode_absorbed",
+    "mla_latent_attention_ref",
     "FLOP_FORMS",
     "decode_flops",
 ]
@@ -400,6 +409,46 @@ def mla_decode_absorbed(
     o_latent = torch.einsum("bht,btr->bhr", probs, ckv)
     out = torch.einsum("hvr,bhr->bhv", w_uv.cpu().double(), o_latent)
     return (out, o_latent) if return_latent else out
+
+
+def mla_latent_attention_ref(
+    q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len, scale: float, causal: bool = True
+):
+    """MLA attention in FlashInfer's latent-space convention, in float64, one query at a
+    time: the oracle of :mod:`kernels.mla_latent`.
+
+    Args: ``q_nope [rows, num_heads, kv_lora_rank]``, the query already absorbed
+    (``q_nope @ w_uk``); ``q_pe [rows, num_heads, qk_rope_head_dim]``, rotated; the pool
+    as :func:`mla_cache_dims`; ``qo_indptr [batch + 1]`` (request ``b``'s queries are rows
+    ``qo_indptr[b] .. qo_indptr[b + 1] - 1``), ``kv_indptr [batch + 1]`` and
+    ``kv_indices`` (its pages), ``kv_len [batch]`` (its keys); ``scale`` the softmax
+    scale (required); ``causal``: query ``i`` of ``q_len`` sees keys ``0 .. kv_len - q_len
+    + i``, else all ``kv_len``.
+
+    Returns ``(o [rows, num_heads, kv_lora_rank], lse [rows, num_heads])`` float64: ``o``
+    the softmax-weighted sum of the visible ``c_kv`` rows under scores ``scale * (q_nope .
+    c_kv + q_pe . k_pe)``, ``lse`` their base-2 log-sum-exp (FlashInfer's); a row that
+    sees no key gives zeros and ``-inf``. A NaN in a visible row or in a query reaches
+    ``o`` (nothing is masked but positions).
+    """
+    qo, indptr, indices, _, lens = check_mla_latent_csr_args(
+        q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len, causal, scale
+    )
+    rows, num_heads, rank = q_nope.shape
+    o = torch.zeros((rows, num_heads, rank), dtype=torch.float64)
+    lse = torch.full((rows, num_heads), float("-inf"), dtype=torch.float64)
+    for b in range(lens.numel()):
+        n, first, last = int(lens[b]), int(qo[b]), int(qo[b + 1])
+        ckv, kpe = gather_mla_latent(ckv_cache, kpe_cache, indices[indptr[b] : indptr[b + 1]], n)
+        ckv, kpe = ckv.cpu().double(), kpe.cpu().double()
+        for i, r in enumerate(range(first, last)):
+            seen = n - (last - first) + i + 1 if causal else n
+            if seen <= 0:
+                continue
+            scores = scale * (q_nope[r].cpu().double() @ ckv[:seen].T + q_pe[r].cpu().double() @ kpe[:seen].T)
+            o[r] = torch.softmax(scores, dim=-1) @ ckv[:seen]
+            lse[r] = torch.logsumexp(scores, dim=-1) / math.log(2.0)
+    return o, lse
 
 
 # --------------------------------------------------------------------------- cost

@@ -274,10 +274,12 @@ assert same, f"absorbing w_uk and w_uv changed the float64 result by {(absorbed6
 # The kernel, `kernels.mla_decode.mla_split_kernel`, is step 2: one program per
 # (sequence, block of heads, split) loads the tiles of `c_kv` and `k_pe` once for all its
 # heads. Called out below: the **absorbed score**, one line adding the latent dot
-# `q_latent . c_kv` and the RoPE dot `q_pe . k_pe`; the **latent output**, `p . c_kv`
-# accumulated in latent space (never `p . v`); and, from the launcher
-# `kernels.mla_decode.run_mla_decode`, step 1 (`w_uk` into the query) before the kernel
-# and step 3 (`w_uv` on the output) after the merge.
+# `q_latent . c_kv` and the RoPE dot `q_pe . k_pe`; the **latent output**: the shared
+# online-softmax step (`kernels/attention_core.py`) is handed `c_kv` itself as the values,
+# so it accumulates `p . c_kv` in latent space (never `p . v`); and, from the launcher
+# `kernels.mla_decode.run_mla_decode`, step 1 (`w_uk` into the query) before the latent
+# attention (`run_latent_attention`: the kernel per split, then the merge) and step 3
+# (`w_uv` on the output) after it.
 
 # %% tags=["nbval-ignore-output"]
 # (shows the modules' current source; shown, not compared)
@@ -285,18 +287,18 @@ display(viz.source_code(mla_decode.mla_split_kernel))
 score_line = (
     "s = tl.sum(q_lat[:, None, :] * ckv[None, :, :], axis=2) + tl.sum(q_pe[:, None, :] * kpe[None, :, :], axis=2)"
 )
-output_line = "acc += tl.sum(p[:, :, None] * ckv[None, :, :], axis=1)"
+output_line = "online_softmax_step(s, valid[None, :], m_i, l_i, acc, ckv, True)"
 display(viz.lesson_lines(mla_decode.mla_split_kernel, [score_line, output_line]))
-display(viz.lesson_lines(mla_decode.run_mla_decode, ["w_uk, q_latent", "w_uv, out", "mla_split_kernel["]))
+display(viz.lesson_lines(mla_decode.run_mla_decode, ["w_uk, q_latent", "run_latent_attention(", "w_uv, out"]))
 
 # %%
 read_kernel, launcher = mla_decode.mla_split_kernel, mla_decode.run_mla_decode
 loop, loop_end = viz.find_lines(read_kernel, "while tile < tile_hi")[0], viz.find_lines(read_kernel, "tile += 1")[0]
 score_at, out_at = viz.find_lines(read_kernel, score_line), viz.find_lines(read_kernel, output_line)
-absorb, launch, up = (viz.find_lines(launcher, x) for x in ("w_uk, q_latent", "mla_split_kernel[", "w_uv, out"))
+absorb, launch, up = (viz.find_lines(launcher, x) for x in ("w_uk, q_latent", "run_latent_attention(", "w_uv, out"))
 print(f"score and latent output inside the tile loop: {[loop < n < loop_end for n in score_at + out_at]}")
 assert len(score_at) == 1 and loop < score_at[0] < loop_end, "the absorbed score (latent + RoPE dots) in the loop"
-assert len(out_at) == 1 and loop < out_at[0] < loop_end, "the output accumulates p . c_kv in latent space, in the loop"
+assert len(out_at) == 1 and loop < out_at[0] < loop_end, "c_kv is the values: p . c_kv accumulates in the loop"
 assert len(absorb) == len(launch) == len(up) == 1 and absorb[0] < launch[0] < up[0], "absorb w_uk, attend, then w_uv"
 fp32_args = (q_nope, q_pe, pool.ckv_cache, pool.kpe_cache, tables, seq_lens, w_uk, w_uv)
 dev_args = [t.to(DEV) for t in fp32_args]
@@ -409,8 +411,10 @@ plt.show()
 # * FlashInfer: `flashinfer.page.append_paged_mla_kv_cache(append_ckv, append_kpe,
 #   batch_indices, positions, ckv_cache, kpe_cache, kv_indices, kv_indptr,
 #   kv_last_page_len)` (our `kernels.append_paged_mla_kv_csr`) and
-#   `flashinfer.mla.BatchMLAPagedAttentionWrapper` (absorbed decode; the caller passes
-#   `q_nope` already in latent space).
+#   `flashinfer.mla.BatchMLAPagedAttentionWrapper` (the caller passes `q_nope` already in
+#   latent space and gets the latent output; several queries per request, causal or not):
+#   our `kernels.mla_latent_attention_csr`, the same kernel as this notebook's read without
+#   its two projections.
 # * vLLM: `vllm/v1/attention/backends/mla/common.py` (`MLACommonImpl`: `W_UK_T` absorbed
 #   into the query, `W_UV` applied to the latent output; one
 #   `[num_blocks, block_size, 576]` cache buffer, whose two slices our kernels accept).

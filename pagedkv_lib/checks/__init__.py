@@ -17,7 +17,8 @@ Callers use the package (``checks.check_decode_args(...)``); its modules, by fam
 - :mod:`.mha`: the MHA/GQA pool tensor: appends (slot mapping, CSR, fused RoPE, V tails)
   and reads (padded and CSR page tables for decode and prefill, the split merge).
 - :mod:`.quant`: quantized pools (FP8, NVFP4): formats, scales, the pool's tensors, appends.
-- :mod:`.mla`: the MLA latent pool: its dims, appends, RoPE, up-projections and decode.
+- :mod:`.mla`: the MLA latent pool: its dims, appends, RoPE, up-projections and decode,
+  and FlashInfer's latent-space convention (absorbed query, ``kv_len``).
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ from .mla import (
     check_mla_append_args,
     check_mla_csr_append_args,
     check_mla_decode_args,
+    check_mla_latent_args,
+    check_mla_latent_csr_args,
+    check_mla_latent_q,
     check_mla_rope_args,
     check_mla_weights,
     mla_cache_dims,
+    mla_kv_last_page_len,
 )
 from .quant import (
     NVFP4_BLOCK,
@@ -121,4 +126,8 @@ __all__ = [
     "check_mla_rope_args",
     "check_mla_weights",
     "check_mla_decode_args",
+    "check_mla_latent_q",
+    "check_mla_latent_args",
+    "check_mla_latent_csr_args",
+    "mla_kv_last_page_len",
 ]

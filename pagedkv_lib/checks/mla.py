@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..formats import csr_slot_mapping, index_tensor
+from ..formats import check_csr, csr_slot_mapping, index_tensor
 from ..pool import CacheDims
 from .mha import check_block_tables
 from .shared import (
@@ -194,3 +194,98 @@ def check_mla_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_
     if q_nope.shape[0] != lens.numel():
         raise ValueError(f"q_nope has {q_nope.shape[0]} rows but seq_lens has {lens.numel()} entries")
     return table, lens
+
+
+def check_mla_latent_q(q_nope, q_pe, dims: MLACacheDims) -> None:
+    """FlashInfer's MLA queries: ``q_nope [rows, num_heads, kv_lora_rank]``, already
+    absorbed into latent space (``q_nope @ w_uk``), and ``q_pe [rows, num_heads,
+    qk_rope_head_dim]``, rotated; float tensors of one dtype, at least one head."""
+    check_float_tensor("q_nope", q_nope, "[rows, num_heads, kv_lora_rank] (absorbed)")
+    check_float_tensor("q_pe", q_pe, "[rows, num_heads, qk_rope_head_dim]")
+    if q_nope.shape[1] == 0:
+        raise ValueError(f"q_nope has shape {tuple(q_nope.shape)}: num_heads must be > 0")
+    if q_nope.shape[2] != dims.kv_lora_rank:
+        raise ValueError(
+            f"q_nope is {q_nope.shape[2]} wide but ckv_cache's kv_lora_rank is {dims.kv_lora_rank}: "
+            "FlashInfer's convention takes the absorbed query (q_nope @ w_uk), as wide as the latent"
+        )
+    if tuple(q_pe.shape) != (*q_nope.shape[:2], dims.qk_rope_head_dim):
+        raise ValueError(
+            f"q_pe has shape {tuple(q_pe.shape)}; q_nope and kpe_cache need "
+            f"[{q_nope.shape[0]}, {q_nope.shape[1]}, {dims.qk_rope_head_dim}]"
+        )
+    if q_pe.dtype != q_nope.dtype:
+        raise ValueError(f"q_pe.dtype={q_pe.dtype} differs from q_nope.dtype={q_nope.dtype}")
+
+
+def _check_required_scale(scale) -> float:
+    if scale is None:
+        raise ValueError("scale is required: the absorbed query no longer says its head width (FlashInfer's sm_scale)")
+    return float(check_scale(scale))
+
+
+def check_mla_latent_args(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale):
+    """Validate a latent-space MLA decode (one absorbed query per request, padded page
+    table); return ``(block_tables, seq_lens)`` as host int64. ``scale`` is required."""
+    dims = mla_cache_dims(ckv_cache, kpe_cache)
+    check_mla_latent_q(q_nope, q_pe, dims)
+    _check_required_scale(scale)
+    table, lens = check_block_tables(_mla_page_geometry(dims), block_tables, seq_lens)
+    if q_nope.shape[0] != lens.numel():
+        raise ValueError(f"q_nope has {q_nope.shape[0]} rows but seq_lens has {lens.numel()} entries")
+    return table, lens
+
+
+def mla_kv_last_page_len(kv_indptr: torch.Tensor, kv_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``kv_last_page_len [batch]`` int64 of FlashInfer's MLA ``kv_len`` (keys per
+    request) over ``kv_indptr``'s pages: ``kv_len - (pages - 1) * page_size``, 0 without
+    pages. ValueError unless ``(pages - 1) * page_size < kv_len <= pages * page_size``
+    (or ``kv_len == 0`` with no pages)."""
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    if kv_len.numel() != pages.numel():
+        raise ValueError(f"kv_len has {kv_len.numel()} entries; kv_indptr needs {pages.numel()} (batch)")
+    bad = torch.where(pages > 0, (kv_len <= (pages - 1) * page_size) | (kv_len > pages * page_size), kv_len != 0)
+    if bad.any():
+        b = int(torch.nonzero(bad)[0])
+        raise ValueError(
+            f"kv_len[{b}]={int(kv_len[b])} does not fit its {int(pages[b])} pages of {page_size} "
+            f"(it must be in ({max(int(pages[b]) - 1, 0) * page_size}, {int(pages[b]) * page_size}])"
+        )
+    return torch.where(pages > 0, kv_len - (pages - 1) * page_size, 0)
+
+
+def check_mla_latent_csr_args(
+    q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len, causal, scale
+):
+    """Validate a latent-space MLA attention in FlashInfer's CSR form; return
+    ``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_len)`` as host int64.
+
+    ``qo_indptr [batch + 1]`` delimits ``q_nope``'s rows by request; ``kv_indptr [batch +
+    1]`` and ``kv_indices`` are the pages, ``kv_len [batch]`` the keys of each request
+    (:func:`mla_kv_last_page_len`). With ``causal`` (a bool) query ``i`` of a request of
+    ``q_len`` queries and ``kv_len`` keys sees keys ``0 .. kv_len - q_len + i``, so
+    ``q_len <= kv_len``. ``scale`` is required.
+    """
+    dims = mla_cache_dims(ckv_cache, kpe_cache)
+    check_mla_latent_q(q_nope, q_pe, dims)
+    _check_required_scale(scale)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
+    indptr = index_tensor("kv_indptr", kv_indptr, 1)
+    lens = index_tensor("kv_len", kv_len, 1)
+    if indptr.numel() == 0 or int(indptr[0]) != 0 or (indptr[1:] < indptr[:-1]).any():
+        raise ValueError(f"kv_indptr={indptr.tolist()} must start at 0 and never decrease")
+    if (lens < 0).any():
+        raise ValueError(f"kv_len must be >= 0, got {lens.tolist()}")
+    last = mla_kv_last_page_len(indptr, lens, dims.page_size)
+    indptr, indices, last = check_csr(indptr, kv_indices, last, dims.page_size, dims.num_pages)
+    qo = index_tensor("qo_indptr", qo_indptr, 1)
+    if qo.numel() != lens.numel() + 1 or int(qo[0]) != 0 or (qo[1:] < qo[:-1]).any():
+        raise ValueError(f"qo_indptr={qo.tolist()} must start at 0, never decrease and have {lens.numel() + 1} entries")
+    if int(qo[-1]) != q_nope.shape[0]:
+        raise ValueError(f"qo_indptr[-1]={int(qo[-1])} but q_nope has {q_nope.shape[0]} rows")
+    q_lens = qo[1:] - qo[:-1]
+    if causal and (q_lens > lens).any():
+        b = int(torch.nonzero(q_lens > lens)[0])
+        raise ValueError(f"request {b} has {int(q_lens[b])} queries but kv_len[{b}]={int(lens[b])} (causal)")
+    return qo, indptr, indices, last, lens
