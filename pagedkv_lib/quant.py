@@ -43,8 +43,9 @@ with a multiplication by the fp32 reciprocal of 6::
 
 Pass ``global_scale_encode=`` to use it (scale mode ``"block_encode"`` of a pool). The
 two forms agree in exact arithmetic but not in fp32: with ``gs_dec = fp32(1 / gs_enc)``
-a few block scales in ten thousand round to the neighbouring E4M3 code
-(``tests/test_quant_conventions.py`` counts them).
+the two ``sf`` differ by an ulp or two, which moves the stored block scale to the
+neighbouring E4M3 code when ``sf`` lies that close to a midpoint between two codes (rare
+on random data, certain for a block built there: ``tests/test_quant_conventions.py``).
 
 ``q_scale`` must come from the *rounded* ``sf8``, the scale the reader will use: from
 the unrounded ``sf`` the writer would quantize against a scale nobody stores, and
