@@ -150,7 +150,7 @@ def test_nvfp4_suite_form_amax_over_6_gs_dec_differs_from_gs_enc_times_amax_over
     assert step[differ].abs().max() == 1, "the forms differ by one E4M3 step at most"
 
 
-def encode_pool(layout="NHD", k_enc=448.0 * 6 / 4.5, v_enc=448.0 * 6 / 3.5, pages=130, heads=2, d=128):
+def encode_pool(layout="NHD", k_enc=448.0 * 6 / 4.5, v_enc=448.0 * 6 / 3.5, pages=6, heads=2, d=128):
     return QuantizedKVPool(pages, 16, heads, d, "nvfp4", layout, DEV, k_scale_encode=k_enc, v_scale_encode=v_enc)
 
 
@@ -159,7 +159,7 @@ def test_write_kernel_in_the_encode_form_stores_flashinfers_codes_and_scales(lay
     x, _ = fixed_input()
     gs = float(encode_scale_of(x))
     x = x[:64]  # the kernel sees 64 tokens (1,024 blocks), the 12 built near midpoints among them
-    pool = encode_pool(layout, gs, gs, pages=6)
+    pool = encode_pool(layout, gs, gs)
     slots = torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(1))[: x.shape[0]]
     want = pool.to("cpu")
     quant_reference.append_paged_kv_quant(x, x, want, slots)
@@ -182,7 +182,7 @@ def test_kernel_mutant_with_the_suite_formula_under_encode_scales_fails_the_flas
     x, crafted = fixed_input()
     gs = float(encode_scale_of(x))
     x = x[:64]
-    pool = encode_pool("NHD", gs, gs, pages=6)
+    pool = encode_pool("NHD", gs, gs)
     slots = torch.arange(x.shape[0])
     bad.append_paged_kv_quant(x.to(DEV), x.to(DEV), pool, slots.to(DEV))
     _, want_scales = flashinfer_ref_fp4_quant(x.reshape(-1, 128), torch.tensor(gs, dtype=torch.float32))
@@ -205,7 +205,7 @@ def encode_decode_case(pool_maker):
 
 
 def test_decode_reads_an_encode_pool_with_the_reciprocal_of_the_encode_scale():
-    q, pool, table, lens = encode_decode_case(lambda: encode_pool(pages=6))
+    q, pool, table, lens = encode_decode_case(encode_pool)
     values = pool.dequantize()
     k_dec = quant.nvfp4_decode_scale(global_scale_encode=float(pool.global_scale[0]))
     assert torch.equal(values[:, 0], quant.nvfp4_dequantize(pool.data[:, 0], pool.scales[:, 0], k_dec))
@@ -222,7 +222,7 @@ def test_kernel_mutant_reading_the_encode_scale_as_a_multiplier_fails_decode(tmp
         "k_gs = k_gs + tl.zeros([1], tl.float32)",
         tmp_path,
     )
-    q, pool, table, lens = encode_decode_case(lambda: encode_pool(pages=6))
+    q, pool, table, lens = encode_decode_case(encode_pool)
     want = quant_reference.paged_decode_attention_quant(q, pool, table, lens, precision="fp64")
     got = bad.paged_decode_attention_quant(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV))
     assert not verify.compare.compare(got, want, *FP32_TOL).passed
@@ -388,7 +388,7 @@ def test_scales_in_the_wrong_convention_are_refused_by_name():
         (lambda: QuantizedKVPool(2, 4, 2, 32, "nvfp4", k_scale_encode=0.0, v_scale_encode=1.0), "k_scale_encode=0.0"),
         (lambda: quant.nvfp4_quantize(torch.ones(2, 16), 1.0, global_scale_encode=2.0), "exactly one"),
         (lambda: quant.nvfp4_quantize(torch.ones(2, 16)), "exactly one"),
-        (lambda: encode_pool(pages=1).set_global_scales(1.0, 1.0), "set_encode_scales"),
+        (lambda: encode_pool().set_global_scales(1.0, 1.0), "set_encode_scales"),
     ]
     for make, match in cases:
         with pytest.raises(ValueError, match=match):
