@@ -15,7 +15,9 @@ The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``,
 * ``exercises``: the workshop's kernel solutions through the exercise checker;
 * ``benchmarks``: each benchmark's default GPU dtype, head size and tiles, on short
   sequences (the tiles stop growing at 64 keys, so longer ones add no specialization),
-  and the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes;
+  the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes, and
+  the quantized append and decode under the peers' scale conventions (NVFP4 encode
+  scales, FP8 per head, FP8 per token across heads);
 * ``foreign``: the kernels written to vLLM's and nano-vllm's conventions
   (:mod:`kernels.peer_conventions`), in fp32, fp16 and bf16.
 
@@ -237,6 +239,35 @@ def _run_benchmarks() -> None:
         quant_decode.paged_decode_attention_quant(q, pool, table, lens)
 
 
+def _run_scale_conventions() -> None:
+    """The scale conventions of other engines at the benchmarks' shapes, recorded dry:
+    NVFP4 with TensorRT-LLM's / FlashInfer's encode scale, FP8 with vLLM's per-head scales
+    and vLLM's per-token scale across heads (the write kernel then holds every KV head in
+    one program), each appended and decoded in both layouts."""
+    from pagedkv_lib.quant_pool import QuantizedKVPool
+
+    from . import quant_decode, quant_write
+
+    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    gen = torch.Generator().manual_seed(0)
+    pages = 2 * n // p
+    table = torch.arange(pages, dtype=torch.int32).view(2, n // p)
+    lens = torch.full((2,), n, dtype=torch.int32)
+    slots = torch.arange(n, dtype=torch.int64)
+    modes = (
+        {"kv_dtype": "nvfp4", "k_scale_encode": 448.0, "v_scale_encode": 448.0},
+        {"kv_dtype": "fp8", "scale_mode": "head", "k_scale": [0.01] * h, "v_scale": [0.01] * h},
+        {"kv_dtype": "fp8", "scale_mode": "token_all_heads"},
+    )
+    for kwargs in modes:
+        for layout in ("NHD", "HND"):
+            pool = QuantizedKVPool(pages, p, h, d, layout=layout, **kwargs)
+            k = torch.randn((n, h, d), generator=gen).to(torch.float16)
+            quant_write.append_paged_kv_quant(k, k, pool, slots)
+            q = torch.randn((2, h * g, d), generator=gen).to(torch.float16)
+            quant_decode.paged_decode_attention_quant(q, pool, table, lens)
+
+
 def _run_foreign() -> None:
     """The kernels written to other engines' conventions (:mod:`kernels.peer_conventions`,
     notebook 08 and the harness tests), once per dtype, recorded dry."""
@@ -306,6 +337,7 @@ RUNNERS = {  # (label, runner, dry)
         ("benchmark shapes (dry)", _run_benchmarks, True),
         ("indexer and block-copy shapes (dry)", _run_production_shapes, True),
         ("FlashInfer-convention MLA shapes (dry)", _run_mla_latent, True),
+        ("peer scale conventions (dry)", _run_scale_conventions, True),
     ],
     "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
 }

@@ -8,11 +8,13 @@ is :mod:`kernels.decode`'s. What changes is the load: each K and V tile is
 read as codes and dequantized in the inner loop, in fp32, with the codecs of
 :mod:`kernels.quant_codes`:
 
-* FP8: ``fp8_value(code) * scale``, the scale per tensor (``pool.global_scale``) or
-  per token and head (``pool.scales`` at the row's page, row and head);
+* FP8: ``fp8_value(code) * scale``, the scale per tensor (``pool.global_scale``), per
+  KV head (``pool.global_scale [2, num_kv_heads]``), per token and head (``pool.scales``
+  at the row's page, row and head) or per token across heads (the same, head stride 0);
 * NVFP4: feature ``f`` is nibble ``f % 2`` of byte ``f // 2`` (low nibble for even
   ``f``), its block scale is ``pool.scales[..., f // 16]``, and its value
-  ``e2m1_value(code) * fp8_value(sf8) * global_scale``, multiplied in that order.
+  ``e2m1_value(code) * fp8_value(sf8) * global_scale``, multiplied in that order (an
+  encode scale, ``"block_encode"``, is turned into ``fp32(1 / gs_enc)`` once per program).
 
 The dequantized values are therefore the reference's
 (:meth:`pagedkv_lib.quant_pool.QuantizedKVPool.dequantize`) bit for bit, and the
@@ -54,7 +56,7 @@ from .attention_core import (
 from .decode import SplitKVPlan, split_kv_fields, visible_lengths
 from .launch import PageTable
 from .quant_codes import e2m1_decode, fp8_decode
-from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint
+from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint, scale_strides
 from .tiles import quant_decode_tiles
 from .validate import check_planned, check_read_launch, host_copy
 
@@ -82,7 +84,7 @@ def _dequant_tile(
     """fp32 ``[BLOCK_N, BLOCK_D]`` values of one head's K or V rows: data rows at element
     offsets ``base [BLOCK_N]``, scale rows at ``sbase``; masked lanes are 0."""
     h = kv_head.to(tl.int64)
-    if FORMAT == 2:  # NVFP4: nibble f % 2 of byte f // 2, block scale f // 16
+    if FORMAT == 2 or FORMAT == 3:  # NVFP4: nibble f % 2 of byte f // 2, block scale f // 16
         byte_off = (offs_d >> 1).to(tl.int64)[None, :] * stride_d
         byte = tl.load(data_ptr + base[:, None] + h * stride_h + byte_off, mask=kv_mask, other=0).to(tl.int32)
         code = (byte >> ((offs_d & 1) * 4)[None, :]) & 15
@@ -93,7 +95,7 @@ def _dequant_tile(
         code = tl.load(
             data_ptr + base[:, None] + h * stride_h + offs_d.to(tl.int64)[None, :] * stride_d, mask=kv_mask, other=0
         )
-        if FORMAT == 1:  # FP8, one scale per token and head
+        if FORMAT == 1 or FORMAT == 5:  # FP8, one scale per token and head (or per token: sstride_h 0)
             scale = tl.load(scales_ptr + sbase + h * sstride_h, mask=valid, other=0.0)
             return fp8_decode(code) * scale[:, None]
         else:
@@ -142,8 +144,15 @@ def quant_decode_split_kernel(
     d_mask = offs_d < head_dim
     heads = kv_head * group + offs_g
     q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, d_mask, stride_qb, stride_qh, stride_qd, qk_scale)
-    k_gs = tl.load(gscale_ptr)
-    v_gs = tl.load(gscale_ptr + 1)
+    if FORMAT == 4:  # one scale per KV head: [K heads, V heads]; the grid's axis 1 is the KV heads
+        k_gs = tl.load(gscale_ptr + kv_head)
+        v_gs = tl.load(gscale_ptr + tl.num_programs(1) + kv_head)
+    else:
+        k_gs = tl.load(gscale_ptr)
+        v_gs = tl.load(gscale_ptr + 1)
+    if FORMAT == 3:  # NVFP4 encode scales: the reader multiplies by fp32(1 / gs_enc)
+        k_gs = tl.math.div_rn(tl.full([1], 1.0, tl.float32), k_gs)
+        v_gs = tl.math.div_rn(tl.full([1], 1.0, tl.float32), v_gs)
 
     m_i, l_i, acc = softmax_state(BLOCK_G, BLOCK_D)
     tile = tile_lo
@@ -242,7 +251,7 @@ def run_decode_quant(plan: QuantDecodePlan, q, pool, partials: bool = False):
     if plan.batch == 0:
         return (part, lse) if partials else out
     scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
-    sstrides = cache_strides(pool.scales, pool.layout) if pool.scales is not None else (0, 0, 0, 0, 0)
+    sstrides = scale_strides(pool)
     # fmt: off
     quant_decode_split_kernel[(plan.batch, plan.num_kv_heads, plan.num_splits)](
         # pointers

@@ -16,10 +16,17 @@ the rules of :mod:`pagedkv_lib.quant`, with the codecs of :mod:`kernels.quant_co
   the element offset, so the data pool is addressed with the element strides);
 * FP8 per token and head: ``scale = amax / 448`` over the head's finite values, stored
   in the scale pool at the row's page, row and head, then as above;
+* FP8 per KV head (vLLM's per-head ``k_scale`` / ``v_scale``): as per tensor, with the
+  head's scale from ``pool.global_scale [2, num_kv_heads]``;
+* FP8 per token across heads (vLLM's per-token mode): ``scale = max(amax / 448, 1e-6)``
+  over every head of the token (one program holds them all: ``BLOCK_H >= num_kv_heads``),
+  stored once per row (the scale pool's head stride is 0);
 * NVFP4: the head is reshaped into blocks of 16 features; per block ``sf8 =
   fp8(amax / (6 * gs))``, then ``code = e2m1(x / (fp8_value(sf8) * gs))`` (from the
   *rounded* scale), the codes of features ``2j`` and ``2j + 1`` packed into byte ``j``
-  (low, high nibble) and ``sf8`` stored in the scale pool at group ``f // 16``.
+  (low, high nibble) and ``sf8`` stored in the scale pool at group ``f // 16``; with an
+  encode scale (``"block_encode"``, TensorRT-LLM's and FlashInfer's convention) ``sf8 =
+  fp8(gs_enc * (amax * fp32(1/6)))`` and ``gs = fp32(1 / gs_enc)`` (:mod:`pagedkv_lib.quant`).
 
 Codes and scales equal the reference's bit for bit (the rotation of RoPE is fp32 here
 and float64 in the reference: with RoPE the codes equal the reference quantizer's on
@@ -72,10 +79,18 @@ __all__ = [
     "zero_paged_v_tail_quant",
     "check_pool_launch",
     "pool_fingerprint",
+    "scale_strides",
 ]
 
 # The FORMAT constexpr of the quantized kernels: (kv_dtype, scale_mode) -> code.
-FORMAT_CODES = {("fp8", "tensor"): 0, ("fp8", "token"): 1, ("nvfp4", "block"): 2}
+FORMAT_CODES = {
+    ("fp8", "tensor"): 0,
+    ("fp8", "token"): 1,
+    ("nvfp4", "block"): 2,
+    ("nvfp4", "block_encode"): 3,
+    ("fp8", "head"): 4,
+    ("fp8", "token_all_heads"): 5,
+}
 
 
 # --------------------------------------------------------------------------- device code
@@ -109,7 +124,7 @@ def _quantize_store(
     # the fp32 tile, K (0) or V (1); pointers: codes, scales, global scales
     x, kv, data_ptr, scales_ptr, gscale_ptr,
     # where: each token's page and row [BLOCK_T], head ids [BLOCK_H], token x head mask
-    page, row, heads, mask_th, head_dim,
+    page, row, heads, mask_th, head_dim, num_kv_heads,
     # strides of the codes and of the scales, in the order of kernels.addressing.cache_offset
     stride_page, stride_kv, stride_n, stride_h, stride_d,
     sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
@@ -120,13 +135,17 @@ def _quantize_store(
     h = heads.to(tl.int64)[None, :, None]
     dst = (row_offset(page, row, stride_page, stride_n) + kv * stride_kv)[:, None, None] + h * stride_h
     sdst = (row_offset(page, row, sstride_page, sstride_n) + kv * sstride_kv)[:, None, None] + h * sstride_h
-    if FORMAT == 2:  # NVFP4: blocks of 16 features, two codes per byte, one E4M3 scale per block
+    if FORMAT == 2 or FORMAT == 3:  # NVFP4: blocks of 16 features, two codes per byte, one E4M3 scale per block
         NB: tl.constexpr = BLOCK_D // 16
         blocks = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, 16))
         amax = tl.max(finite_abs(blocks), axis=3)
         has_nan = tl.max((blocks != blocks).to(tl.int32), axis=3) > 0
         gs = tl.load(gscale_ptr + kv)
-        sf8 = fp8_encode(tl.math.div_rn(amax, gs * 6.0))
+        if FORMAT == 3:  # gs is the encode scale: sf = gs * (amax * fp32(1/6)), read back with fp32(1/gs)
+            sf8 = fp8_encode(gs * (amax * 0.1666666716337204))
+            gs = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), gs)
+        else:
+            sf8 = fp8_encode(tl.math.div_rn(amax, gs * 6.0))
         sf8 = tl.where(has_nan, 0x7F, sf8)
         # The rounded scale, the one the reader multiplies by, sets the codes.
         den = fp8_decode(sf8) * gs
@@ -144,11 +163,21 @@ def _quantize_store(
         scale_mask = mask_th[:, :, None] & (g < head_dim // 16)[None, None, :]
         tl.store(scales_ptr + sdst + g.to(tl.int64)[None, None, :] * sstride_g, sf8.to(tl.uint8), mask=scale_mask)
     else:
-        if FORMAT == 1:  # FP8, one scale per token and head: amax / 448, stored beside the row
-            scale = tl.math.div_rn(tl.max(finite_abs(x), axis=2), tl.full([BLOCK_T, BLOCK_H], 448.0, tl.float32))
-            tl.store(scales_ptr + sdst, scale[:, :, None], mask=mask_th[:, :, None])
+        if FORMAT == 1 or FORMAT == 5:  # FP8, one scale per token (and head), stored beside the row
+            if FORMAT == 1:  # amax / 448 per head
+                scale = tl.math.div_rn(tl.max(finite_abs(x), axis=2), tl.full([BLOCK_T, BLOCK_H], 448.0, tl.float32))
+                store_mask = mask_th
+            else:  # max(amax / 448, 1e-6) over all heads (all in this program), stored once (head stride 0)
+                amax_t = tl.max(tl.max(finite_abs(x), axis=2), axis=1)
+                scale_t = tl.maximum(tl.math.div_rn(amax_t, tl.full([BLOCK_T], 448.0, tl.float32)), 1e-6)
+                scale = tl.broadcast_to(scale_t[:, None], (BLOCK_T, BLOCK_H))
+                store_mask = mask_th & (heads == 0)[None, :]
+            tl.store(scales_ptr + sdst, scale[:, :, None], mask=store_mask[:, :, None])
             # A row without a finite non-zero value has scale 0: it is encoded as it is.
             y = tl.where(scale[:, :, None] > 0, tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, :, None]), x)
+        elif FORMAT == 4:  # FP8, one scale per KV head: pool.global_scale [2, num_kv_heads]
+            head_scale = tl.load(gscale_ptr + kv * num_kv_heads + heads, mask=heads < num_kv_heads, other=1.0)
+            y = tl.math.div_rn(x, head_scale[None, :, None])
         else:  # FP8, one scale per tensor
             y = tl.math.div_rn(x, tl.load(gscale_ptr + kv))
         feat = tl.arange(0, BLOCK_D)
@@ -207,7 +236,7 @@ def quant_append_kernel(
         )
         _quantize_store(
             k, 0, data_ptr, scales_ptr, gscale_ptr,
-            page, row, heads, mask_th, head_dim,
+            page, row, heads, mask_th, head_dim, num_kv_heads,
             stride_page, stride_kv, stride_n, stride_h, stride_d,
             sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
             FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
@@ -217,7 +246,7 @@ def quant_append_kernel(
         )
         _quantize_store(
             v, 1, data_ptr, scales_ptr, gscale_ptr,
-            page, row, heads, mask_th, head_dim,
+            page, row, heads, mask_th, head_dim, num_kv_heads,
             stride_page, stride_kv, stride_n, stride_h, stride_d,
             sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
             FORMAT, BLOCK_T, BLOCK_H, BLOCK_D,
@@ -244,6 +273,16 @@ def pool_fingerprint(pool) -> tuple:
         return None if t is None else fingerprint(t)
 
     return (pool.kv_dtype, pool.scale_mode, pool.layout, fp(pool.data), fp(pool.scales), fp(pool.global_scale))
+
+
+def scale_strides(pool) -> tuple:
+    """The scale pool's strides in :func:`pagedkv_lib.pool.cache_strides` order, zeros
+    without one; the head stride is 0 for ``"token_all_heads"`` (every head of a row reads
+    and writes the row's one scale)."""
+    if pool.scales is None:
+        return (0, 0, 0, 0, 0)
+    page, kv, n, h, g = cache_strides(pool.scales, pool.layout)
+    return (page, kv, n, 0 if pool.scale_mode == "token_all_heads" else h, g)
 
 
 def check_pool_launch(pool) -> None:
@@ -342,7 +381,12 @@ def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppe
         rope=rope,
         inv_freq=reference.rope_inv_freq(pool.head_dim, rope_theta).to(pool.device) if rope else None,
         v_tail=None if v_tail is None else v_tail_plan((pool.data, pool.scales), pool.layout, v_tail),
-        tiles=quant_write_tiles(k.shape[0], max(pool.num_kv_heads, num_q_heads), pool.head_dim),
+        tiles=quant_write_tiles(
+            k.shape[0],
+            max(pool.num_kv_heads, num_q_heads),
+            pool.head_dim,
+            min_heads=pool.num_kv_heads if pool.scale_mode == "token_all_heads" else 1,
+        ),
         checked=_memory_key(k, v, pool, q),
         index=TokenIndex.of(**index),
     )
@@ -439,7 +483,7 @@ def _check_run_inputs(plan: QuantAppendPlan, k, v, pool, q) -> None:
 def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
     block_t, block_h, block_d = plan.tiles
     scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
-    sstrides = cache_strides(pool.scales, pool.layout) if pool.scales is not None else (0, 0, 0, 0, 0)
+    sstrides = scale_strides(pool)
     # fmt: off
     quant_append_kernel[plan.grid](
         k, v, pool.data, scales, pool.global_scale, k if q is None else q,

@@ -99,18 +99,19 @@ def merge_tiles(num_splits: int, head_dim: int) -> tuple[int, int]:
 # ------------------------ quantized KV (kernels/quant_write.py, kernels/quant_decode.py)
 
 
-def quant_write_tiles(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int, int]:
+def quant_write_tiles(num_tokens: int, num_heads: int, head_dim: int, min_heads: int = 1) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_H, BLOCK_D)`` of a quantizing append: tokens x heads x the whole head
     (``BLOCK_D = next_pow2(head_dim)``, at least 16 so an NVFP4 head splits into blocks of
     16). Interpreted: as :func:`write_tiles`. Compiled: half its budget (about 1024
     elements), as each element keeps its fp32 value, its code and a share of a block's
-    amax and scale live at once; untuned, no GPU has measured it yet."""
+    amax and scale live at once; untuned, no GPU has measured it yet. ``BLOCK_H`` is at
+    least ``min_heads`` (FP8 per token across heads needs every KV head in one program)."""
     block_d = max(pow2(head_dim), 16)
     heads = pow2(num_heads)
     if _interpreter_plans():
         block_h, budget = heads, 2**17
     else:
-        block_h, budget = min(heads, max(1, 256 // block_d)), 1024
+        block_h, budget = min(heads, max(1, 256 // block_d, pow2(min_heads))), 1024
     block_t = max(1, min(pow2(num_tokens), budget // (block_h * block_d)))
     return block_t, block_h, block_d
 

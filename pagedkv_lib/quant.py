@@ -27,6 +27,26 @@ For a block with largest finite magnitude ``amax``::
     code    = e2m1(x * q_scale)
     x'      = e2m1_value(code) * fp8_value(sf8) * global_scale
 
+That is the suite's convention (``global_scale`` is the *decode* multiplier, as
+FlashInfer's ``nvfp4_quantize_append_paged_kv_cache(k_scale=...)`` takes it). TensorRT-LLM
+(``cvt_warp_fp16_to_fp4``, its KV write reads ``qkv_scale_orig_quant``) and FlashInfer's
+``fp4_quantize`` / ``nvfp4_quantize`` with their Python reference ``ref_fp4_quant``
+(``tests/test_helpers/utils_fp4.py``, which FlashInfer's NVFP4-KV tests quantize with) take
+the *encode* scale ``gs_enc = 448 * 6 / amax_tensor`` instead and form the block scale
+with a multiplication by the fp32 reciprocal of 6::
+
+    sf      = gs_enc * (amax * fp32(1/6))               (fp32, inner product first)
+    sf8     = fp8(sf)
+    q_scale = 1 / (fp8_value(sf8) * fp32(1 / gs_enc))   (0 when that product is 0)
+    code    = e2m1(x * q_scale)
+    x'      = e2m1_value(code) * fp8_value(sf8) * fp32(1 / gs_enc)
+
+Pass ``global_scale_encode=`` to use it (scale mode ``"block_encode"`` of a pool). The
+two forms agree in exact arithmetic but not in fp32: with ``gs_dec = fp32(1 / gs_enc)``
+the two ``sf`` differ by an ulp or two, which moves the stored block scale to the
+neighbouring E4M3 code when ``sf`` lies that close to a midpoint between two codes (rare
+on random data, certain for a block built there: ``tests/test_quant_conventions.py``).
+
 ``q_scale`` must come from the *rounded* ``sf8``, the scale the reader will use: from
 the unrounded ``sf`` the writer would quantize against a scale nobody stores, and
 every value of the block would come back off by ``sf8 / sf`` (up to 6 %), silently.
@@ -46,7 +66,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import NVFP4_BLOCK, check_global_scale, check_nvfp4_head_dim
+from .checks import FP8_TOKEN_SCALE_FLOOR, NVFP4_BLOCK, check_global_scale, check_nvfp4_head_dim
 
 __all__ = [
     "FP8_MAX",
@@ -61,6 +81,7 @@ __all__ = [
     "fp8_quantize",
     "fp8_dequantize",
     "fp8_token_scales",
+    "fp8_token_scales_all_heads",
     "fp8_error_bound",
     "e2m1_encode",
     "e2m1_encode_loop",
@@ -74,7 +95,9 @@ __all__ = [
     "nvfp4_quantize_loop",
     "nvfp4_dequantize",
     "nvfp4_error_bound",
+    "nvfp4_decode_scale",
     "global_scale_for",
+    "nvfp4_encode_scale_for",
     "relative_rms_error",
 ]
 
@@ -82,6 +105,7 @@ FP8_MAX = 448.0
 FP8_NAN = 0x7F  # the one NaN code the encoders produce
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of index 0..7
+E2M1_RECIPROCAL = float(torch.tensor(1 / 6, dtype=torch.float32))  # fp32(1/6), the encode form's factor
 # E2M1 rounding as seven thresholds between neighbouring magnitudes. At a tie the even
 # index wins, so the comparison alternates: index 1 needs a > 0.25 (a tie goes down to
 # 0), index 2 needs a >= 0.75 (a tie goes up to 2), and so on.
@@ -201,6 +225,19 @@ def fp8_token_scales(x: torch.Tensor) -> torch.Tensor:
     return (_finite_amax(x.detach().to(torch.float32), -1) / FP8_MAX)[..., None]
 
 
+def fp8_token_scales_all_heads(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's per-token FP8 scales ``[n, 1, 1]`` fp32 of ``x [n, num_kv_heads, head_dim]``:
+    one scale per token across all its heads, ``max(amax / 448, 1e-6)`` (fp32 division,
+    then the floor), ``amax`` over the finite values. The floor keeps a token of zeros
+    (or of non-finite values only) at a tiny positive scale instead of 0."""
+    y = x.detach().to(torch.float32)
+    if y.dim() != 3:
+        raise ValueError(f"x must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(y.shape)}")
+    amax = _finite_amax(y.flatten(1), 1) if y.shape[1] * y.shape[2] else torch.zeros(y.shape[0])
+    floor = torch.tensor(FP8_TOKEN_SCALE_FLOOR, dtype=torch.float32)
+    return torch.maximum(amax / FP8_MAX, floor)[:, None, None]
+
+
 # --------------------------------------------------------------------------- E2M1
 
 
@@ -262,20 +299,47 @@ class NVFP4Blocks(NamedTuple):
     """The blocks of 16 of one NVFP4 quantization and their scales, before any code."""
 
     blocks: torch.Tensor  # fp32 [..., head_dim / 16, 16]
-    sf: torch.Tensor  # fp32 [..., head_dim / 16]: finite amax / (6 * global_scale), unrounded
+    sf: torch.Tensor  # fp32 [..., head_dim / 16]: the block scale before rounding (either formula)
     sf8: torch.Tensor  # uint8 [..., head_dim / 16]: fp8 code of sf (FP8_NAN for a block with a NaN)
     has_nan: torch.Tensor  # bool [..., head_dim / 16]
-    global_scale: torch.Tensor  # fp32 0-d
+    global_scale: torch.Tensor  # fp32 0-d: the decode multiplier
 
 
-def nvfp4_blocks(x: torch.Tensor, global_scale) -> NVFP4Blocks:
+def _one_global_scale(global_scale, global_scale_encode) -> tuple[float, bool]:
+    """``(value, is_encode)`` of the one NVFP4 global scale given, checked by name."""
+    if (global_scale is None) == (global_scale_encode is None):
+        raise ValueError("give exactly one of global_scale (a decode multiplier) and global_scale_encode")
+    if global_scale_encode is not None:
+        return check_global_scale("global_scale_encode", global_scale_encode), True
+    return check_global_scale("global_scale", global_scale), False
+
+
+def nvfp4_decode_scale(global_scale=None, *, global_scale_encode=None) -> float:
+    """The fp32 multiplier a reader applies after ``e2m1_value * fp8_value(sf8)``:
+    ``global_scale`` itself, or ``fp32(1 / global_scale_encode)`` (one IEEE division, as
+    FlashInfer's ``get_reciprocal``). Exactly one must be given (ValueError otherwise)."""
+    gs, encode = _one_global_scale(global_scale, global_scale_encode)
+    if not encode:
+        return gs
+    return float(1.0 / torch.tensor(gs, dtype=torch.float32))
+
+
+def nvfp4_blocks(x: torch.Tensor, global_scale=None, *, global_scale_encode=None) -> NVFP4Blocks:
     """The first half of :func:`nvfp4_quantize`: ``x [..., head_dim]`` cut into blocks of
-    16 and each block's scale ``sf`` and stored fp8 code ``sf8``. ValueError as
+    16 and each block's scale ``sf`` and stored fp8 code ``sf8``, by the suite's formula
+    (``global_scale``) or the encode form (``global_scale_encode``; module docstring).
+    ``NVFP4Blocks.global_scale`` is the decode multiplier in both cases. ValueError as
     :func:`nvfp4_quantize`."""
     _check_nvfp4_input(x)
-    gs = torch.tensor(check_global_scale("global_scale", global_scale), dtype=torch.float32)
+    value, encode = _one_global_scale(global_scale, global_scale_encode)
+    g = torch.tensor(value, dtype=torch.float32)
     blocks = x.detach().to(torch.float32).unflatten(-1, (-1, NVFP4_BLOCK))
-    sf = _finite_amax(blocks, -1) / (6.0 * gs)
+    amax = _finite_amax(blocks, -1)
+    if encode:
+        sf = g * (amax * torch.tensor(E2M1_RECIPROCAL, dtype=torch.float32))
+        gs = 1.0 / g
+    else:
+        sf, gs = amax / (6.0 * g), g
     sf8 = fp8_encode(sf)
     has_nan = torch.isnan(blocks).any(-1)
     sf8 = torch.where(has_nan, torch.tensor(FP8_NAN, dtype=torch.uint8), sf8)
@@ -292,28 +356,37 @@ def nvfp4_codes(blocks: NVFP4Blocks, scale: torch.Tensor) -> torch.Tensor:
     return pack_nibbles(e2m1_encode(blocks.blocks * q_scale[..., None]).flatten(-2))
 
 
-def nvfp4_quantize(x: torch.Tensor, global_scale):
+def nvfp4_quantize(x: torch.Tensor, global_scale=None, *, global_scale_encode=None):
     """NVFP4 codes of ``x [..., head_dim]`` (``head_dim`` a multiple of 16).
 
     Returns ``(packed, block_scales)``: ``packed [..., head_dim / 2]`` uint8 (two E2M1
     codes per byte, even element in the low nibble) and ``block_scales [..., head_dim /
-    16]`` float8_e4m3fn. ``global_scale`` as
-    :func:`pagedkv_lib.checks.check_global_scale`. The codes are computed from the
-    stored (fp8-rounded) block scale, the one a reader multiplies by. Raises ValueError
-    for a ``head_dim`` that is not a multiple of 16 or a bad ``global_scale``.
+    16]`` float8_e4m3fn. Give exactly one global scale, each as
+    :func:`pagedkv_lib.checks.check_global_scale`: ``global_scale``, the suite's decode
+    multiplier (``sf = amax / (6 * gs)``), or ``global_scale_encode``, TensorRT-LLM's and
+    FlashInfer's ``global_scale`` argument of ``fp4_quantize`` (``448 * 6 / amax``; ``sf =
+    gs_enc * (amax * fp32(1/6))``, bit for bit as FlashInfer's ``ref_fp4_quant``). The
+    codes are computed from the stored (fp8-rounded) block scale, the one a reader
+    multiplies by. Raises ValueError for a ``head_dim`` that is not a multiple of 16, a
+    bad scale, or both or neither scale given.
     """
-    blocks = nvfp4_blocks(x, global_scale)
+    blocks = nvfp4_blocks(x, global_scale, global_scale_encode=global_scale_encode)
     return nvfp4_codes(blocks, fp8_decode(blocks.sf8)), blocks.sf8.view(torch.float8_e4m3fn)
 
 
-def nvfp4_quantize_loop(x: torch.Tensor, global_scale):
+def nvfp4_quantize_loop(x: torch.Tensor, global_scale=None, *, global_scale_encode=None):
     """Loop form of :func:`nvfp4_quantize`: one block of 16 at a time, each fp32
     operation rounded explicitly."""
     _check_nvfp4_input(x)
-    gs = check_global_scale("global_scale", global_scale)
+    value, encode = _one_global_scale(global_scale, global_scale_encode)
 
     def f32(v: float) -> float:  # round a float64 result to fp32 (one IEEE operation)
         return float(torch.tensor(v, dtype=torch.float32))
+
+    gs = f32(1.0 / value) if encode else value  # the decode multiplier
+
+    def block_scale(amax: float) -> float:
+        return f32(value * f32(amax * E2M1_RECIPROCAL)) if encode else f32(amax / f32(6.0 * value))
 
     rows = x.detach().to(torch.float32).reshape(-1, x.shape[-1]).tolist()
     packed, scales = [], []
@@ -322,7 +395,7 @@ def nvfp4_quantize_loop(x: torch.Tensor, global_scale):
         for start in range(0, len(row), NVFP4_BLOCK):
             block = row[start : start + NVFP4_BLOCK]
             amax = max((abs(v) for v in block if math.isfinite(v)), default=0.0)
-            sf8 = FP8_NAN if any(math.isnan(v) for v in block) else _fp8_code(f32(amax / f32(6.0 * gs)))
+            sf8 = FP8_NAN if any(math.isnan(v) for v in block) else _fp8_code(block_scale(amax))
             den = f32(fp8_decode_loop(torch.tensor([sf8], dtype=torch.uint8)).item() * gs)
             q_scale = f32(1.0 / den) if den > 0 else 0.0
             codes += e2m1_encode_loop(torch.tensor([f32(v * q_scale) for v in block])).tolist()
@@ -335,22 +408,26 @@ def nvfp4_quantize_loop(x: torch.Tensor, global_scale):
     )
 
 
-def nvfp4_dequantize(packed: torch.Tensor, block_scales: torch.Tensor, global_scale) -> torch.Tensor:
+def nvfp4_dequantize(
+    packed: torch.Tensor, block_scales: torch.Tensor, global_scale=None, *, global_scale_encode=None
+) -> torch.Tensor:
     """fp32 ``[..., head_dim]`` values of NVFP4 storage: ``e2m1_value(code) *
-    fp8_value(sf8) * global_scale``, multiplied in that order."""
-    gs = check_global_scale("global_scale", global_scale)
+    fp8_value(sf8) * gs``, multiplied in that order, ``gs`` the decode multiplier
+    (:func:`nvfp4_decode_scale` of the one global scale given)."""
+    gs = nvfp4_decode_scale(global_scale, global_scale_encode=global_scale_encode)
     values = e2m1_decode(unpack_nibbles(packed.view(torch.uint8))).unflatten(-1, (-1, NVFP4_BLOCK))
     scale = fp8_decode(block_scales)[..., None]
     return (values * scale * torch.tensor(gs, dtype=torch.float32)).flatten(-2)
 
 
-def nvfp4_error_bound(block_scales: torch.Tensor, global_scale) -> torch.Tensor:
+def nvfp4_error_bound(block_scales: torch.Tensor, global_scale=None, *, global_scale_encode=None) -> torch.Tensor:
     """The largest ``|x' - x|`` NVFP4 allows per element, fp32 ``[..., head_dim]``: one
     block unit ``u = fp8_value(sf8) * global_scale`` (half the widest gap of the grid,
     4 to 6, is one unit; saturation after the scale rounded down costs at most
     ``6 * 2**-4 = 0.375`` units), or ``6 * 2**-10 * global_scale`` for a block whose
-    scale underflowed to 0 (all of whose values are that small)."""
-    gs = check_global_scale("global_scale", global_scale)
+    scale underflowed to 0 (all of whose values are that small). ``gs`` as
+    :func:`nvfp4_dequantize`."""
+    gs = nvfp4_decode_scale(global_scale, global_scale_encode=global_scale_encode)
     unit = torch.clamp(fp8_decode(block_scales), min=6 * 2.0**-10) * gs
     return unit.repeat_interleave(NVFP4_BLOCK, dim=-1)
 
@@ -369,6 +446,16 @@ def global_scale_for(x: torch.Tensor, kv_dtype: str) -> float:
     if amax == 0:
         return 1.0
     return check_global_scale("global scale", amax / (FP8_MAX if kv_dtype == "fp8" else 6 * FP8_MAX))
+
+
+def nvfp4_encode_scale_for(x: torch.Tensor) -> float:
+    """TensorRT-LLM's and FlashInfer's NVFP4 encode scale of ``x``: ``fp32(448 * 6 /
+    amax)`` over the finite values (the fp32 division FlashInfer's tests write), 1.0 when
+    ``x`` has no finite non-zero value; pass it as ``global_scale_encode``."""
+    amax = _finite_amax(x.detach().to(torch.float32).flatten(), 0) if x.numel() else torch.tensor(0.0)
+    if float(amax) == 0:
+        return 1.0
+    return check_global_scale("encode scale", float(torch.tensor(6 * FP8_MAX, dtype=torch.float32) / amax))
 
 
 def relative_rms_error(got: torch.Tensor, exact: torch.Tensor) -> float:

@@ -45,16 +45,22 @@ __all__ = [
 def quantize_rows(x: torch.Tensor, pool, kv: int, quantizer=None):
     """``(codes, scales)`` of rows ``x [n, num_kv_heads, head_dim]`` for K (``kv=0``) or V
     (``kv=1``) of ``pool``'s format: ``codes`` uint8 ``[n, heads, data_width]``,
-    ``scales`` ``[n, heads, groups]`` (float32 per token, uint8 E4M3 bits per NVFP4
-    block) or None per tensor. ``quantizer`` replaces :func:`quant.nvfp4_quantize`
-    (the faults use it)."""
+    ``scales`` ``[n, heads, groups]`` (float32 per token and head, uint8 E4M3 bits per
+    NVFP4 block), ``[n, 1, 1]`` float32 per token across heads, or None per tensor or
+    head. ``quantizer`` replaces :func:`quant.nvfp4_quantize` (the faults use it)."""
     x = x.detach().to(torch.float32).cpu()
+    mode = pool.scale_mode
+    if mode == "head":
+        return quant.fp8_quantize(x, pool.global_scale[kv].cpu()[None, :, None]).view(torch.uint8), None
     gs = float(pool.global_scale[kv])
+    if mode == "block_encode":
+        packed, sf8 = (quantizer or quant.nvfp4_quantize)(x, global_scale_encode=gs)
+        return packed, sf8.view(torch.uint8)
     if pool.kv_dtype == "nvfp4":
         packed, sf8 = (quantizer or quant.nvfp4_quantize)(x, gs)
         return packed, sf8.view(torch.uint8)
-    if pool.scale_mode == "token":
-        scales = quant.fp8_token_scales(x)
+    if mode in ("token", "token_all_heads"):
+        scales = quant.fp8_token_scales(x) if mode == "token" else quant.fp8_token_scales_all_heads(x)
         return quant.fp8_quantize(x, scales).view(torch.uint8), scales
     return quant.fp8_quantize(x, gs).view(torch.uint8), None
 

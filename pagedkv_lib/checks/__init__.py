@@ -53,6 +53,7 @@ from .mla import (
     mla_kv_last_page_len,
 )
 from .quant import (
+    FP8_TOKEN_SCALE_FLOOR,
     NVFP4_BLOCK,
     QUANT_FORMATS,
     check_global_scale,
@@ -61,7 +62,9 @@ from .quant import (
     check_quant_append_args,
     check_quant_csr_append_args,
     check_quant_pool,
+    global_scale_shape,
     quant_widths,
+    scale_pool_shape,
 )
 from .shared import (
     FLOAT_DTYPES,
@@ -111,10 +114,13 @@ __all__ = [
     # quantized pools: format, pool, append
     "QUANT_FORMATS",
     "NVFP4_BLOCK",
+    "FP8_TOKEN_SCALE_FLOOR",
     "check_global_scale",
     "check_kv_format",
     "check_nvfp4_head_dim",
     "quant_widths",
+    "scale_pool_shape",
+    "global_scale_shape",
     "check_quant_pool",
     "check_quant_append_args",
     "check_quant_csr_append_args",

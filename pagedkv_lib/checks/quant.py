@@ -17,8 +17,22 @@ from ..formats import csr_slot_mapping, index_tensor
 from ..pool import CacheDims, cache_dims
 from .shared import check_kv_rows, check_slots, check_window
 
-QUANT_FORMATS = {"fp8": ("tensor", "token"), "nvfp4": ("block",)}  # kv_dtype -> its scale modes
+# kv_dtype -> its scale modes, the default first:
+#   fp8 "tensor"           one K and one V scale (pool.global_scale [2])
+#   fp8 "token"            amax / 448 per token and head, stored beside the row
+#   fp8 "head"             one K and one V scale per KV head (vLLM's per-head k_scale/v_scale,
+#                          pool.global_scale [2, num_kv_heads])
+#   fp8 "token_all_heads"  vLLM's per-token mode: max(amax / 448, 1e-6) over all heads of a
+#                          token, one scale per row (the scale pool's head dim is 1)
+#   nvfp4 "block"          global scale = decode multiplier, sf = amax / (6 * gs)
+#   nvfp4 "block_encode"   global scale = TensorRT-LLM's / FlashInfer's encode scale,
+#                          sf = gs * (amax * (1/6)) (pagedkv_lib.quant states both formulas)
+QUANT_FORMATS = {
+    "fp8": ("tensor", "token", "head", "token_all_heads"),
+    "nvfp4": ("block", "block_encode"),
+}
 NVFP4_BLOCK = 16  # elements per NVFP4 block scale
+FP8_TOKEN_SCALE_FLOOR = 1e-6  # vLLM's per-token mode never stores a smaller scale
 
 
 def check_global_scale(name: str, value) -> float:
@@ -42,7 +56,8 @@ def check_global_scale(name: str, value) -> float:
 
 def check_kv_format(kv_dtype, scale_mode=None) -> tuple[str, str]:
     """``(kv_dtype, scale_mode)``: ``kv_dtype`` ``"fp8"`` (``scale_mode`` ``"tensor"``, the
-    default, or ``"token"``) or ``"nvfp4"`` (``"block"``, its only and default mode)."""
+    default, ``"token"``, ``"head"`` or ``"token_all_heads"``) or ``"nvfp4"``
+    (``"block"``, the default, or ``"block_encode"``); see :data:`QUANT_FORMATS`."""
     if kv_dtype not in QUANT_FORMATS:
         raise ValueError(f"kv_dtype={kv_dtype!r} must be one of {sorted(QUANT_FORMATS)}")
     modes = QUANT_FORMATS[kv_dtype]
@@ -61,10 +76,25 @@ def check_nvfp4_head_dim(head_dim: int) -> None:
 def quant_widths(kv_dtype: str, scale_mode: str, head_dim: int) -> tuple[int, int]:
     """``(data_width, scale_groups)``: bytes of one stored K or V vector (``head_dim``,
     or ``head_dim / 2`` for NVFP4's packed nibbles) and scales per vector (0 per
-    tensor, 1 per token and head, ``head_dim / 16`` per NVFP4 block)."""
+    tensor or per head, 1 per token (and head), ``head_dim / 16`` per NVFP4 block)."""
     if kv_dtype == "nvfp4":
         return head_dim // 2, head_dim // NVFP4_BLOCK
-    return head_dim, 1 if scale_mode == "token" else 0
+    return head_dim, 1 if scale_mode in ("token", "token_all_heads") else 0
+
+
+def scale_pool_shape(data_shape, layout: str, scale_mode: str, groups: int) -> tuple:
+    """The shape of a pool's scale tensor beside codes of shape ``data_shape``: the codes'
+    ``[num_pages, 2, rows/heads]`` with last dim ``groups``, and the head dim 1 for
+    ``"token_all_heads"`` (one scale per token, shared by its heads)."""
+    shape = [*data_shape[:4], groups]
+    if scale_mode == "token_all_heads":
+        shape[3 if layout == "NHD" else 2] = 1
+    return tuple(shape)
+
+
+def global_scale_shape(scale_mode: str, num_kv_heads: int) -> tuple:
+    """The shape of ``pool.global_scale``: ``[2, num_kv_heads]`` per head, else ``[2]``."""
+    return (2, num_kv_heads) if scale_mode == "head" else (2,)
 
 
 def check_quant_pool(pool) -> CacheDims:
@@ -72,9 +102,9 @@ def check_quant_pool(pool) -> CacheDims:
     ``(num_pages, page_size, num_kv_heads, head_dim)``.
 
     ``pool.data``: uint8, the pool's layout, last dim ``data_width`` (:func:`quant_widths`);
-    ``pool.scales``: None per tensor, else the same ``[num_pages, 2, rows/heads]`` with
-    last dim ``scale_groups``, float32 per token, uint8 (E4M3 bits) per NVFP4 block;
-    ``pool.global_scale``: float32 ``[2]`` (K, V), each finite and > 0.
+    ``pool.scales``: None per tensor or per head, else :func:`scale_pool_shape`, float32
+    per token, uint8 (E4M3 bits) per NVFP4 block; ``pool.global_scale``: float32 ``[2]``
+    (K, V), or ``[2, num_kv_heads]`` per head, each finite and > 0.
     """
     kv_dtype, mode = check_kv_format(pool.kv_dtype, pool.scale_mode)
     layout = pool.layout
@@ -93,20 +123,22 @@ def check_quant_pool(pool) -> CacheDims:
         if pool.scales is not None:
             raise ValueError("pool.scales must be None with per-tensor fp8 scales")
     else:
-        want_dtype = torch.float32 if mode == "token" else torch.uint8
-        want_shape = (*pool.data.shape[:4], groups)
+        want_dtype = torch.uint8 if kv_dtype == "nvfp4" else torch.float32
+        want_shape = scale_pool_shape(pool.data.shape, layout, mode, groups)
         if not isinstance(pool.scales, torch.Tensor) or tuple(pool.scales.shape) != want_shape:
             got = tuple(pool.scales.shape) if isinstance(pool.scales, torch.Tensor) else pool.scales
             raise ValueError(f"pool.scales has shape {got}; {kv_dtype} ({mode} scales) needs {want_shape}")
         if pool.scales.dtype != want_dtype:
             raise ValueError(f"pool.scales.dtype={pool.scales.dtype}; {kv_dtype} ({mode} scales) needs {want_dtype}")
     gs = pool.global_scale
-    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (2,):
-        raise ValueError("pool.global_scale must be a float32 tensor [2] holding the K and V scales")
+    want = global_scale_shape(mode, dims.num_kv_heads)
+    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != want:
+        raise ValueError(f"pool.global_scale must be a float32 tensor {list(want)} holding the K and V scales")
     if gs.device.type == "meta":
         raise ValueError("pool.global_scale is on the meta device and holds no values")
-    for name, value in zip(("k_scale", "v_scale"), gs.tolist()):
-        check_global_scale(f"pool.global_scale ({name})", value)
+    for name, values in zip(("k_scale", "v_scale"), gs.reshape(2, -1).tolist()):
+        for value in values:
+            check_global_scale(f"pool.global_scale ({name})", value)
     return CacheDims(dims.num_pages, dims.page_size, dims.num_kv_heads, head_dim)
 
 
