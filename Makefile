@@ -140,7 +140,8 @@ test-oldest-triton: $(VENV_OLDEST)/.pagedkv-installed
 	@# masked lanes poisoned: the kernels must not rely on what the old interpreter puts there
 	PAGEDKV_POISON_MASKED=1 $(VENV_OLDEST)/bin/python -m pytest tests/test_kernel_*.py tests/test_checks_parity.py \
 	  tests/test_indexer_k.py tests/test_block_copy.py tests/test_rope.py tests/test_lse_merge.py \
-	  tests/test_noncausal_prefill.py tests/test_mla_latent.py tests/test_interpreter_poison.py -q -p no:cacheprovider $(XDIST)
+	  tests/test_noncausal_prefill.py tests/test_mla_latent.py tests/test_quant_conventions.py tests/test_interpreter_poison.py \
+	  -q -p no:cacheprovider $(XDIST)
 	@# in-process: this run checks the kernels under the old Triton; crash isolation is
 	@# tested in the main run (and costs ~0.25 s a case: each child re-parses the kernels)
 	$(VENV_OLDEST)/bin/python -m kernels.verify --no-isolate

@@ -116,20 +116,23 @@ def measure_format(fmt: str, case: Case, args, time_it) -> dict:
         }
         pool = QuantizedKVPool(case.num_pages, args.page_size, args.heads, args.head_dim, kv_dtype, device=dev,
                                scale_mode=mode, **scales)  # fmt: skip
-        plan = quant_write.plan_append_quant(d["k"], d["v"], pool, d["slots"])
-        quant_write.run_append_quant(plan, d["k"], d["v"], pool)
+        tensors = (pool.data, pool.scales, pool.global_scale)
+        plan = quant_write.plan_append_quant(d["k"], d["v"], slot_mapping=d["slots"], **pool.kernel_args())
+        quant_write.run_append_quant(plan, d["k"], d["v"], *tensors)
         want = pool.to("cpu")
         want.data.zero_()
         if want.scales is not None:
             want.scales.zero_()
         quant_reference.append_paged_kv_quant(case.k, case.v, want, case.slots)
         assert torch.equal(pool.data.cpu(), want.data), f"{fmt} append codes differ from the reference"
-        dplan = quant_decode.plan_decode_quant(d["q"], pool, d["table"], d["lens"])
-        out = quant_decode.run_decode_quant(dplan, d["q"], pool)
+        dplan = quant_decode.plan_decode_quant(
+            d["q"], block_tables=d["table"], seq_lens=d["lens"], **pool.kernel_args()
+        )
+        out = quant_decode.run_decode_quant(dplan, d["q"], *tensors)
         exp = quant_reference.paged_decode_attention_quant(case.q, want, case.table, case.lens, precision="fp64")
         tol = TOLERANCES[torch.float16]
-        append = lambda: quant_write.run_append_quant(plan, d["k"], d["v"], pool)  # noqa: E731
-        read = lambda: quant_decode.run_decode_quant(dplan, d["q"], pool)  # noqa: E731
+        append = lambda: quant_write.run_append_quant(plan, d["k"], d["v"], *tensors)  # noqa: E731
+        read = lambda: quant_decode.run_decode_quant(dplan, d["q"], *tensors)  # noqa: E731
     assert compare(out, exp, *tol).passed, f"{fmt} decode is outside the tolerance"
     tokens, per_token = sum(case.lens), pool_bytes_per_token(fmt, args)
     q_bytes = 2 * case.q.numel() * 2  # q read, output written (16-bit)

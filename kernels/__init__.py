@@ -12,6 +12,8 @@ points that are exactly ``run_x(plan_x(...), ...)``):
   :mod:`kernels.cascade`: attention states' merge (``merge_state(s)``) and cascade attention;
 * :mod:`kernels.quant_write`, :mod:`kernels.quant_decode`: the same on FP8 / NVFP4 pools;
   :mod:`kernels.quant_codes`: their device-side encoders and decoders;
+  :mod:`kernels.quant_launch`: their host-side launch helpers; :mod:`kernels.quant_pool_entry`:
+  the same entry points on a ``QuantizedKVPool`` object;
 * :mod:`kernels.mla_write`, :mod:`kernels.mla_decode`: DeepSeek's latent cache (append,
   and decode in the absorbed form); :mod:`kernels.mla_latent`: the same attention in
   FlashInfer's convention (absorbed query in, latent output out, CSR, several queries);
@@ -97,6 +99,13 @@ from .quant_decode import (
     plan_decode_quant_csr,
     run_decode_quant,
 )
+from .quant_pool_entry import (
+    append_paged_kv_quant_csr_pool,
+    append_paged_kv_quant_pool,
+    paged_decode_attention_quant_csr_pool,
+    paged_decode_attention_quant_pool,
+    zero_paged_v_tail_quant_pool,
+)
 from .quant_write import (
     QuantAppendPlan,
     append_paged_kv_quant,
@@ -115,6 +124,7 @@ __all__ = [
     "append_paged_kv", "append_paged_kv_csr", "plan_append", "plan_append_csr", "run_append", "AppendPlan",
     "zero_paged_v_tail", "plan_v_tail", "run_v_tail", "VTailPlan",
     "append_paged_kv_quant", "append_paged_kv_quant_csr", "zero_paged_v_tail_quant",
+    "append_paged_kv_quant_pool", "append_paged_kv_quant_csr_pool", "zero_paged_v_tail_quant_pool",
     "plan_append_quant", "plan_append_quant_csr", "run_append_quant", "QuantAppendPlan",
     "append_paged_mla_kv", "append_paged_mla_kv_csr", "plan_append_mla", "plan_append_mla_csr",
     "run_append_mla", "MLAAppendPlan",
@@ -123,6 +133,7 @@ __all__ = [
     "paged_decode_attention", "paged_decode_attention_csr", "paged_decode_attention_partials",
     "plan_decode", "plan_decode_csr", "run_decode", "DecodePlan", "merge_partials",
     "paged_decode_attention_quant", "paged_decode_attention_quant_csr",
+    "paged_decode_attention_quant_pool", "paged_decode_attention_quant_csr_pool",
     "plan_decode_quant", "plan_decode_quant_csr", "run_decode_quant", "QuantDecodePlan",
     "mla_decode_attention", "plan_mla_decode", "run_mla_decode", "MLADecodePlan",
     "mla_latent_attention", "mla_latent_attention_csr", "plan_mla_latent", "plan_mla_latent_csr",

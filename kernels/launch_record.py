@@ -234,9 +234,9 @@ def _run_benchmarks() -> None:
     for fmt in ("fp8", "nvfp4"):  # bench_quant.py: fp16 inputs into each format
         pool = QuantizedKVPool(pages, p, h, d, kv_dtype=fmt)
         k = torch.randn((n, h, d), generator=gen).to(torch.float16)
-        quant_write.append_paged_kv_quant(k, k, pool, slots)
+        quant_write.append_paged_kv_quant(k, k, slot_mapping=slots, **pool.kernel_args())
         q = torch.randn((2, h * g, d), generator=gen).to(torch.float16)
-        quant_decode.paged_decode_attention_quant(q, pool, table, lens)
+        quant_decode.paged_decode_attention_quant(q, block_tables=table, seq_lens=lens, **pool.kernel_args())
 
 
 def _run_scale_conventions() -> None:
@@ -263,9 +263,9 @@ def _run_scale_conventions() -> None:
         for layout in ("NHD", "HND"):
             pool = QuantizedKVPool(pages, p, h, d, layout=layout, **kwargs)
             k = torch.randn((n, h, d), generator=gen).to(torch.float16)
-            quant_write.append_paged_kv_quant(k, k, pool, slots)
+            quant_write.append_paged_kv_quant(k, k, slot_mapping=slots, **pool.kernel_args())
             q = torch.randn((2, h * g, d), generator=gen).to(torch.float16)
-            quant_decode.paged_decode_attention_quant(q, pool, table, lens)
+            quant_decode.paged_decode_attention_quant(q, block_tables=table, seq_lens=lens, **pool.kernel_args())
 
 
 def _run_foreign() -> None:

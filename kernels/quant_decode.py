@@ -39,6 +39,7 @@ import triton.language as tl
 
 from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_strides
+from pagedkv_lib.quant_pool import QuantizedKVPool
 from pagedkv_lib.window import RingWindow
 
 from .addressing import row_offset
@@ -56,7 +57,7 @@ from .attention_core import (
 from .decode import SplitKVPlan, split_kv_fields, visible_lengths
 from .launch import PageTable
 from .quant_codes import e2m1_decode, fp8_decode
-from .quant_write import FORMAT_CODES, check_pool_launch, pool_fingerprint, scale_strides
+from .quant_launch import FORMAT_CODES, check_pool_launch, planned_pool, pool_fingerprint, scale_strides
 from .tiles import quant_decode_tiles
 from .validate import check_planned, check_read_launch, host_copy
 
@@ -189,8 +190,8 @@ def quant_decode_split_kernel(
 class QuantDecodePlan(SplitKVPlan):
     """A validated quantized decode: tiles, split count and page table, fixed once and
     launched by :func:`run_decode_quant`. ``pool`` is the pool's
-    :func:`kernels.quant_write.pool_fingerprint`, ``format`` its kernel code
-    (:data:`kernels.quant_write.FORMAT_CODES`)."""
+    :func:`kernels.quant_launch.pool_fingerprint`, ``format`` its kernel code
+    (:data:`kernels.quant_launch.FORMAT_CODES`)."""
 
     pool: tuple
     format: int
@@ -210,11 +211,12 @@ def _make_plan(q, pool, scale, window, max_visible: int, num_splits, table: Page
 
 
 def plan_decode_quant(
-    q, pool, block_tables, seq_lens, scale=None, num_splits=None, window: RingWindow | None = None
-) -> QuantDecodePlan:
+    q, data, scales, global_scale, block_tables, seq_lens, kv_dtype="fp8", scale_mode=None, layout="NHD",
+    scale=None, num_splits=None, window: RingWindow | None = None,
+) -> QuantDecodePlan:  # fmt: skip
     """Validate a :func:`paged_decode_attention_quant` call and fix its tiles and split
     count; nothing is launched."""
-    checks.check_quant_pool(pool)
+    pool = QuantizedKVPool.from_tensors(data, scales, global_scale, kv_dtype, scale_mode, layout)
     _, lens = checks.check_decode_args(
         q, pool.shape_proxy, host_copy(block_tables), host_copy(seq_lens), pool.layout, window, scale
     )
@@ -225,10 +227,11 @@ def plan_decode_quant(
 
 
 def plan_decode_quant_csr(
-    q, pool, kv_indptr, kv_indices, kv_last_page_len, scale=None, num_splits=None
-) -> QuantDecodePlan:
+    q, data, scales, global_scale, kv_indptr, kv_indices, kv_last_page_len, kv_dtype="fp8", scale_mode=None,
+    layout="NHD", scale=None, num_splits=None,
+) -> QuantDecodePlan:  # fmt: skip
     """Validate a :func:`paged_decode_attention_quant_csr` call; nothing is launched."""
-    checks.check_quant_pool(pool)
+    pool = QuantizedKVPool.from_tensors(data, scales, global_scale, kv_dtype, scale_mode, layout)
     host = (host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
     *_, lens = checks.check_csr_decode_args(q, pool.shape_proxy, *host, pool.layout, scale)
     index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
@@ -238,11 +241,12 @@ def plan_decode_quant_csr(
     return _make_plan(q, pool, scale, None, max_visible, num_splits, table)
 
 
-def run_decode_quant(plan: QuantDecodePlan, q, pool, partials: bool = False):
+def run_decode_quant(plan: QuantDecodePlan, q, data, scales, global_scale, partials: bool = False):
     """Launch a planned quantized decode; returns ``[batch, num_q_heads, head_dim]`` in
     ``q.dtype`` (with ``partials=True`` the per-split ``(partials, lse)`` as
-    :func:`kernels.decode.run_decode`). ``q`` and ``pool`` must match the plan
+    :func:`kernels.decode.run_decode`). ``q`` and the pool's tensors must match the plan
     (ValueError otherwise)."""
+    pool = planned_pool(plan, data, scales, global_scale)
     if pool_fingerprint(pool) != plan.pool:
         raise ValueError(f"pool is {pool_fingerprint(pool)}; the plan was made for {plan.pool}")
     check_planned("q", q, (plan.batch, plan.num_q_heads, plan.head_dim), plan.q_dtype)
@@ -283,37 +287,60 @@ def run_decode_quant(plan: QuantDecodePlan, q, pool, partials: bool = False):
 
 def paged_decode_attention_quant(
     q: torch.Tensor,
-    pool,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    global_scale: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    kv_dtype: str = "fp8",
+    scale_mode: str | None = None,
+    layout: str = "NHD",
     scale: float | None = None,
     num_splits: int | None = None,
     window: RingWindow | None = None,
 ) -> torch.Tensor:
-    """Decode attention over a :class:`~pagedkv_lib.quant_pool.QuantizedKVPool`, one query
-    token per sequence, dequantizing K and V in the inner loop.
+    """Decode attention over a quantized pool, one query token per sequence, dequantizing
+    K and V in the inner loop.
 
-    ``q [batch, num_q_heads, head_dim]`` fp32/fp16/bf16; ``block_tables [batch,
+    ``q [batch, num_q_heads, head_dim]`` fp32/fp16/bf16; the pool as
+    :func:`kernels.quant_write.append_paged_kv_quant` takes it (``data``, ``scales``,
+    ``global_scale``, ``kv_dtype``, ``scale_mode``, ``layout``;
+    :func:`paged_decode_attention_quant_pool` takes a
+    :class:`~pagedkv_lib.quant_pool.QuantizedKVPool`); ``block_tables [batch,
     max_blocks]`` and ``seq_lens [batch]`` int32/int64; ``scale``, ``num_splits`` and
-    ``window`` as :func:`kernels.decode.paged_decode_attention` (the layout is the
-    pool's). Scores, softmax and accumulation in fp32. Returns ``[batch, num_q_heads,
-    head_dim]`` in ``q.dtype``; the pool is only read. Raises ValueError naming the
-    argument before anything is launched. The Python twin is
-    :func:`pagedkv_lib.quant_reference.paged_decode_attention_quant`.
+    ``window`` as :func:`kernels.decode.paged_decode_attention`. Scores, softmax and
+    accumulation in fp32. Returns ``[batch, num_q_heads, head_dim]`` in ``q.dtype``; the
+    pool is only read. Raises ValueError naming the argument before anything is
+    launched. The Python twin is :func:`pagedkv_lib.quant_reference.paged_decode_attention_quant`.
     """
-    return run_decode_quant(plan_decode_quant(q, pool, block_tables, seq_lens, scale, num_splits, window), q, pool)
+    # fmt: off
+    plan = plan_decode_quant(
+        q, data, scales, global_scale, block_tables, seq_lens, kv_dtype, scale_mode, layout, scale, num_splits, window
+    )
+    # fmt: on
+    return run_decode_quant(plan, q, data, scales, global_scale)
 
 
 def paged_decode_attention_quant_csr(
     q: torch.Tensor,
-    pool,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    global_scale: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_last_page_len: torch.Tensor,
+    kv_dtype: str = "fp8",
+    scale_mode: str | None = None,
+    layout: str = "NHD",
     scale: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention_quant` over a CSR page table (FlashInfer's format),
     as :func:`kernels.decode.paged_decode_attention_csr`."""
-    plan = plan_decode_quant_csr(q, pool, kv_indptr, kv_indices, kv_last_page_len, scale, num_splits)
-    return run_decode_quant(plan, q, pool)
+    # fmt: off
+    plan = plan_decode_quant_csr(
+        q, data, scales, global_scale, kv_indptr, kv_indices, kv_last_page_len, kv_dtype, scale_mode, layout,
+        scale, num_splits,
+    )
+    # fmt: on
+    return run_decode_quant(plan, q, data, scales, global_scale)

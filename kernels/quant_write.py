@@ -6,7 +6,11 @@ The quantized twin of :mod:`kernels.write`, with the same two entry points
 fused options (RoPE on K with Q rotated in place by extra programs, :mod:`kernels.rope`;
 V-tail zeroing as a second launch, :mod:`kernels.v_tail`) and the same addressing,
 :mod:`kernels.addressing`; each entry point is ``run_append_quant(plan_...(...), ...)``.
-The pool is a :class:`pagedkv_lib.quant_pool.QuantizedKVPool`.
+The pool is passed as its tensors (codes ``data``, ``scales``, ``global_scale``) plus its
+format (``kv_dtype``, ``scale_mode``) and layout, as every kernel family takes its pool
+as tensors plus a layout; the ``*_pool`` wrappers take a
+:class:`pagedkv_lib.quant_pool.QuantizedKVPool` (the harness's and the Python twin's
+signature).
 
 What changes is the store. Each program holds a tile of ``BLOCK_T`` tokens x
 ``BLOCK_H`` heads x the whole head in fp32 (RoPE'd first for K) and quantizes it by
@@ -48,26 +52,25 @@ import triton.language as tl
 
 from pagedkv_lib import checks, reference
 from pagedkv_lib.pool import cache_strides
+from pagedkv_lib.quant_pool import QuantizedKVPool
 from pagedkv_lib.window import RingWindow
 
 from .addressing import ring_params, row_offset, token_rows
-from .launch import TokenIndex, fingerprint, memory_key
+from .launch import TokenIndex, memory_key
 from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
+from .quant_launch import FORMAT_CODES, check_pool_launch, planned_pool, pool_fingerprint, scale_strides
 from .rope import ROPE_CODES, rope_cos_sin, rope_feature_pair, rope_pair_features, rope_q_in_place, rope_rotate
 from .tiles import quant_write_tiles
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 from .validate import (
     check_device,
     check_disjoint,
-    check_in_storage,
     check_index_tensor,
     check_kernel_dtype,
-    check_no_overlap,
     check_no_self_overlap,
 )
 
 __all__ = [
-    "FORMAT_CODES",
     "quant_append_kernel",
     "QuantAppendPlan",
     "plan_append_quant",
@@ -77,21 +80,7 @@ __all__ = [
     "append_paged_kv_quant_csr",
     "plan_v_tail_quant",
     "zero_paged_v_tail_quant",
-    "check_pool_launch",
-    "pool_fingerprint",
-    "scale_strides",
 ]
-
-# The FORMAT constexpr of the quantized kernels: (kv_dtype, scale_mode) -> code.
-FORMAT_CODES = {
-    ("fp8", "tensor"): 0,
-    ("fp8", "token"): 1,
-    ("nvfp4", "block"): 2,
-    ("nvfp4", "block_encode"): 3,
-    ("fp8", "head"): 4,
-    ("fp8", "token_all_heads"): 5,
-}
-
 
 # --------------------------------------------------------------------------- device code
 
@@ -265,45 +254,6 @@ def quant_append_kernel(
 # --------------------------------------------------------------------------- plans
 
 
-def pool_fingerprint(pool) -> tuple:
-    """``(format, layout, data, scales, global_scale)`` with each tensor's ``(shape, strides,
-    dtype, device)``: what a plan was checked against."""
-
-    def fp(t):
-        return None if t is None else fingerprint(t)
-
-    return (pool.kv_dtype, pool.scale_mode, pool.layout, fp(pool.data), fp(pool.scales), fp(pool.global_scale))
-
-
-def scale_strides(pool) -> tuple:
-    """The scale pool's strides in :func:`pagedkv_lib.pool.cache_strides` order, zeros
-    without one; the head stride is 0 for ``"token_all_heads"`` (every head of a row reads
-    and writes the row's one scale)."""
-    if pool.scales is None:
-        return (0, 0, 0, 0, 0)
-    page, kv, n, h, g = cache_strides(pool.scales, pool.layout)
-    return (page, kv, n, 0 if pool.scale_mode == "token_all_heads" else h, g)
-
-
-def check_pool_launch(pool) -> None:
-    """Launch checks of a quantized pool: its value rules
-    (:func:`pagedkv_lib.checks.check_quant_pool`), every tensor on the kernels' device,
-    and the written ones (codes, scales) each reaching no element twice, inside their
-    storage and not overlapping each other or the global scale."""
-    checks.check_quant_pool(pool)
-    check_device("pool.data", pool.data)
-    check_device("pool.global_scale", pool.global_scale)
-    written = [("pool.data", pool.data)]
-    if pool.scales is not None:
-        check_device("pool.scales", pool.scales)
-        written.append(("pool.scales", pool.scales))
-        check_no_overlap("pool.scales", pool.scales, "pool.data", pool.data)
-    for name, t in written:
-        check_no_self_overlap(name, t)
-        check_in_storage(name, t)
-    check_disjoint(written, [("pool.global_scale", pool.global_scale)])
-
-
 def _check_inputs(k, v, pool, q) -> None:
     """Launch checks of the tensors a quantized append reads (and ``q``, which it rotates)."""
     for name, t in (("k", k), ("v", v)):
@@ -395,10 +345,12 @@ def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppe
 
 
 def plan_append_quant(
-    k, v, pool, slot_mapping, *, rope=None, positions=None, rope_theta: float = 10000.0, q=None, zero_v_tail=None
-) -> QuantAppendPlan:
+    k, v, data, scales, global_scale, slot_mapping, kv_dtype="fp8", scale_mode=None, layout="NHD",
+    *, rope=None, positions=None, rope_theta: float = 10000.0, q=None, zero_v_tail=None,
+) -> QuantAppendPlan:  # fmt: skip
     """Validate an :func:`append_paged_kv_quant` call once and return its plan (nothing is
     written). Arguments and errors as :func:`append_paged_kv_quant`."""
+    pool = QuantizedKVPool.from_tensors(data, scales, global_scale, kv_dtype, scale_mode, layout)
     slots = checks.check_quant_append_args(k, v, pool, slot_mapping)
     checks.check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
     check_pool_launch(pool)
@@ -414,21 +366,12 @@ def plan_append_quant(
 
 
 def plan_append_quant_csr(
-    k,
-    v,
-    pool,
-    batch_indices,
-    positions,
-    kv_indices,
-    kv_indptr,
-    *,
-    window: RingWindow | None = None,
-    rope=None,
-    rope_theta: float = 10000.0,
-    q=None,
-    kv_last_page_len=None,
-) -> QuantAppendPlan:
+    k, v, data, scales, global_scale, batch_indices, positions, kv_indices, kv_indptr,
+    kv_dtype="fp8", scale_mode=None, layout="NHD",
+    *, window: RingWindow | None = None, rope=None, rope_theta: float = 10000.0, q=None, kv_last_page_len=None,
+) -> QuantAppendPlan:  # fmt: skip
     """Validate an :func:`append_paged_kv_quant_csr` call once and return its plan."""
+    pool = QuantizedKVPool.from_tensors(data, scales, global_scale, kv_dtype, scale_mode, layout)
     slots = checks.check_quant_csr_append_args(k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window)
     checks.check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
     check_pool_launch(pool)
@@ -449,11 +392,12 @@ def plan_append_quant_csr(
     )  # fmt: skip
 
 
-def run_append_quant(plan: QuantAppendPlan, k, v, pool, q=None) -> None:
+def run_append_quant(plan: QuantAppendPlan, k, v, data, scales, global_scale, q=None) -> None:
     """Launch a planned quantized append (and its V-tail zeroing), in place. ``k``, ``v``,
-    ``pool`` and ``q`` may be others than planned with, of the same shapes, dtypes,
-    strides and device; anything else is a ValueError. The very tensors planned with
-    (same addresses and layouts) are not checked again."""
+    the pool's tensors and ``q`` may be others than planned with, of the same shapes,
+    dtypes, strides and device; anything else is a ValueError. The very tensors planned
+    with (same addresses and layouts) are not checked again."""
+    pool = planned_pool(plan, data, scales, global_scale)
     if pool_fingerprint(pool) != plan.pool:
         raise ValueError(f"pool is {pool_fingerprint(pool)}; the plan was made for {plan.pool}")
     if _memory_key(k, v, pool, q) != plan.checked:
@@ -509,8 +453,13 @@ def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
 def append_paged_kv_quant(
     k: torch.Tensor,
     v: torch.Tensor,
-    pool,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    global_scale: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_dtype: str = "fp8",
+    scale_mode: str | None = None,
+    layout: str = "NHD",
     *,
     rope: str | None = None,
     positions: torch.Tensor | None = None,
@@ -519,24 +468,30 @@ def append_paged_kv_quant(
     zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Quantize ``k, v [num_tokens, num_kv_heads, head_dim]`` (fp32/fp16/bf16, any strides)
-    into the :class:`~pagedkv_lib.quant_pool.QuantizedKVPool` ``pool`` in place (returns None).
+    into a quantized pool in place (returns None).
 
-    Token ``i`` goes to flat slot ``slot_mapping[i]`` (``[num_tokens]`` int32/int64,
-    ``-1`` skipped, no slot twice): its codes, and its per-token or NVFP4 block scales,
-    at that page and row. ``rope``, ``positions``, ``rope_theta``, ``q`` and
-    ``zero_v_tail`` as :func:`kernels.write.append_paged_kv` (RoPE first, then K is
-    quantized; the tail's V codes and scales are zeroed). All tensors on
-    :func:`pagedkv_lib.runtime.device`. Raises ValueError naming the argument before
-    anything is written. The Python twin is
-    :func:`pagedkv_lib.quant_reference.append_paged_kv_quant`.
+    The pool is its tensors plus its format and layout, as the MHA kernels take a cache
+    tensor plus a layout: ``data`` (uint8 codes ``[num_pages, 2, ...]`` in ``layout``),
+    ``scales`` (the scale pool, None per tensor or per head) and ``global_scale``
+    (float32), read as ``kv_dtype`` (``"fp8"``, ``"nvfp4"``) with ``scale_mode``; the
+    attributes of a :class:`~pagedkv_lib.quant_pool.QuantizedKVPool`
+    (:meth:`~pagedkv_lib.quant_pool.QuantizedKVPool.kernel_args`;
+    :func:`append_paged_kv_quant_pool` takes the object). Token ``i`` goes to flat slot
+    ``slot_mapping[i]`` (``[num_tokens]`` int32/int64, ``-1`` skipped, no slot twice):
+    its codes, and its per-token or NVFP4 block scales, at that page and row. ``rope``,
+    ``positions``, ``rope_theta``, ``q`` and ``zero_v_tail`` as
+    :func:`kernels.write.append_paged_kv` (RoPE first, then K is quantized; the tail's V
+    codes and scales are zeroed). All tensors on :func:`pagedkv_lib.runtime.device`.
+    Raises ValueError naming the argument before anything is written. The Python twin
+    is :func:`pagedkv_lib.quant_reference.append_paged_kv_quant`.
     """
     # fmt: off
     return run_append_quant(
         plan_append_quant(
-            k, v, pool, slot_mapping,
+            k, v, data, scales, global_scale, slot_mapping, kv_dtype, scale_mode, layout,
             rope=rope, positions=positions, rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail,
         ),
-        k, v, pool, q,
+        k, v, data, scales, global_scale, q,
     )
     # fmt: on
 
@@ -544,11 +499,16 @@ def append_paged_kv_quant(
 def append_paged_kv_quant_csr(
     k: torch.Tensor,
     v: torch.Tensor,
-    pool,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    global_scale: torch.Tensor,
     batch_indices: torch.Tensor,
     positions: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_indptr: torch.Tensor,
+    kv_dtype: str = "fp8",
+    scale_mode: str | None = None,
+    layout: str = "NHD",
     *,
     window: RingWindow | None = None,
     rope: str | None = None,
@@ -563,24 +523,37 @@ def append_paged_kv_quant_csr(
     # fmt: off
     return run_append_quant(
         plan_append_quant_csr(
-            k, v, pool, batch_indices, positions, kv_indices, kv_indptr,
+            k, v, data, scales, global_scale, batch_indices, positions, kv_indices, kv_indptr,
+            kv_dtype, scale_mode, layout,
             window=window, rope=rope, rope_theta=rope_theta, q=q, kv_last_page_len=kv_last_page_len,
         ),
-        k, v, pool, q,
+        k, v, data, scales, global_scale, q,
     )
     # fmt: on
 
 
-def plan_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len) -> VTailPlan:
+def plan_v_tail_quant(
+    data, scales, global_scale, kv_indptr, kv_indices, kv_last_page_len, kv_dtype="fp8", scale_mode=None, layout="NHD"
+) -> VTailPlan:
     """Validate a :func:`zero_paged_v_tail_quant` call once and return its
     :class:`~kernels.v_tail.VTailPlan` (codes and, if the pool has them, scales)."""
+    pool = QuantizedKVPool.from_tensors(data, scales, global_scale, kv_dtype, scale_mode, layout)
     check_pool_launch(pool)
     tables = v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), None)
     return v_tail_plan((pool.data, pool.scales), pool.layout, tables)
 
 
-def zero_paged_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len) -> None:
+def zero_paged_v_tail_quant(
+    data, scales, global_scale, kv_indptr, kv_indices, kv_last_page_len, kv_dtype="fp8", scale_mode=None, layout="NHD"
+) -> None:
     """Zero the V codes and scales of rows ``kv_last_page_len[b] .. page_size - 1`` of
-    each request's last page, in place, so they dequantize to 0. Raises ValueError
-    naming the argument before anything is written."""
-    return run_v_tail(plan_v_tail_quant(pool, kv_indptr, kv_indices, kv_last_page_len), pool.data, pool.scales)
+    each request's last page, in place, so they dequantize to 0 (the pool's tensors as
+    :func:`append_paged_kv_quant` takes them). Raises ValueError naming the argument
+    before anything is written."""
+    # fmt: off
+    return run_v_tail(
+        plan_v_tail_quant(data, scales, global_scale, kv_indptr, kv_indices, kv_last_page_len, kv_dtype, scale_mode,
+                          layout),
+        data, scales,
+    )
+    # fmt: on

@@ -20,8 +20,7 @@ from .indexer_k import indexer_k_cache_scatter
 from .mla_decode import mla_decode_attention
 from .mla_write import append_paged_mla_kv
 from .prefill import paged_prefill_attention
-from .quant_decode import paged_decode_attention_quant
-from .quant_write import append_paged_kv_quant
+from .quant_pool_entry import append_paged_kv_quant_pool, paged_decode_attention_quant_pool
 from .write import append_paged_kv
 
 __all__ = ["main", "BF16_DOT_NOTE"]
@@ -53,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_fn": _prefill_for_this_backend(),
         "mla_append_fn": append_paged_mla_kv,
         "mla_decode_fn": mla_decode_attention,
-        "quant_append_fn": append_paged_kv_quant,
-        "quant_decode_fn": paged_decode_attention_quant,
+        "quant_append_fn": append_paged_kv_quant_pool,
+        "quant_decode_fn": paged_decode_attention_quant_pool,
         "indexer_scatter_fn": indexer_k_cache_scatter,
         "block_copy_fn": copy_paged_blocks,
     }

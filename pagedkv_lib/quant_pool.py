@@ -37,7 +37,7 @@ from .checks import (
     quant_widths,
     scale_pool_shape,
 )
-from .pool import CacheDims, check_layout
+from .pool import CacheDims, cache_dims, check_layout
 
 __all__ = ["QuantizedKVPool"]
 
@@ -109,6 +109,42 @@ class QuantizedKVPool:
             self.set_encode_scales(k_scale_encode, v_scale_encode)
         else:
             self.set_global_scales(1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
+
+    @classmethod
+    def from_tensors(
+        cls, data, scales, global_scale, kv_dtype: str = "fp8", scale_mode=None, layout: str = "NHD", validate=True
+    ):
+        """A pool over existing tensors (no copy): the codes ``data``, the scale pool
+        ``scales`` (None per tensor or per head) and ``global_scale``, read as ``kv_dtype``
+        with ``scale_mode`` in ``layout``; what the kernels of ``kernels.quant_write`` and
+        ``kernels.quant_decode`` take instead of the object. The sizes come from ``data``'s
+        shape. Raises ValueError when the tensors do not fit the format
+        (:func:`pagedkv_lib.checks.check_quant_pool`); ``validate=False`` skips that rule
+        for a kernel's run, which compares the tensors' fingerprints with its plan's."""
+        pool = object.__new__(cls)
+        pool.kv_dtype, pool.scale_mode = check_kv_format(kv_dtype, scale_mode)
+        pool.layout = check_layout(layout)
+        if not isinstance(data, torch.Tensor) or data.dim() != 5:
+            raise ValueError(f"data must be the 5-D uint8 code pool, got {getattr(data, 'shape', type(data).__name__)}")
+        dims = cache_dims(data, pool.layout)
+        pool.page_size, pool.num_kv_heads = dims.page_size, dims.num_kv_heads
+        pool.head_dim = dims.head_dim * (2 if pool.kv_dtype == "nvfp4" else 1)
+        pool.data, pool.scales, pool.global_scale = data, scales, global_scale
+        if validate:
+            check_quant_pool(pool)
+        return pool
+
+    def kernel_args(self) -> dict:
+        """The pool as the kernels take it: ``data``, ``scales``, ``global_scale``,
+        ``kv_dtype``, ``scale_mode`` and ``layout`` by name."""
+        return {
+            "data": self.data,
+            "scales": self.scales,
+            "global_scale": self.global_scale,
+            "kv_dtype": self.kv_dtype,
+            "scale_mode": self.scale_mode,
+            "layout": self.layout,
+        }
 
     # ----------------------------------------------------------------- shape
 

@@ -125,7 +125,7 @@ def append_paged_kv_quant(
     (RoPE first, then K is quantized). ``zero_v_tail=(kv_indptr, kv_indices,
     kv_last_page_len)`` afterwards zeroes the V codes *and* scales of every request's
     unused last-page rows, so they read back as 0, never NaN. Arguments as
-    ``kernels.append_paged_kv_quant``; every check runs before the first write.
+    ``kernels.append_paged_kv_quant_pool``; every check runs before the first write.
     """
     slots = check_quant_append_args(k, v, pool, slot_mapping)
     positions = check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
@@ -185,7 +185,7 @@ def paged_decode_attention_quant(
     """Decode attention over a quantized pool: :func:`pagedkv_lib.reference.paged_decode_attention`
     over ``pool.dequantize()`` (the fp32 values the codes stand for). ``q [batch,
     num_q_heads, head_dim]``; result in ``q.dtype`` (float64 with ``precision="fp64"``).
-    Arguments as ``kernels.paged_decode_attention_quant`` (which takes ``num_splits``
+    Arguments as ``kernels.paged_decode_attention_quant_pool`` (which takes ``num_splits``
     instead of ``precision``)."""
     check_quant_pool(pool)
     check_decode_args(q, pool.shape_proxy, block_tables, seq_lens, pool.layout, window, scale)

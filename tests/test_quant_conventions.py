@@ -163,7 +163,7 @@ def test_write_kernel_in_the_encode_form_stores_flashinfers_codes_and_scales(lay
     slots = torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(1))[: x.shape[0]]
     want = pool.to("cpu")
     quant_reference.append_paged_kv_quant(x, x, want, slots)
-    kernels.append_paged_kv_quant(x.to(DEV), x.to(DEV), pool, slots.to(DEV))
+    kernels.append_paged_kv_quant_pool(x.to(DEV), x.to(DEV), pool, slots.to(DEV))
     assert_same_pool(pool, want)
     _, want_scales = flashinfer_ref_fp4_quant(x.reshape(-1, 128), torch.tensor(gs, dtype=torch.float32))
     stored = pool.to("cpu").scales[:, 0]  # K's block scales
@@ -184,7 +184,7 @@ def test_kernel_mutant_with_the_suite_formula_under_encode_scales_fails_the_flas
     x = x[:64]
     pool = encode_pool("NHD", gs, gs)
     slots = torch.arange(x.shape[0])
-    bad.append_paged_kv_quant(x.to(DEV), x.to(DEV), pool, slots.to(DEV))
+    bad.append_paged_kv_quant(x.to(DEV), x.to(DEV), slot_mapping=slots.to(DEV), **pool.kernel_args())
     _, want_scales = flashinfer_ref_fp4_quant(x.reshape(-1, 128), torch.tensor(gs, dtype=torch.float32))
     got = pool.to("cpu").scales[:, 0].reshape(-1, 8)[: x.shape[0] * 2]
     assert int((got != want_scales.to(torch.float8_e4m3fn).view(torch.uint8)).sum()) == crafted
@@ -210,7 +210,7 @@ def test_decode_reads_an_encode_pool_with_the_reciprocal_of_the_encode_scale():
     k_dec = quant.nvfp4_decode_scale(global_scale_encode=float(pool.global_scale[0]))
     assert torch.equal(values[:, 0], quant.nvfp4_dequantize(pool.data[:, 0], pool.scales[:, 0], k_dec))
     want = quant_reference.paged_decode_attention_quant(q, pool, table, lens, precision="fp64")
-    got = kernels.paged_decode_attention_quant(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV))
+    got = kernels.paged_decode_attention_quant_pool(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV))
     result = verify.compare.compare(got, want, *FP32_TOL)
     assert result.passed, result
 
@@ -224,7 +224,8 @@ def test_kernel_mutant_reading_the_encode_scale_as_a_multiplier_fails_decode(tmp
     )
     q, pool, table, lens = encode_decode_case(encode_pool)
     want = quant_reference.paged_decode_attention_quant(q, pool, table, lens, precision="fp64")
-    got = bad.paged_decode_attention_quant(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV))
+    tables = {"block_tables": table.to(DEV), "seq_lens": lens.to(DEV)}
+    got = bad.paged_decode_attention_quant(q.to(DEV), **tables, **pool.to(DEV).kernel_args())
     assert not verify.compare.compare(got, want, *FP32_TOL).passed
 
 
@@ -264,7 +265,7 @@ def test_fp8_per_head_scales_pass_vllms_reshape_and_cache_flash_check(layout, dt
     key, value, slots, k_scale, v_scale, pool = vllm_per_head_case(layout, dtype)
     reference = pool.to("cpu")
     quant_reference.append_paged_kv_quant(key, value, reference, slots)
-    kernels.append_paged_kv_quant(key.to(DEV), value.to(DEV), pool, slots.to(DEV))
+    kernels.append_paged_kv_quant_pool(key.to(DEV), value.to(DEV), pool, slots.to(DEV))
     host = pool.to("cpu")
     page, row = slots // 16, slots % 16
     for kv, x, scale in ((0, key, k_scale), (1, value, v_scale)):
@@ -291,7 +292,7 @@ def test_fp8_per_head_decode_matches_the_reference():
         )
     q = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(4))
     want = quant_reference.paged_decode_attention_quant(q, pool, table, lens, precision="fp64")
-    got = kernels.paged_decode_attention_quant(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV), num_splits=2)
+    got = kernels.paged_decode_attention_quant_pool(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV), num_splits=2)
     assert verify.compare.compare(got, want, *FP32_TOL).passed
 
 
@@ -300,7 +301,7 @@ def test_kernel_mutant_using_head_0s_scale_for_every_head_fails_the_vllm_check(t
         quant_write, "gscale_ptr + kv * num_kv_heads + heads,", "gscale_ptr + kv * num_kv_heads + heads * 0,", tmp_path
     )
     key, value, slots, k_scale, _, pool = vllm_per_head_case("NHD", torch.bfloat16)
-    bad.append_paged_kv_quant(key.to(DEV), value.to(DEV), pool, slots.to(DEV))
+    bad.append_paged_kv_quant(key.to(DEV), value.to(DEV), slot_mapping=slots.to(DEV), **pool.kernel_args())
     got = vllm_dequantize(pool.to("cpu").data[:, 0], k_scale, "NHD")[slots // 16, slots % 16]
     with pytest.raises(AssertionError):
         torch.testing.assert_close(got, key.to(torch.float16), atol=0.001, rtol=0.1)
@@ -326,7 +327,7 @@ def test_fp8_per_token_mode_has_one_scale_per_token_across_heads_floored_at_1e_6
     slots = torch.tensor([3, 0, 7, 12, 9, 1, 5, 15, 2])
     want = pool.to("cpu")
     quant_reference.append_paged_kv_quant(x, -x, want, slots)
-    kernels.append_paged_kv_quant(x.to(DEV), (-x).to(DEV), pool, slots.to(DEV))
+    kernels.append_paged_kv_quant_pool(x.to(DEV), (-x).to(DEV), pool, slots.to(DEV))
     assert_same_pool(pool, want)
     scales = want.scales[:, 0].reshape(4, 4) if layout == "NHD" else want.scales[:, 0].reshape(4, 4)
     per_token = scales.flatten()[slots]
@@ -351,7 +352,7 @@ def test_fp8_per_token_mode_decode_matches_the_reference():
         )
     q = torch.randn(2, 6, 32, generator=gen)
     want = quant_reference.paged_decode_attention_quant(q, pool, table, lens, precision="fp64")
-    got = kernels.paged_decode_attention_quant(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV))
+    got = kernels.paged_decode_attention_quant_pool(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV))
     assert verify.compare.compare(got, want, *FP32_TOL).passed
 
 
@@ -367,7 +368,7 @@ def test_kernel_mutant_without_the_1e_6_floor_fails_the_per_token_check(tmp_path
     want = pool.to("cpu")
     slots = torch.arange(9)
     quant_reference.append_paged_kv_quant(x, x, want, slots)
-    bad.append_paged_kv_quant(x.to(DEV), x.to(DEV), pool, slots.to(DEV))
+    bad.append_paged_kv_quant(x.to(DEV), x.to(DEV), slot_mapping=slots.to(DEV), **pool.kernel_args())
     with pytest.raises(AssertionError, match="bytes of (data|scales) differ"):
         assert_same_pool(pool, want)
 
@@ -400,5 +401,5 @@ def test_a_per_head_pool_with_a_global_scale_of_the_wrong_shape_is_refused_befor
     pool.global_scale = torch.ones(2, device=DEV)
     k = torch.randn(2, 2, 32, device=DEV)
     with pytest.raises(ValueError, match="pool.global_scale must be a float32 tensor \\[2, 2\\]"):
-        kernels.append_paged_kv_quant(k, k, pool, torch.tensor([0, 1], device=DEV))
+        kernels.append_paged_kv_quant_pool(k, k, pool, torch.tensor([0, 1], device=DEV))
     assert pool.data.eq(0).all()

@@ -117,7 +117,7 @@ def test_append_codes_and_scales_equal_the_reference_bit_for_bit(fmt, head_dim, 
     slots[[3, 9]] = -1
     want = pool.to("cpu")
     quant_reference.append_paged_kv_quant(k, v, want, slots)
-    kernels.append_paged_kv_quant(k.to(DEV), v.to(DEV), pool, slots.to(DEV))
+    kernels.append_paged_kv_quant_pool(k.to(DEV), v.to(DEV), pool, slots.to(DEV))
     assert_same_pool(pool, want)
 
 
@@ -136,8 +136,8 @@ def test_csr_append_through_a_ring_window_with_v_tails_equals_the_reference():
         args = (batch, pos, indices, indptr)
         quant_reference.append_paged_kv_quant_csr(k, v, want, *args, window=window)
         quant_reference.zero_paged_v_tail_quant(want, indptr, indices, last)
-        kernels.append_paged_kv_quant_csr(k.to(DEV), v.to(DEV), pool, *(t.to(DEV) for t in args), window=window)
-        kernels.zero_paged_v_tail_quant(pool, indptr.to(DEV), indices.to(DEV), last.to(DEV))
+        kernels.append_paged_kv_quant_csr_pool(k.to(DEV), v.to(DEV), pool, *(t.to(DEV) for t in args), window=window)
+        kernels.zero_paged_v_tail_quant_pool(pool, indptr.to(DEV), indices.to(DEV), last.to(DEV))
         assert_same_pool(pool, want)
         assert pool.to("cpu").rows(5, 1)[1:].eq(0).all()  # request 1's V tail reads 0, not NaN
 
@@ -159,7 +159,7 @@ def test_rope_then_quantize_equals_quantizing_the_rotation_the_write_kernel_stor
     )
     pool = make_pool(fmt, 3, 4, heads, d)
     q_quant = q.to(DEV).clone()
-    kernels.append_paged_kv_quant(
+    kernels.append_paged_kv_quant_pool(
         k.to(DEV), v.to(DEV), pool, slots.to(DEV), rope=rope, positions=pos.to(DEV), q=q_quant
     )
     keep = slots >= 0
@@ -186,11 +186,11 @@ def test_csr_entry_point_stores_the_same_rope_codes_as_the_slot_entry_point():
     window = RingWindow(9, 1, 4)  # request 0 has wrapped its ring many times
     slots = formats.csr_slot_mapping(batch, pos, indices, indptr, 4, window, 6)
     by_slot, by_csr = make_pool("nvfp4", 6, 4, 2, 64), make_pool("nvfp4", 6, 4, 2, 64)
-    kernels.append_paged_kv_quant(
+    kernels.append_paged_kv_quant_pool(
         k.to(DEV), v.to(DEV), by_slot, slots.to(DEV), rope="gptj", positions=pos.clamp(min=0).to(DEV)
     )
     args = (t.to(DEV) for t in (batch, pos, indices, indptr))
-    kernels.append_paged_kv_quant_csr(k.to(DEV), v.to(DEV), by_csr, *args, window=window, rope="gptj")
+    kernels.append_paged_kv_quant_csr_pool(k.to(DEV), v.to(DEV), by_csr, *args, window=window, rope="gptj")
     assert_same_pool(by_csr, by_slot)
     assert by_csr.data.count_nonzero() > 0
 
@@ -208,7 +208,7 @@ def test_append_with_zero_v_tail_in_a_poisoned_pool_leaves_no_nan_to_read():
         k, v = torch.randn(13, 1, 32, generator=gen), torch.randn(13, 1, 32, generator=gen)
         want = pool.to("cpu")
         quant_reference.append_paged_kv_quant(k, v, want, slots, zero_v_tail=csr)
-        kernels.append_paged_kv_quant(
+        kernels.append_paged_kv_quant_pool(
             k.to(DEV), v.to(DEV), pool, slots.to(DEV), zero_v_tail=tuple(t.to(DEV) for t in csr)
         )
         assert_same_pool(pool, want)
@@ -227,14 +227,14 @@ def test_bad_arguments_raise_naming_them_before_anything_is_written():
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
-            kernels.append_paged_kv_quant(*args)
+            kernels.append_paged_kv_quant_pool(*args)
         assert pool.data.eq(0).all() and pool.scales.eq(0).all()
     with pytest.raises(ValueError, match="rope"):
-        kernels.append_paged_kv_quant(k, k, pool, torch.tensor([0, 1], device=DEV), rope="xpos", positions=None)
+        kernels.append_paged_kv_quant_pool(k, k, pool, torch.tensor([0, 1], device=DEV), rope="xpos", positions=None)
     view = make_pool("nvfp4", 2, 4, 1, 32)
     view.scales = view.data[..., :2]  # codes and scales in the same bytes
     with pytest.raises(ValueError, match="overlaps"):
-        kernels.append_paged_kv_quant(k, k, view, torch.tensor([0, 1], device=DEV))
+        kernels.append_paged_kv_quant_pool(k, k, view, torch.tensor([0, 1], device=DEV))
 
 
 def test_a_global_scale_inside_the_scale_pool_is_refused_before_anything_is_written():
@@ -247,7 +247,7 @@ def test_a_global_scale_inside_the_scale_pool_is_refused_before_anything_is_writ
     before = pool.scales.clone()
     k = torch.randn(2, 1, 32, device=DEV)
     with pytest.raises(ValueError, match="pool.global_scale overlaps the memory of pool.scales"):
-        kernels.append_paged_kv_quant(k, k, pool, torch.tensor([0, 1], device=DEV))
+        kernels.append_paged_kv_quant_pool(k, k, pool, torch.tensor([0, 1], device=DEV))
     assert torch.equal(pool.scales, before) and pool.data.eq(0).all()
 
 
@@ -258,19 +258,21 @@ def test_an_index_tensor_inside_the_pool_is_refused_before_anything_is_written()
     before = pool.data.clone()
     k = torch.randn(2, 1, 32, device=DEV)
     with pytest.raises(ValueError, match="slot_mapping overlaps the memory of pool.data"):
-        kernels.append_paged_kv_quant(k, k, pool, slots)
+        kernels.append_paged_kv_quant_pool(k, k, pool, slots)
     assert torch.equal(pool.data, before)
 
 
 def test_a_plan_runs_again_only_on_a_pool_of_the_same_format_and_shape():
     pool = make_pool("fp8_token", 2, 4, 1, 32)
     k = torch.randn(3, 1, 32, device=DEV)
-    plan = kernels.plan_append_quant(k, k, pool, torch.tensor([0, 5, 2], device=DEV))
+    args = pool.kernel_args()
+    plan = kernels.plan_append_quant(k, k, slot_mapping=torch.tensor([0, 5, 2], device=DEV), **args)
     other = make_pool("fp8_token", 2, 4, 1, 32)
-    kernels.run_append_quant(plan, k, k, other)
+    kernels.run_append_quant(plan, k, k, other.data, other.scales, other.global_scale)
     assert other.scales.count_nonzero() == 2 * 3  # K and V scale of 3 rows
+    fp8 = make_pool("fp8", 2, 4, 1, 32)
     with pytest.raises(ValueError, match="plan was made for"):
-        kernels.run_append_quant(plan, k, k, make_pool("fp8", 2, 4, 1, 32))
+        kernels.run_append_quant(plan, k, k, fp8.data, fp8.scales, fp8.global_scale)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -308,12 +310,14 @@ def test_decode_matches_the_reference_over_the_dequantized_pool(fmt, layout, pag
     seq_lens = torch.tensor(lens)
     want = quant_reference.paged_decode_attention_quant(q, pool, table, seq_lens, precision="fp64")
     dev_pool = pool.to(DEV)
-    got = kernels.paged_decode_attention_quant(q.to(DEV), dev_pool, table.to(DEV), seq_lens.to(DEV), num_splits=splits)
+    got = kernels.paged_decode_attention_quant_pool(
+        q.to(DEV), dev_pool, table.to(DEV), seq_lens.to(DEV), num_splits=splits
+    )
     result = verify.compare.compare(got, want, *verify.TOLERANCES[dtype])
     assert result.passed, result
     assert_same_pool(dev_pool, pool)  # a decode only reads
     csr = formats.block_table_to_csr(table, seq_lens, page_size)
-    got_csr = kernels.paged_decode_attention_quant_csr(
+    got_csr = kernels.paged_decode_attention_quant_csr_pool(
         q.to(DEV), dev_pool, *(t.to(DEV) for t in csr), num_splits=splits
     )
     assert verify.compare.compare(got_csr, want, *verify.TOLERANCES[dtype]).passed
@@ -326,7 +330,7 @@ def test_decode_through_a_wrapped_ring_window_matches_the_reference():
     q = torch.randn(2, 2, 32, generator=gen)
     lens = torch.tensor([75, 9])
     want = quant_reference.paged_decode_attention_quant(q, pool, table, lens, window=window, precision="fp64")
-    got = kernels.paged_decode_attention_quant(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV), window=window)
+    got = kernels.paged_decode_attention_quant_pool(q.to(DEV), pool.to(DEV), table.to(DEV), lens.to(DEV), window=window)
     assert verify.compare.compare(got, want, *FP32_TOL).passed
 
 
@@ -334,9 +338,11 @@ def test_decode_refuses_a_bad_table_and_a_float64_query_by_name():
     pool = make_pool("fp8", 2, 4, 1, 32)
     q = torch.randn(1, 1, 32, device=DEV)
     with pytest.raises(ValueError, match="block_tables\\[0, 0\\]=7"):
-        kernels.paged_decode_attention_quant(q, pool, torch.tensor([[7]], device=DEV), torch.tensor([2], device=DEV))
+        kernels.paged_decode_attention_quant_pool(
+            q, pool, torch.tensor([[7]], device=DEV), torch.tensor([2], device=DEV)
+        )
     with pytest.raises(ValueError, match="q.dtype"):
-        kernels.paged_decode_attention_quant(
+        kernels.paged_decode_attention_quant_pool(
             q.double(), pool, torch.tensor([[0]], device=DEV), torch.tensor([2], device=DEV)
         )
 
@@ -361,17 +367,27 @@ def mutant(module, old: str, new: str, tmp_path):
     return mod
 
 
+def on_pool(module):
+    """A mutated ``kernels.quant_write``'s append with the harness's signature, on a pool
+    object (as ``kernels.append_paged_kv_quant_pool`` does for the real one)."""
+
+    def append(k, v, pool, slot_mapping, **options):
+        return module.append_paged_kv_quant(k, v, slot_mapping=slot_mapping, **pool.kernel_args(), **options)
+
+    return append
+
+
 def test_kernel_mutant_quantizing_with_the_unrounded_block_scale_fails_quant_append(tmp_path):
     bad = mutant(quant_write, "den = fp8_decode(sf8) * gs", "den = tl.math.div_rn(amax, gs * 6.0) * gs", tmp_path)
     case = {"format": "nvfp4", "layout": "HND", "dtype": "bf16", "head_dim": 64, "page_size": 5, "num_tokens": 45,
             "num_kv_heads": 1, "padding": 3, "specials": False, "noncontiguous": False}  # fmt: skip
-    assert verify.quant_append_case(kernels.append_paged_kv_quant, case).passed
-    result = verify.quant_append_case(bad.append_paged_kv_quant, case)
+    assert verify.quant_append_case(kernels.append_paged_kv_quant_pool, case).passed
+    result = verify.quant_append_case(on_pool(bad), case)
     assert not result.passed and "codes differ" in result.detail
 
 
 def test_kernel_mutant_sharing_one_global_scale_fails_quant_scales(tmp_path):
     # (The unmutated kernel passes this check in test_quant_verify.)
     bad = mutant(quant_write, "gs = tl.load(gscale_ptr + kv)", "gs = tl.load(gscale_ptr + 1)", tmp_path)
-    result = verify.check_quant_scales(bad.append_paged_kv_quant, kernels.paged_decode_attention_quant, set())
+    result = verify.check_quant_scales(on_pool(bad), kernels.paged_decode_attention_quant_pool, set())
     assert not result.passed and "nvfp4 K" in result.detail

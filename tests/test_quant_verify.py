@@ -9,7 +9,7 @@ from pagedkv_lib import faults, quant_reference, verify
 QUANT_CAUGHT_BY = {"nvfp4_unrounded_scale": "quant_append", "shared_kv_scale": "quant_scales"}
 IMPLEMENTATIONS = {
     "reference": (quant_reference.append_paged_kv_quant, quant_reference.paged_decode_attention_quant),
-    "kernels": (kernels.append_paged_kv_quant, kernels.paged_decode_attention_quant),
+    "kernels": (kernels.append_paged_kv_quant_pool, kernels.paged_decode_attention_quant_pool),
 }
 
 
@@ -50,13 +50,16 @@ def test_failing_quantized_case_repro_line_replays_the_failure():
     failure = report.failures[0]
     assert (
         "verify.run_case('quant_append'" in failure.repro
-        and "kernels.quant_write:append_paged_kv_quant" in failure.repro
+        and "kernels.quant_pool_entry:append_paged_kv_quant_pool" in failure.repro
     )
     again = verify.run_case(
-        failure.check, failure.case, quant_append_fn="kernels.quant_write:append_paged_kv_quant", faults=failure.faults
+        failure.check,
+        failure.case,
+        quant_append_fn="kernels.quant_pool_entry:append_paged_kv_quant_pool",
+        faults=failure.faults,
     )
     assert again.passed is False
-    assert verify.run_case(failure.check, failure.case, quant_append_fn=kernels.append_paged_kv_quant).passed
+    assert verify.run_case(failure.check, failure.case, quant_append_fn=kernels.append_paged_kv_quant_pool).passed
 
 
 def test_run_case_names_the_missing_quantized_callable():

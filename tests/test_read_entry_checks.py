@@ -72,7 +72,7 @@ def mla_args():
 
 
 def _quant_kernel(pool, **a):
-    return kernels.paged_decode_attention_quant(pool=pool.to(DEV), **_dev(a))
+    return kernels.paged_decode_attention_quant_pool(pool=pool.to(DEV), **_dev(a))
 
 
 # (name, arguments, kernel call, reference call): the references take host tensors.
@@ -113,7 +113,7 @@ def test_a_quantized_pool_whose_global_scale_is_on_the_meta_device_is_refused_by
     pool = a.pop("pool")
     pool.global_scale = pool.global_scale.to("meta")
     with pytest.raises(ValueError, match="pool.global_scale is on the meta device"):
-        kernels.paged_decode_attention_quant(pool=pool, **_dev(a))
+        kernels.paged_decode_attention_quant_pool(pool=pool, **_dev(a))
     with pytest.raises(ValueError, match="pool.global_scale is on the meta device"):
         quant_reference.paged_decode_attention_quant(pool=pool, **a)
 

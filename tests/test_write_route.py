@@ -83,7 +83,7 @@ def _mha_call():
 def _quant_call():
     pool = QuantizedKVPool(3, 4, 2, 16, "fp8", "NHD", DEV, scale_mode="token")
     k, v, q = torch.randn(3, 2, 16, device=DEV), torch.randn(3, 2, 16, device=DEV), torch.randn(3, 4, 16, device=DEV)
-    args = (k, v, pool, torch.tensor([4, 9, 5], device=DEV))
+    args = (k, v, pool.data, pool.scales, pool.global_scale, torch.tensor([4, 9, 5], device=DEV), "fp8", "token")
     kwargs = dict(rope="gptj", positions=torch.tensor([0, 5, 1], device=DEV), q=q)
     return quant_write.plan_append_quant, quant_write.append_paged_kv_quant, args, kwargs
 

@@ -155,11 +155,11 @@ plt.show()
 # `sf = 86.67` is not an FP8 value; E4M3 has steps of 8 between 64 and 128, so the
 # stored scale is 88. Reading back multiplies each code by `88 * 0.01`. The Triton write
 # kernel must produce exactly these bytes. One token with this block as its first head
-# feature block, written by `kernels.append_paged_kv_quant`:
+# feature block, written by `kernels.append_paged_kv_quant_pool`:
 
 # %%
 pool = QuantizedKVPool(1, 1, 1, 16, "nvfp4", device=DEV, k_scale=gs, v_scale=gs)
-kernels.append_paged_kv_quant(
+kernels.append_paged_kv_quant_pool(
     block.view(1, 1, 16).to(DEV), block.view(1, 1, 16).to(DEV), pool, torch.tensor([0], device=DEV)
 )
 print(
@@ -229,7 +229,7 @@ pools = {}
 for label, kv_dtype, mode in (("fp8", "fp8", "tensor"), ("fp8 token", "fp8", "token"), ("nvfp4", "nvfp4", "block")):
     scales = {"k_scale": quant.global_scale_for(k_true, kv_dtype), "v_scale": quant.global_scale_for(v, kv_dtype)}
     pool = QuantizedKVPool(18, ps, heads, dim, kv_dtype, device=DEV, scale_mode=mode, **scales)
-    kernels.append_paged_kv_quant(k_raw.to(DEV), v.to(DEV), pool, slots.to(DEV), **rope)
+    kernels.append_paged_kv_quant_pool(k_raw.to(DEV), v.to(DEV), pool, slots.to(DEV), **rope)
     pools[label] = pool
     stored[label] = (pool.read_slots(slots, 0), pool.read_slots(slots, 1))
 
@@ -340,7 +340,7 @@ assert worst_bad > 1, f"the faulty writer uses at most {worst_bad:.2f} of the bo
 
 # %%
 report = verify.run(
-    quant_append_fn=kernels.append_paged_kv_quant, faults={"nvfp4_unrounded_scale"}, checks=("quant_append",)
+    quant_append_fn=kernels.append_paged_kv_quant_pool, faults={"nvfp4_unrounded_scale"}, checks=("quant_append",)
 )
 print(report.summary())
 print(report.failures[0].detail)
@@ -399,9 +399,9 @@ for fmt in choices:
 # breaks it:
 
 # %%
-ok = verify.check_quant_scales(kernels.append_paged_kv_quant, kernels.paged_decode_attention_quant, set())
+ok = verify.check_quant_scales(kernels.append_paged_kv_quant_pool, kernels.paged_decode_attention_quant_pool, set())
 broken = verify.check_quant_scales(
-    kernels.append_paged_kv_quant, kernels.paged_decode_attention_quant, {"shared_kv_scale"}
+    kernels.append_paged_kv_quant_pool, kernels.paged_decode_attention_quant_pool, {"shared_kv_scale"}
 )
 print(f"separate scales: {'pass' if ok.passed else 'FAIL'}; one scale: {'pass' if broken.passed else 'FAIL'}")
 print(broken.detail)
@@ -505,7 +505,7 @@ oracle = verify.scenarios.attention_oracle
 truth = torch.stack([oracle(q[b].double(), k_true[batch == b], v[batch == b].double(), range(64)) for b in range(4)])
 outs = {"bf16": kernels.paged_decode_attention(q.bfloat16().to(DEV), bf16, table.to(DEV), seq_lens.to(DEV))}
 for label, pool in pools.items():
-    outs[label] = kernels.paged_decode_attention_quant(q.to(DEV), pool, table.to(DEV), seq_lens.to(DEV))
+    outs[label] = kernels.paged_decode_attention_quant_pool(q.to(DEV), pool, table.to(DEV), seq_lens.to(DEV))
     want = quant_reference.paged_decode_attention_quant(q, pool.to("cpu"), table, seq_lens, precision="fp64")
     check = verify.compare.compare(outs[label], want, *verify.TOLERANCES[torch.float32])
     assert check.passed, f"{label}: the decode kernel is off the reference by {check.max_abs:.2e} at {check.worst}"
@@ -555,14 +555,17 @@ for name, x in (("K", k_true.float()), ("V", v)):
 # ## 7. The harness on the quantized kernels
 #
 # `pagedkv_lib.verify` runs the quantized family on any pair of callables with the
-# signatures of `kernels.append_paged_kv_quant` and `kernels.paged_decode_attention_quant`:
+# signatures of `kernels.append_paged_kv_quant_pool` and `kernels.paged_decode_attention_quant_pool`:
 # `quant_append` (codes and scales bit for bit over FP8 per tensor, per token and NVFP4,
 # both layouts, page sizes 1/5/16, padding slots, zeros, NaN, ±inf, out-of-range and
 # subnormal inputs), `quant_decode` (NaN-poisoned pools, GQA, splits, a ring window)
 # and `quant_scales`.
 
 # %%
-fns = {"quant_append_fn": kernels.append_paged_kv_quant, "quant_decode_fn": kernels.paged_decode_attention_quant}
+fns = {
+    "quant_append_fn": kernels.append_paged_kv_quant_pool,
+    "quant_decode_fn": kernels.paged_decode_attention_quant_pool,
+}
 report = verify.run(**fns, checks=verify.QUANT_CHECKS)
 print(report.summary())
 assert report.passed, f"the suite's quantized kernels failed the harness:\n{report}"

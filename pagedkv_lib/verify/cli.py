@@ -24,8 +24,8 @@ _HELP = {
     "prefill_fn": "your prefill attention, ragged queries (kernels.paged_prefill_attention)",
     "mla_append_fn": "your MLA latent append (kernels.append_paged_mla_kv)",
     "mla_decode_fn": "your MLA absorbed decode (kernels.mla_decode_attention)",
-    "quant_append_fn": "your FP8/NVFP4 append (kernels.append_paged_kv_quant)",
-    "quant_decode_fn": "your FP8/NVFP4 decode (kernels.paged_decode_attention_quant)",
+    "quant_append_fn": "your FP8/NVFP4 append (kernels.append_paged_kv_quant_pool)",
+    "quant_decode_fn": "your FP8/NVFP4 decode (kernels.paged_decode_attention_quant_pool)",
     "indexer_scatter_fn": "your indexer-K cache scatter (kernels.indexer_k_cache_scatter)",
     "block_copy_fn": "your multi-layer block copy (kernels.copy_paged_blocks)",
 }

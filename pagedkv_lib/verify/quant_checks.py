@@ -2,14 +2,14 @@
 scales of K and V each fitted to its own range.
 
 * ``quant_append``: a quantized append (``fn(k, v, pool, slot_mapping)`` with the
-  signature of ``kernels.append_paged_kv_quant``) must write the codes and scales of
+  signature of ``kernels.append_paged_kv_quant_pool``) must write the codes and scales of
   :mod:`pagedkv_lib.quant_reference` bit for bit, over FP8 per tensor, FP8 per token
   and NVFP4, both layouts, page sizes 1/5/16, head dims 64/128, padding slots and
   inputs holding zeros, NaN, +-inf, values past the format's range and subnormals; the
   rest of the pool and ``k``/``v`` must be left as they were. The fault
   ``nvfp4_unrounded_scale`` fails it.
 * ``quant_decode``: a quantized decode (``fn(q, pool, block_tables, seq_lens)`` as
-  ``kernels.paged_decode_attention_quant``, optionally ``num_splits=`` and
+  ``kernels.paged_decode_attention_quant_pool``, optionally ``num_splits=`` and
   ``window=``) must match the float64 reference decode over the dequantized pool by
   the fp32 pass rule of :data:`.compare.TOLERANCES` (the dequantized values are
   exact), in a NaN-poisoned pool, and leave the pool and ``q`` unchanged.

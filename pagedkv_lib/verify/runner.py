@@ -334,8 +334,8 @@ def run(
       qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``);
     * ``mla_append_fn`` / ``mla_decode_fn``: those of ``kernels.append_paged_mla_kv`` and
       ``kernels.mla_decode_attention`` (:mod:`.mla_checks`);
-    * ``quant_append_fn`` / ``quant_decode_fn``: those of ``kernels.append_paged_kv_quant``
-      and ``kernels.paged_decode_attention_quant`` (:mod:`.quant_checks`);
+    * ``quant_append_fn`` / ``quant_decode_fn``: those of ``kernels.append_paged_kv_quant_pool``
+      and ``kernels.paged_decode_attention_quant_pool`` (:mod:`.quant_checks`);
     * ``indexer_scatter_fn`` / ``block_copy_fn``: those of ``kernels.indexer_k_cache_scatter``
       and ``kernels.copy_paged_blocks`` (:mod:`.indexer_cases`).
 
