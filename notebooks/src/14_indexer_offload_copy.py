@@ -191,16 +191,18 @@ before = pool.arena.clone()
 expected = IndexerKPool(4, BLOCK, HEAD_DIM, num_layers=LAYERS, pad=PAD, fill=0)
 expected.arena = before.clone()
 scatter_indexer_k(expected.cache(LAYER), codes, scales, slot_fp8, slot_scale)
-pool.arena = pool.arena.to(DEV)
-kernels.indexer_k_cache_scatter(pool.cache(LAYER), *(t.to(DEV) for t in (codes, scales, slot_fp8, slot_scale)))
-written = pool.arena.cpu()
+kernel_pool = IndexerKPool(4, BLOCK, HEAD_DIM, num_layers=LAYERS, pad=PAD, fill=0)
+kernel_pool.arena = before.clone().to(DEV)  # the same bytes, for the kernel to write into
+kernel_view = kernel_pool.cache(LAYER)
+kernels.indexer_k_cache_scatter(kernel_view, *(t.to(DEV) for t in (codes, scales, slot_fp8, slot_scale)))
+written = kernel_pool.arena.cpu()
 changed = int((written != before).sum())
 print(
     f"{changed} of {written.numel()} arena bytes changed; kernel == reference: {torch.equal(written, expected.arena)}"
 )
 assert torch.equal(written, expected.arena), "the Triton scatter and the reference disagree somewhere in the arena"
 real = slot_fp8 >= 0
-got_codes, got_scales = read_indexer_k(pool.cache(LAYER).cpu(), slot_fp8[real], slot_scale[real], HEAD_DIM)
+got_codes, got_scales = read_indexer_k(kernel_view.cpu(), slot_fp8[real], slot_scale[real], HEAD_DIM)
 assert torch.equal(got_codes, codes[real]), "the codes read back differ from the codes written"
 assert torch.equal(bits(got_scales), bits(scales[real])), "the scales read back differ from the scales written"
 assert scales[3] == 0 and not got_codes[3].any(), "an all-zero key must be stored with scale 0 and zero codes"
@@ -251,7 +253,7 @@ plt.show()
 # %%
 q = torch.randn(2, HEAD_DIM, generator=gen)
 w = torch.tensor([1.0, 0.5])
-pick = indexer_topk(q, w, pool.cache(LAYER).cpu(), table[0], 7, HEAD_DIM, top_k=3)
+pick = indexer_topk(q, w, kernel_view.cpu(), table[0], 7, HEAD_DIM, top_k=3)
 pick_ref = indexer_topk(q, w, expected.cache(LAYER), table[0], 7, HEAD_DIM, top_k=3)
 print("scores by position:", [round(float(s), 2) for s in pick.scores])
 print(f"top 3 tokens {pick.tokens.tolist()} in blocks {pick.blocks.tolist()}")
@@ -350,7 +352,7 @@ print(f"weights from {loaded.path}: {'converted now' if loaded.converted else 'c
 # %% [markdown]
 # `serve` runs the requests step by step, and after every step notes how many blocks
 # each level holds (`viz.pool_levels`) and which steps offloaded or restored a block.
-# It runs once without a secondary pool and once with one of 6 blocks.
+# It runs once without a secondary pool and once with one of `OFFLOAD_BLOCKS = 6` blocks.
 
 
 # %%
@@ -377,7 +379,8 @@ def serve(offload_blocks):
     return engine, levels, events
 
 
-runs = {blocks: serve(blocks) for blocks in (0, 6)}
+OFFLOAD_BLOCKS = 6
+runs = {blocks: serve(blocks) for blocks in (0, OFFLOAD_BLOCKS)}
 for blocks, (engine, _, _) in runs.items():
     print(f"secondary pool of {blocks} blocks: {engine.stats.computed_prefill_tokens} prompt tokens computed")
     for line in default_stats_lines(engine)[1:-1]:
@@ -395,7 +398,7 @@ for blocks, (engine, _, _) in runs.items():
     compared = sum(v.compared for v in report.verdicts)
     print(f"secondary pool of {blocks} blocks: {'PASS' if report.ok else 'FAIL'}, {compared} tokens compared")
     assert report.ok, "the engine differs from transformers:\n" + "\n".join(report.lines(tokenizer))
-plain, offloaded = runs[0][0], runs[6][0]
+plain, offloaded = runs[0][0], runs[OFFLOAD_BLOCKS][0]
 assert plain.outputs() == offloaded.outputs(), "offload changed a generated token"
 for seq_id, seq in offloaded.sequences.items():
     print(f"{seq_id}: {tokenizer.decode(seq.output_ids)!r}")
@@ -414,12 +417,12 @@ assert plain.sequences["r2"].num_cached_tokens == 0, "without a secondary pool, 
 # room) and the step that admits r2 restores the three that hold the system prompt.
 
 # %%
-_, levels, events = runs[6]
+_, levels, events = runs[OFFLOAD_BLOCKS]
 admit_r2 = next(r.step for r in offloaded.history if "r2" in r.admitted)
 assert events["restore"] == [admit_r2], f"the restores should all happen when r2 is admitted (step {admit_r2})"
-assert all(sum(lv[:3]) == 8 and sum(lv[3:]) == 6 for lv in levels), "a level lost or gained blocks"
+assert all(sum(lv[:3]) == 8 and sum(lv[3:]) == OFFLOAD_BLOCKS for lv in levels), "a level lost or gained blocks"
 assert max(lv.secondary_used for lv in levels) >= 4, "r0's four cached pages should all reach the secondary pool"
-viz.plot_pool_levels(levels, events, "two-level pool: 8 primary and 6 secondary blocks of 16 tokens")
+viz.plot_pool_levels(levels, events, f"two-level pool: 8 primary, {OFFLOAD_BLOCKS} secondary blocks of 16 tokens")
 plt.show()
 
 # %% [markdown]
@@ -437,9 +440,9 @@ plt.show()
 page_bytes = offloaded.kv[:, 0].nbytes
 cost = {
     "no secondary pool": (plain.stats.computed_prefill_tokens, 0),
-    "6 secondary blocks": (offloaded.stats.computed_prefill_tokens, moved.bytes_moved),
+    f"{OFFLOAD_BLOCKS} secondary blocks": (offloaded.stats.computed_prefill_tokens, moved.bytes_moved),
 }
-saved = cost["no secondary pool"][0] - cost["6 secondary blocks"][0]
+saved = plain.stats.computed_prefill_tokens - offloaded.stats.computed_prefill_tokens
 print(f"one block: {page_bytes:,} bytes; {moved.offloads} offloads + {moved.restores} restores")
 print(f"prefill tokens saved: {saved}; bytes restored per token saved: {moved.restores * page_bytes // saved:,}")
 assert moved.bytes_moved == (moved.offloads + moved.restores) * page_bytes, "every copy moves exactly one block"
@@ -490,18 +493,20 @@ assert torch.equal(bits(fresh_kernel.cpu()), bits(fresh)), "the kernel's restore
 #
 # ## Try this
 #
-# 1. **Predict, then run:** in section 1 set `LAYERS, PAD, LAYER = 1, 0, 0`. Which picture
-#    will the contiguous-pool kernel's panel look like? The `hit_layers` assert then
-#    fails: say why it should.
+# 1. **Predict, then run:** in section 1 set `LAYERS, PAD, LAYER = 1, 0, 0`. The first
+#    assert to fail says the view is contiguous now: why? Remove it and run on. What
+#    will the contiguous-pool kernel's panel look like, and why does the `hit_layers`
+#    assert fail?
 # 2. Change the block copy's `n_tokens` to `[4, 0]`, then to `[5, 0]`. Predict which rows
 #    turn green in the first case, and what the second one does (the reference's error
 #    names the argument).
-# 3. Give the secondary pool 2 blocks instead of 6 (`runs = {blocks: serve(blocks) for
-#    blocks in (0, 2)}`, and `runs[2]` below). How many of r0's pages survive, how many
-#    are dropped, and how many prefill tokens are saved? The asserts on 3 restores and 48
-#    tokens will tell you whether you were right.
+# 3. Set `OFFLOAD_BLOCKS = 2`. Predict how many of r0's four pages reach the secondary
+#    pool, how many are dropped (its least recently used block goes first; a finished
+#    request's last block is evicted first), how many come back and how many prefill
+#    tokens are saved. The asserts on 3 restores and 48 tokens tell you whether you were
+#    right.
 # 4. Make the pool 9 pages instead of 8 in `serve`: does r1 still evict the whole system
-#    prompt?
+#    prompt? Which of r2's pages are then hits in the primary pool, and which restores?
 #
 # ## In real systems
 #
