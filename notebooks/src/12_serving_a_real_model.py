@@ -385,5 +385,6 @@ assert where == ("r0", 1), f"the bug should be caught at r0's first decoded toke
 # * Hugging Face transformers: `GenerationMixin.generate` (the oracle here), which keeps
 #   its own contiguous cache per request.
 #
-# **Next:** back to the start, [01 · The KV-cache memory formula](01_memory_formula.ipynb),
-# or the index in [README.md](README.md).
+# **Next:** [14 · The indexer-K cache, a two-level pool and the block copy](14_indexer_offload_copy.ipynb),
+# where this model's shared system prompt is evicted, offloaded and restored; or the index
+# in [README.md](README.md).

@@ -21,6 +21,8 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
 - :mod:`.quant`: quantized KV: the E2M1 grid, error histograms and bars.
 - :mod:`.conformance`: a conformance report's margins by the pass rule.
 - :mod:`.source`: a fault's wrong line, as a diff of the correct and the faulty part.
+- :mod:`.write_path`: the write path's extras: the bytes an indexer-K scatter wrote in a
+  segmented arena, the rows a block copy moved, a two-level pool over an engine run.
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ from .style import (
     is_integer,
     sequence_colors,
     use_style,
+)
+from .write_path import (
+    COPY_ROWS,
+    INDEXER_BYTES,
+    IndexerByteMap,
+    PoolLevels,
+    block_copy_rows,
+    indexer_byte_map,
+    plot_block_copy,
+    plot_indexer_bytes,
+    plot_offload_cost,
+    plot_pool_levels,
+    pool_levels,
 )
 
 __all__ = [
@@ -110,4 +125,16 @@ __all__ = [
     "fault_diff",
     "marked_source",
     "show_fault",
+    # the write path's extras: indexer-K bytes, block copies, a two-level pool
+    "INDEXER_BYTES",
+    "IndexerByteMap",
+    "indexer_byte_map",
+    "plot_indexer_bytes",
+    "COPY_ROWS",
+    "block_copy_rows",
+    "plot_block_copy",
+    "PoolLevels",
+    "pool_levels",
+    "plot_pool_levels",
+    "plot_offload_cost",
 ]
