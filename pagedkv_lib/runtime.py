@@ -158,7 +158,7 @@ def _poisoning() -> bool:
     return poison is not None and poison.enabled()
 
 
-NO_TRITON = "no Triton: notebooks 06-12 need Linux (WSL, a container or a hosted notebook)"
+NO_TRITON = "no Triton: notebooks 06 and later need Linux (WSL, a container or a hosted notebook)"
 
 
 class TritonMissing(RuntimeError):

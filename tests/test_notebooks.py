@@ -115,13 +115,13 @@ def test_kernel_notebooks_stop_with_a_sentence_without_triton(name):
     code = f"import sys\nsys.modules['triton'] = None\n{first}"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "notebooks")
     assert result.returncode != 0, "the first cell ran on without Triton"
-    assert "TritonMissing: no Triton: notebooks 06-12 need Linux" in result.stderr, result.stderr[-500:]
+    assert "TritonMissing: no Triton: notebooks 06 and later need Linux" in result.stderr, result.stderr[-500:]
 
 
 def test_without_triton_the_backend_line_says_so_and_pure_notebooks_run():
     """Simulates a macOS/Windows learner (no Triton) with a ``sys.modules['triton'] = None``
     shim in the kernel's ``sitecustomize``: notebook 01 runs, and its backend line says why
-    06-12 won't; notebook 06 stops in its first cell with the sentence, not a traceback."""
+    06 and later won't; notebook 06 stops in its first cell with the sentence, not a traceback."""
     import nbformat
     from build_notebooks import NotebookFailed, execute
 
@@ -136,10 +136,10 @@ def test_without_triton_the_backend_line_says_so_and_pure_notebooks_run():
         nb.cells = nb.cells[: first_code + 1]
         execute(nb, ROOT / "notebooks", NAMES[0])
         text = "".join(o.get("text", "") for o in nb.cells[first_code].outputs)
-        assert "backend: no Triton: notebooks 06-12 need Linux (WSL, a container or a hosted notebook)" in text
+        assert "backend: no Triton: notebooks 06 and later need Linux (WSL, a container or a hosted notebook)" in text
         kernel_nb = next(n for n in NAMES if _needs_triton(n))
         nb = nbformat.read(ROOT / "notebooks" / f"{kernel_nb}.ipynb", as_version=4)
-        with pytest.raises(NotebookFailed, match="no Triton: notebooks 06-12 need Linux"):
+        with pytest.raises(NotebookFailed, match="no Triton: notebooks 06 and later need Linux"):
             execute(nb, ROOT / "notebooks", kernel_nb)
         error = next(o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error")
         assert error["ename"] == "TritonMissing" and len(error["traceback"]) == 1, "a traceback, not a sentence"
