@@ -327,6 +327,34 @@ def _run_mla_latent() -> None:
             mla_latent.mla_latent_attention_csr(q_nope, q_pe, ckv, kpe, qo, kv_indptr, kv_indices, kv_len, 0.07)
 
 
+def _run_read_options() -> None:
+    """The read options the verify grid leaves out, at the benchmarks' shapes, recorded dry:
+    FlashInfer's CSR tables for decode and prefill, the base-2 LSE outputs
+    (``return_lse``), non-causal prefill, the states' merge with its LSE
+    (``merge_states``) and cascade attention over a shared prefix."""
+    from pagedkv_lib.formats import block_table_to_csr
+
+    from . import cascade, decode, prefill
+
+    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    gen = torch.Generator().manual_seed(0)
+    table = torch.arange(2 * n // p, dtype=torch.int32).view(2, n // p)
+    lens = torch.full((2,), n, dtype=torch.int32)
+    indptr, indices, last = block_table_to_csr(table, lens, p)
+    qo = torch.tensor([0, 8, 16], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cache = torch.randn((2 * n // p, 2, p, h, d), generator=gen).to(dtype)
+        q = torch.randn((2, h * g, d), generator=gen).to(dtype)
+        qp = torch.randn((16, h * g, d), generator=gen).to(dtype)
+        decode.paged_decode_attention_csr(q, cache, indptr, indices, last, return_lse=True)
+        decode.paged_decode_attention(q, cache, table, lens, num_splits=4, return_lse=True)
+        prefill.paged_prefill_attention_csr(qp, cache, qo, indptr, indices, last, return_lse=True)
+        prefill.paged_prefill_attention(qp, cache, qo, table, lens, causal=False, return_lse=True)
+        states = torch.randn((16, 3, h * g, d), generator=gen).to(dtype)
+        cascade.merge_states(states, torch.randn((16, 3, h * g), generator=gen))
+        cascade.cascade_attention(qp, cache, qo, table[0, :2], 2 * p, table[:, 2:], lens - 2 * p)
+
+
 RUNNERS = {  # (label, runner, dry)
     "verify": [("verify grid", _run_verify, False), ("bf16 prefill grid (dry)", _run_bf16_prefill, True)],
     "notebooks": [
@@ -337,6 +365,7 @@ RUNNERS = {  # (label, runner, dry)
         ("benchmark shapes (dry)", _run_benchmarks, True),
         ("indexer and block-copy shapes (dry)", _run_production_shapes, True),
         ("FlashInfer-convention MLA shapes (dry)", _run_mla_latent, True),
+        ("read options: CSR, LSE, non-causal, merge, cascade (dry)", _run_read_options, True),
         ("peer scale conventions (dry)", _run_scale_conventions, True),
     ],
     "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
