@@ -25,7 +25,9 @@
 # 3. the classic bug, a causal mask against the query's index *in its chunk*: its
 #    picture, its symptom, and the harness check that catches it;
 # 4. a prefix-cache hit whose first new query starts in the middle of a page;
-# 5. what a chunk costs as it grows.
+# 5. what a chunk costs as it grows;
+# 6. attention split by keys and merged again (base-2 LSE states), and cascade attention:
+#    requests that share a system prompt read it once for all of them.
 #
 # **You will learn to**
 # * place a chunk's queries at their absolute positions and check a chunked prefill against
@@ -33,7 +35,8 @@
 # * draw the mask of one chunk, with and without a sliding window, and prefill through a ring;
 # * recognise the chunk-local causal mask bug by its symptom, and the harness check that
 #   catches it;
-# * prefill after a prefix-cache hit that ends mid-page, and count what a chunk costs.
+# * prefill after a prefix-cache hit that ends mid-page, and count what a chunk costs;
+# * merge attention states by their log-sum-exp, and say what cascade attention saves.
 #
 # **Before this:** [03 · Divmod indexing](03_divmod_indexing.ipynb) (`past_len`),
 # [04 · Ring windows](04_ring_window.ipynb), [05 · Copy-on-write forking](05_cow_forking.ipynb)
@@ -425,6 +428,110 @@ plt.show()
 # `max_num_batched_tokens`, SGLang's `chunked_prefill_size`) to balance that re-reading
 # against how long one step may take while decodes wait.
 #
+# ## 6. Attention states, and cascade attention over a shared prefix
+#
+# The output of one query row over a set of keys is a **state** `(v, s)`: `v` the
+# softmax-normalised output, `s` the base-2 log-sum-exp of the row's scaled scores,
+# $s = \log_2 \sum_j 2^{s_j}$ with $s_j = \text{scale} \cdot \log_2 e \cdot q \cdot k_j$
+# (FlashInfer's definition; `return_lse=True` returns it). Two states over *disjoint* key
+# sets give the state over their union exactly:
+#
+# $$s = \log_2\left(2^{s_a} + 2^{s_b}\right), \qquad v = 2^{s_a - s}\, v_a + 2^{s_b - s}\, v_b$$
+#
+# This is the split-KV merge of notebook 07, and `kernels.merge_state` runs it on any
+# two states. First check: one request of 12 queries over 80 keys, split into the first
+# 48 keys (which every query sees: a non-causal pass) and the last 32 (its own chunk:
+# causal), each attended alone and then merged, against one pass over all 80.
+
+# %%
+gen_s = torch.Generator().manual_seed(6)
+state_pool = PagedKVPool(12, page, hk, d, torch.float32, device=DEV)
+state_pool.cache.copy_(torch.randn(state_pool.cache.shape, generator=gen_s))
+q_s = torch.randn(12, hk * group, d, generator=gen_s).to(DEV)
+one = torch.tensor([0, 12]).to(DEV)
+whole, lse_whole = kernels.paged_prefill_attention(
+    q_s, state_pool.cache, one, torch.arange(5)[None].to(DEV), torch.tensor([80]).to(DEV), return_lse=True
+)
+head, lse_head = kernels.paged_prefill_attention(
+    q_s, state_pool.cache, one, torch.arange(3)[None].to(DEV), torch.tensor([48]).to(DEV), causal=False, return_lse=True
+)
+tail, lse_tail = kernels.paged_prefill_attention(
+    q_s, state_pool.cache, one, torch.arange(3, 5)[None].to(DEV), torch.tensor([32]).to(DEV), return_lse=True
+)
+merged_v, merged_s = kernels.merge_state(head, lse_head, tail, lse_tail)
+gap_v, gap_s = float((merged_v - whole).abs().max()), float((merged_s - lse_whole).abs().max())
+print(f"merged halves vs one pass: output within 1e-5: {gap_v < 1e-5}, lse within 1e-5: {gap_s < 1e-5}")
+assert gap_v < 1e-5, f"merging the two key sets' states should give the one-pass output, off by {gap_v:.1e}"
+assert gap_s < 1e-5, f"the merged lse should be the one-pass lse (base 2), off by {gap_s:.1e}"
+exact = torch.logaddexp2(lse_head.double(), lse_tail.double())
+assert float((merged_s.double() - exact).abs().max()) < 1e-5, "s must be log2(2**s_a + 2**s_b)"
+
+# %% [markdown]
+# **Cascade attention** (`kernels.cascade_attention`) puts that to work. Requests that
+# share a prefix (a system prompt on shared pages, notebook 05) attend to it in *one*
+# non-causal pass that holds every request's queries, so each K/V tile of the prefix is
+# loaded once for all of them; each request then attends to its own suffix causally,
+# and the two states merge. Four requests share a 48-token prompt; each owns a suffix of
+# 10 to 30 tokens, the last 3 of which are its queries.
+
+# %%
+shared_pages, shared_len = torch.arange(3), 48
+suffix_lens = torch.tensor([10, 30, 17, 24])
+suffix_tables = torch.tensor([[3, 4, -1], [5, 6, 7], [8, 9, -1], [10, 11, -1]])
+q_c = torch.randn(12, hk * group, d, generator=gen_s).to(DEV)
+qo_c = torch.tensor([0, 3, 6, 9, 12]).to(DEV)
+cascade = kernels.cascade_attention(
+    q_c, state_pool.cache, qo_c, shared_pages.to(DEV), shared_len, suffix_tables.to(DEV), suffix_lens.to(DEV)
+)
+full_tables = torch.cat([shared_pages.expand(4, 3), suffix_tables], dim=1)  # the prefix, then the suffix
+flat = kernels.paged_prefill_attention(q_c, state_pool.cache, qo_c, full_tables.to(DEV), (suffix_lens + 48).to(DEV))
+gap = float((cascade - flat).abs().max())
+print(f"cascade (prefix pass + suffix pass, merged) vs one pass per request: within 1e-5: {gap < 1e-5}")
+assert gap < 1e-5, f"cascade attention must equal attention over prefix + suffix, off by {gap:.1e}"
+
+# %% [markdown]
+# **Where the work goes.** The scores are the same either way: every query still scores
+# every key it sees. What changes is how often the prefix's K/V rows are read from the
+# pool. The prefill kernel runs one program per tile of `block_m` (query, head) rows of
+# *one* request, and each program reads the keys up to its last query. With one query
+# per request (decode) and 4 query heads per KV head, a tile of 64 rows holds 16
+# requests' queries in the cascade's prefix pass, but a single request's in a flat
+# prefill. `pagedkv_lib.cascade_cost` counts the K/V rows each way (its tile counts are
+# tested against the kernel's own plans); below, a 2,048-token system prompt and a
+# 64-token suffix per request.
+
+# %%
+from pagedkv_lib.cascade_cost import cascade_kv_reads
+
+requests = [1, 2, 4, 8, 16, 32, 64]
+reads = [cascade_kv_reads(2048, [64] * r, [1] * r, group=4, block_m=64) for r in requests]
+flat_rows = [x.flat_rows / 1e3 for x in reads]
+cascade_rows = [x.cascade_rows / 1e3 for x in reads]
+for r, x in zip(requests, reads):
+    print(f"{r:2d} requests: flat {x.flat_rows:6d} rows, cascade {x.cascade_rows:6d} ({x.prefix_tiles} prefix tiles)")
+assert reads[0].cascade_rows == reads[0].flat_rows, "one request: the prefix is read once either way"
+assert all(x.cascade_rows < x.flat_rows for x in reads[1:]), "from 2 requests on, cascade reads fewer K/V rows"
+ratio = reads[-1].flat_rows / reads[-1].cascade_rows
+assert 10 < ratio < 16, f"64 decodes over a 2,048-token prompt: flat / cascade should be near 16x, got {ratio:.1f}"
+fig = viz.line_plot(
+    requests,
+    {"flat: one prefill per request": flat_rows, "cascade: shared pass + suffix passes": cascade_rows},
+    "K/V rows read per KV head: 2,048 shared + 64 own tokens each (one query each)",
+    "requests sharing the prefix",
+    "K/V rows read (thousands)",
+    logx=True,
+    logy=True,
+)
+plt.show()
+
+# %% [markdown]
+# Flat reads grow with every request (the whole prefix once per request); the cascade's
+# prefix pass grows by one prefix read per 16 requests, and its suffix passes read only
+# the suffixes: at 64 requests it reads 11x fewer rows. Engines use it when many
+# requests share a long system prompt: FlashInfer's `MultiLevelCascadeAttentionWrapper`
+# (and `merge_state` / `merge_states` in `flashinfer/cascade.py`), vLLM's cascade path
+# in its FlashAttention backend (`use_cascade_attention`).
+#
 # ## What was verified
 #
 # | claim | check |
@@ -439,6 +546,9 @@ plt.show()
 # | the harness passes the kernel and fails every prefill case with `chunk_local_mask` | report `assert` |
 # | a 21-token prefix hit (shared page + copy-on-write), prefilled from page row 5 | `assert` < 1e-5 |
 # | a chunk scores `c p + c(c+1)/2` pairs per head; the kernel no fewer, only tile edges more | count `assert`s |
+# | two key sets' states (base-2 LSE) merge into the one-pass output and lse | `assert` < 1e-5 |
+# | cascade attention (shared prefix once, suffixes causal) equals one pass per request | `assert` < 1e-5 |
+# | cascade reads the prefix once per tile of requests: 11x fewer rows at 64 decodes | count `assert`s |
 #
 # ## Try this
 #
