@@ -47,6 +47,15 @@ class StepInput:
     logit_rows: torch.Tensor
 
 
+def transposed(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``weight [out, in]`` as a row-major ``[in, out]`` copy on ``device``, for ``x @ w``.
+
+    One CPU thread multiplies a few rows by a weight 1.2x (layers) to 1.7x (LM head)
+    faster in this layout than through ``F.linear``'s ``[out, in]`` (measured on
+    SmolLM2's shapes, 8 rows); it costs a second copy of the weights (540 MB fp32)."""
+    return weight.detach().t().contiguous().to(device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm.forward`` for fp32 input, op for op."""
     variance = x.pow(2).mean(-1, keepdim=True)
@@ -79,24 +88,21 @@ class LlamaModel:
             raise ValueError(f"rope_type={rope['rope_type']!r} is not supported (only the default RoPE)")
         self.rope_theta = float(rope["rope_theta"])
 
-        def w(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(self.device)
-
         m = hf_model.model
-        self.embed = w(m.embed_tokens.weight)
-        self.norm = w(m.norm.weight)
-        self.lm_head = w(hf_model.lm_head.weight)
+        self.embed = m.embed_tokens.weight.detach().to(self.device)
+        self.norm = m.norm.weight.detach().to(self.device)
+        self.lm_head = transposed(hf_model.lm_head.weight, self.device)
         self.layers = [
             {
-                "input_norm": w(layer.input_layernorm.weight),
-                "q": w(layer.self_attn.q_proj.weight),
-                "k": w(layer.self_attn.k_proj.weight),
-                "v": w(layer.self_attn.v_proj.weight),
-                "o": w(layer.self_attn.o_proj.weight),
-                "post_norm": w(layer.post_attention_layernorm.weight),
-                "gate": w(layer.mlp.gate_proj.weight),
-                "up": w(layer.mlp.up_proj.weight),
-                "down": w(layer.mlp.down_proj.weight),
+                "input_norm": layer.input_layernorm.weight.detach().to(self.device),
+                "q": transposed(layer.self_attn.q_proj.weight, self.device),
+                "k": transposed(layer.self_attn.k_proj.weight, self.device),
+                "v": transposed(layer.self_attn.v_proj.weight, self.device),
+                "o": transposed(layer.self_attn.o_proj.weight, self.device),
+                "post_norm": layer.post_attention_layernorm.weight.detach().to(self.device),
+                "gate": transposed(layer.mlp.gate_proj.weight, self.device),
+                "up": transposed(layer.mlp.up_proj.weight, self.device),
+                "down": transposed(layer.mlp.down_proj.weight, self.device),
             }
             for layer in m.layers
         ]
@@ -114,9 +120,9 @@ class LlamaModel:
         x = F.embedding(step.input_ids, self.embed)
         for layer, cache in zip(self.layers, caches):
             h = rms_norm(x, layer["input_norm"], self.eps)
-            q = F.linear(h, layer["q"]).view(n, self.num_q_heads, self.head_dim)
-            k = F.linear(h, layer["k"]).view(n, self.num_kv_heads, self.head_dim)
-            v = F.linear(h, layer["v"]).view(n, self.num_kv_heads, self.head_dim)
+            q = (h @ layer["q"]).view(n, self.num_q_heads, self.head_dim)
+            k = (h @ layer["k"]).view(n, self.num_kv_heads, self.head_dim)
+            v = (h @ layer["v"]).view(n, self.num_kv_heads, self.head_dim)
             self.attention.write(q, k, v, cache, step.slot_mapping, step.positions)
             parts = []  # the references return CPU tensors: bring each part to x's device
             if p:
@@ -128,8 +134,8 @@ class LlamaModel:
                 out = self.attention.decode(q[p:], cache, step.decode_block_tables, step.decode_seq_lens)
                 parts.append(out.to(x.device))
             o = torch.cat(parts) if len(parts) > 1 else parts[0]
-            x = x + F.linear(o.reshape(n, -1), layer["o"])
+            x = x + o.reshape(n, -1) @ layer["o"]
             h = rms_norm(x, layer["post_norm"], self.eps)
-            x = x + F.linear(F.silu(F.linear(h, layer["gate"])) * F.linear(h, layer["up"]), layer["down"])
+            x = x + (F.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
         x = rms_norm(x[step.logit_rows], self.norm, self.eps)
-        return F.linear(x, self.lm_head)
+        return x @ self.lm_head
