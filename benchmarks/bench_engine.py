@@ -25,13 +25,14 @@ count, these rows:
   (the second sample of the fork: prompt plus its forced first token), as the oracle
   runs it (its time from the checks above).
 
-``--profile N`` prints cProfile's top ``N`` functions (by own time) of one more
-same-work engine run. The report ends with this machine's limit for the same-work
-schedule (:func:`matmul_limit`): the model's matrix products alone, step by step,
-timed with the engine's own shapes and weights, and their FLOPs over a large square
-matmul's FLOP rate. Also writes the memory comparison of the standard run (bytes
-reserved, used and wasted by a ``torch.cat`` cache, a contiguous buffer and the paged
-pool). Writes ``bench_engine.json``. Rates count tokens actually generated.
+``--profile N`` prints the top ``N`` Python functions (cProfile) and torch operators
+(torch profiler), by own time, of one more same-work engine run each. The report ends
+with this machine's limit for the same-work schedule (:func:`matmul_limit`): the
+model's matrix products alone, step by step, with the engine's shapes and weight
+layout, and their FLOPs over a large square matmul's FLOP rate. Also writes the
+memory comparison of the standard run (bytes reserved, used and wasted by a
+``torch.cat`` cache, a contiguous buffer and the paged pool). Writes
+``bench_engine.json``. Rates count tokens actually generated.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ from timing import median_seconds, timed
 from pagedkv_engine import Engine, SamplingParams, weights
 from pagedkv_engine import check as oracle
 from pagedkv_engine.memory import compare_caches, summary_rows
+from pagedkv_engine.model import transposed
 
 ROOMY = dict(num_pages=256, page_size=16, max_num_batched_tokens=256)
 
 
-def run_engine(loaded, attention, arrivals, record_logits=True, **settings):
-    engine = Engine(loaded.model, attention, record_logits=record_logits, **settings)
+def run_engine(loaded, attention, arrivals, **settings):
+    engine = Engine(loaded.model, attention, record_logits=True, **settings)
     _, wall = timed(lambda: engine.run(arrivals))
     return engine, wall
 
@@ -88,10 +90,17 @@ def same_work_prompts(standard: dict) -> list[list[int]]:
     return [prompt for reqs in standard.values() for prompt, _ in reqs]
 
 
-def engine_same_work(loaded, attention, prompts, tokens) -> tuple[Engine, float]:
-    """Every prompt at step 0, exactly ``tokens`` new tokens each, roomy pool."""
+def same_work(loaded, attention, prompts, tokens) -> tuple[Engine, dict]:
+    """An engine with the roomy pool and its arrivals: every prompt at step 0, exactly
+    ``tokens`` new tokens each (``ignore_eos``)."""
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    engine, wall = run_engine(loaded, attention, {0: [(p, params) for p in prompts]}, record_logits=False, **ROOMY)
+    return Engine(loaded.model, attention, **ROOMY), {0: [(p, params) for p in prompts]}
+
+
+def engine_same_work(loaded, attention, prompts, tokens) -> tuple[Engine, float]:
+    """:func:`same_work`, served; returns the engine and the seconds ``run`` took."""
+    engine, arrivals = same_work(loaded, attention, prompts, tokens)
+    _, wall = timed(lambda: engine.run(arrivals))
     assert engine.stats.generated_tokens == len(prompts) * tokens, "the engine stopped early"
     return engine, wall
 
@@ -154,45 +163,67 @@ def step_shapes(engine: Engine) -> list[tuple[int, int]]:
 
 
 def profile_lines(loaded, attention, prompts, tokens, top: int) -> list[str]:
-    """cProfile's ``top`` functions by own time over one same-work engine run."""
+    """The ``top`` entries by own time of one same-work ``Engine.run`` (the engine is
+    built before): cProfile's Python functions, then the torch profiler's operators
+    (``x @ w`` is ``aten::mm``, which cProfile counts inside ``forward``)."""
+    engine, arrivals = same_work(loaded, attention, prompts, tokens)
     prof = cProfile.Profile()
     prof.enable()
-    engine_same_work(loaded, attention, prompts, tokens)
+    engine.run(arrivals)
     prof.disable()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return [line for line in out.getvalue().splitlines() if line.strip()]
+    engine, arrivals = same_work(loaded, attention, prompts, tokens)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
+        engine.run(arrivals)
+    table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return [line for line in (out.getvalue() + table).splitlines() if line.strip()]
 
 
 @torch.inference_mode()
-def matmul_limit(model, schedule: list[tuple[int, int]], repeats: int = 3) -> dict:
+def matmul_limit(hf_model, schedule: list[tuple[int, int]], repeats: int = 3) -> dict:
     """The machine's limit for ``schedule`` (``(tokens, sampled rows)`` per step, see
     :func:`step_shapes`):
 
     * ``matmul_seconds``: every step's matrix products alone (Q, K, V, O, gate, up,
       down of every layer over the step's tokens; the LM head over its sampled rows),
-      with the model's own weights, median of ``repeats`` replays; nothing else a
-      step does (attention, norms, RoPE, sampling, Python) is in it;
+      with the model's weights in the engine's row-major ``[in, out]`` layout
+      (:func:`pagedkv_engine.model.transposed`), median of ``repeats`` replays;
+      nothing else a step does (attention, norms, RoPE, sampling, Python) is in it;
+      ``matmul_seconds_linear``: the same through ``F.linear`` on transformers'
+      ``[out, in]`` tensors (the layout ``generate`` multiplies by);
     * ``flops``: their multiply-adds x 2, and ``gemm_flops_per_s``: a 1024 x 1024 x
       1024 fp32 matmul's rate, so ``flops / gemm_flops_per_s`` is the compute bound
       if every product ran at that rate."""
-    layers = [[m.weight for m in _linears(layer)] for layer in model.model.layers]
-    lm_head = model.lm_head.weight
+    weights_ = [m.weight for layer in hf_model.model.layers for m in _linears(layer)]
+    lm_head = hf_model.lm_head.weight
+    row_major = [transposed(w, "cpu") for w in weights_]
+    lm_head_t = transposed(lm_head, "cpu")
+    widths = {w.shape[1] for w in weights_}
+    inputs = {width: torch.ones(max(t for t, _ in schedule), width) for width in widths}
     hidden = lm_head.shape[1]
-    inputs = {width: torch.ones(max(t for t, _ in schedule), width) for width in {w.shape[1] for w in layers[0]}}
 
-    def replay() -> None:
+    def replay_row_major() -> None:
         for tokens, sampled in schedule:
-            for weights_ in layers:
-                for w in weights_:
-                    F.linear(inputs[w.shape[1]][:tokens], w)
+            for w in row_major:
+                inputs[w.shape[0]][:tokens] @ w
+            inputs[hidden][:sampled] @ lm_head_t
+
+    def replay_linear() -> None:
+        for tokens, sampled in schedule:
+            for w in weights_:
+                F.linear(inputs[w.shape[1]][:tokens], w)
             F.linear(inputs[hidden][:sampled], lm_head)
 
-    per_token = sum(w.numel() for ws in layers for w in ws)
+    per_token = sum(w.numel() for w in weights_)
     flops = sum(2 * tokens * per_token + 2 * sampled * lm_head.numel() for tokens, sampled in schedule)
     a = torch.ones(1024, 1024)
-    gemm = 2 * 1024**3 / median_seconds(lambda: a @ a, repeats=5)
-    return dict(matmul_seconds=median_seconds(replay, repeats=repeats), flops=flops, gemm_flops_per_s=gemm)
+    return dict(
+        matmul_seconds=median_seconds(replay_row_major, repeats=repeats),
+        matmul_seconds_linear=median_seconds(replay_linear, repeats=repeats),
+        flops=flops,
+        gemm_flops_per_s=2 * 1024**3 / median_seconds(lambda: a @ a, repeats=5),
+    )
 
 
 def _linears(layer) -> list:
@@ -207,7 +238,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="turns of engine vs batched generate (default 3)")
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N of the engine")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N of an engine run")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_start = time.perf_counter()
@@ -255,7 +286,8 @@ def main() -> None:
     limit["tokens_per_s_gemm_rate"] = n / (limit["flops"] / limit["gemm_flops_per_s"])
     print(
         f"limit of the same-work schedule ({len(turns['schedule'])} steps): matmuls alone "
-        f"{limit['matmul_seconds']:.2f} s = {limit['tokens_per_s_matmul']:.1f} tokens/s; "
+        f"{limit['matmul_seconds']:.2f} s = {limit['tokens_per_s_matmul']:.1f} tokens/s "
+        f"(through F.linear on transformers' layout {limit['matmul_seconds_linear']:.2f} s); "
         f"{limit['flops'] / 1e9:.0f} GFLOP at the 1024^3 matmul's {limit['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s "
         f"= {limit['tokens_per_s_gemm_rate']:.1f} tokens/s"
     )

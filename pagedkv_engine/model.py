@@ -1,10 +1,12 @@
 """A Llama forward pass over a paged KV cache: RMSNorm, RoPE, GQA attention, SwiGLU.
 
-The weights are transformers' own tensors (read from its ``LlamaForCausalLM``, not
-copied on the CPU), and every operation outside attention follows transformers' op
-order (``modeling_llama.py``), so the fp32 logits of the two implementations differ
-only by the attention arithmetic and by matrix products over a different number of
-rows.
+The weights are transformers' own tensors (read from its ``LlamaForCausalLM``): the
+embedding and the norms as they are, every projection and the LM head as a row-major
+``[in, out]`` copy (:func:`transposed`, multiplied as ``x @ w``: faster on one CPU
+thread for the few rows of a decode step). Every operation outside attention follows
+transformers' op order (``modeling_llama.py``), so the fp32 logits of the two
+implementations differ only by the attention arithmetic and by matrix products over a
+different number of rows and another weight layout.
 
 One forward call serves a whole engine step: a flat batch of ``num_tokens`` tokens
 from several sequences, prefill chunks first (``num_prefill_tokens`` rows, ragged by
