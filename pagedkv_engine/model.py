@@ -2,11 +2,12 @@
 
 The weights are transformers' own tensors (read from its ``LlamaForCausalLM``): the
 embedding and the norms as they are, every projection and the LM head as a row-major
-``[in, out]`` copy (:func:`transposed`, multiplied as ``x @ w``: faster on one CPU
-thread for the few rows of a decode step). Every operation outside attention follows
-transformers' op order (``modeling_llama.py``), so the fp32 logits of the two
-implementations differ only by the attention arithmetic and by matrix products over a
-different number of rows and another weight layout.
+``[in, out]`` copy (:func:`row_major_weights`, multiplied as ``x @ w``: faster on one
+CPU thread for the few rows of a decode step; engines over one model share them).
+Every operation outside attention follows transformers' op order
+(``modeling_llama.py``), so the fp32 logits of the two implementations differ only by
+the attention arithmetic and by matrix products over a different number of rows and
+another weight layout.
 
 One forward call serves a whole engine step: a flat batch of ``num_tokens`` tokens
 from several sequences, prefill chunks first (``num_prefill_tokens`` rows, ragged by
@@ -17,12 +18,13 @@ and ``decode`` attend over the pool through the block tables.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["StepInput", "LlamaModel"]
+__all__ = ["StepInput", "LlamaModel", "PROJECTIONS", "transposed", "row_major_weights"]
 
 
 @dataclass
@@ -49,13 +51,44 @@ class StepInput:
     logit_rows: torch.Tensor
 
 
-def transposed(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+#: The projections of a transformers Llama layer, by the engine's names.
+PROJECTIONS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+# hf model -> (device and weight versions, layers' copies, LM head's copy); see row_major_weights.
+_ROW_MAJOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def transposed(weight: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``weight [out, in]`` as a row-major ``[in, out]`` copy on ``device``, for ``x @ w``.
 
     One CPU thread multiplies a few rows by a weight 1.2x (layers) to 1.7x (LM head)
     faster in this layout than through ``F.linear``'s ``[out, in]`` (measured on
-    SmolLM2's shapes, 8 rows); it costs a second copy of the weights (540 MB fp32)."""
+    SmolLM2's shapes, 8 rows)."""
     return weight.detach().t().contiguous().to(device)
+
+
+def row_major_weights(hf_model, device: torch.device | str) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """``(layers, lm_head)``: per layer ``{name: [in, out]}`` copies of the
+    :data:`PROJECTIONS`, and the LM head's ``[hidden, vocab]`` copy (:func:`transposed`).
+
+    The copies cost a second set of weights (540 MB fp32 for SmolLM2-135M), made once:
+    engines built over the same model on the same device share them for as long as
+    the model lives and none of its weights is changed in place (version counters)."""
+    weights = [[layer.get_submodule(path).weight for path in PROJECTIONS.values()] for layer in hf_model.model.layers]
+    key = (str(torch.device(device)), [w._version for ws in weights for w in ws], hf_model.lm_head.weight._version)
+    held = _ROW_MAJOR.get(hf_model)
+    if held is None or held[0] != key:
+        layers = [{name: transposed(w, device) for name, w in zip(PROJECTIONS, ws)} for ws in weights]
+        held = _ROW_MAJOR[hf_model] = (key, layers, transposed(hf_model.lm_head.weight, device))
+    return held[1], held[2]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,20 +126,14 @@ class LlamaModel:
         m = hf_model.model
         self.embed = m.embed_tokens.weight.detach().to(self.device)
         self.norm = m.norm.weight.detach().to(self.device)
-        self.lm_head = transposed(hf_model.lm_head.weight, self.device)
+        projections, self.lm_head = row_major_weights(hf_model, self.device)
         self.layers = [
             {
                 "input_norm": layer.input_layernorm.weight.detach().to(self.device),
-                "q": transposed(layer.self_attn.q_proj.weight, self.device),
-                "k": transposed(layer.self_attn.k_proj.weight, self.device),
-                "v": transposed(layer.self_attn.v_proj.weight, self.device),
-                "o": transposed(layer.self_attn.o_proj.weight, self.device),
                 "post_norm": layer.post_attention_layernorm.weight.detach().to(self.device),
-                "gate": transposed(layer.mlp.gate_proj.weight, self.device),
-                "up": transposed(layer.mlp.up_proj.weight, self.device),
-                "down": transposed(layer.mlp.down_proj.weight, self.device),
+                **mine,
             }
-            for layer in m.layers
+            for layer, mine in zip(m.layers, projections)
         ]
 
     @property

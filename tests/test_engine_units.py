@@ -7,6 +7,7 @@ layers of width 64, so the Triton interpreter path costs 2 layers per step, not 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -206,6 +207,18 @@ def test_a_step_plan_is_built_once_for_all_layers_and_again_for_the_next_step():
     assert plan(step2, 4) == 2  # equal values, but a new step's tensor
     assert plan(step2, 8) == 3 and plan(step2, 8) == 3  # another page size
     assert calls == [4, 4, 8]
+
+
+def test_engines_over_one_model_share_its_row_major_weights_until_one_changes(tiny):
+    a, b = Engine(tiny, "torch", num_pages=4), Engine(tiny, "torch", num_pages=4)
+    assert a.model.layers[1]["up"] is b.model.layers[1]["up"] and a.model.lm_head is b.model.lm_head
+    assert torch.equal(a.model.layers[1]["up"].t(), tiny.model.layers[1].mlp.up_proj.weight)
+    model = copy.deepcopy(tiny)  # the fixture stays as it is
+    before = Engine(model, "torch", num_pages=4).model.layers[0]["down"]
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
+    after = Engine(model, "torch", num_pages=4).model.layers[0]["down"]
+    assert after is not before and torch.equal(after.t(), model.model.layers[0].mlp.down_proj.weight)
 
 
 # --------------------------------------------------------------------------- scheduler stories
