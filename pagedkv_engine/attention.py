@@ -220,7 +220,12 @@ def grouped_attention(q: torch.Tensor, cache: torch.Tensor, plan: AttendPlan) ->
 
 class TorchAttention:
     """The fast CPU path (see the module docstring): plans built once per step by
-    :class:`LastCall`, batched gathers and matrix products per layer."""
+    :class:`LastCall`, batched gathers and matrix products per layer.
+
+    Preconditions the engine meets and the references do not need: ``cache`` is
+    contiguous, and every row of a sequence's pages holds finite values, written or
+    not (the engine's pools start zeroed), because whole pages are read and a hidden
+    key's zero weight times NaN would still be NaN."""
 
     name = "torch"
 
