@@ -55,12 +55,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import median_seconds, timed
+from timing import timed
 
 from pagedkv_engine import Engine, SamplingParams, weights
 from pagedkv_engine import check as oracle
 from pagedkv_engine.memory import compare_caches, summary_rows
-from pagedkv_engine.model import transposed
+from pagedkv_engine.model import PROJECTIONS, row_major_weights
 
 ROOMY = dict(num_pages=256, page_size=16, max_num_batched_tokens=256)
 
@@ -180,27 +180,33 @@ def profile_lines(loaded, attention, prompts, tokens, top: int) -> list[str]:
     return [line for line in (out.getvalue() + table).splitlines() if line.strip()]
 
 
+def _median_wall(fn, repeats: int) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls after one warm-up
+    (CPU work: :func:`timing.median_seconds` would use CUDA events on a GPU)."""
+    fn()
+    return statistics.median(timed(fn)[1] for _ in range(repeats))
+
+
 @torch.inference_mode()
 def matmul_limit(hf_model, schedule: list[tuple[int, int]], repeats: int = 3) -> dict:
-    """The machine's limit for ``schedule`` (``(tokens, sampled rows)`` per step, see
-    :func:`step_shapes`):
+    """This CPU's limit for ``schedule`` (``(tokens, sampled rows)`` per step, see
+    :func:`step_shapes`), one thread as set:
 
-    * ``matmul_seconds``: every step's matrix products alone (Q, K, V, O, gate, up,
-      down of every layer over the step's tokens; the LM head over its sampled rows),
-      with the model's weights in the engine's row-major ``[in, out]`` layout
-      (:func:`pagedkv_engine.model.transposed`), median of ``repeats`` replays;
-      nothing else a step does (attention, norms, RoPE, sampling, Python) is in it;
-      ``matmul_seconds_linear``: the same through ``F.linear`` on transformers'
-      ``[out, in]`` tensors (the layout ``generate`` multiplies by);
+    * ``matmul_seconds``: every step's matrix products alone (the
+      :data:`~pagedkv_engine.model.PROJECTIONS` of every layer over the step's
+      tokens; the LM head over its sampled rows), with the engine's row-major
+      ``[in, out]`` weights (:func:`pagedkv_engine.model.row_major_weights`), median
+      of ``repeats`` replays; nothing else a step does (attention, norms, RoPE,
+      sampling, Python) is in it; ``matmul_seconds_linear``: the same through
+      ``F.linear`` on transformers' ``[out, in]`` tensors (what ``generate`` runs);
     * ``flops``: their multiply-adds x 2, and ``gemm_flops_per_s``: a 1024 x 1024 x
       1024 fp32 matmul's rate, so ``flops / gemm_flops_per_s`` is the compute bound
       if every product ran at that rate."""
-    weights_ = [m.weight for layer in hf_model.model.layers for m in _linears(layer)]
+    layers, lm_head_t = row_major_weights(hf_model, "cpu")
+    row_major = [w for layer in layers for w in layer.values()]
+    out_in = [layer.get_submodule(path).weight for layer in hf_model.model.layers for path in PROJECTIONS.values()]
     lm_head = hf_model.lm_head.weight
-    row_major = [transposed(w, "cpu") for w in weights_]
-    lm_head_t = transposed(lm_head, "cpu")
-    widths = {w.shape[1] for w in weights_}
-    inputs = {width: torch.ones(max(t for t, _ in schedule), width) for width in widths}
+    inputs = {width: torch.ones(max(t for t, _ in schedule), width) for width in {w.shape[0] for w in row_major}}
     hidden = lm_head.shape[1]
 
     def replay_row_major() -> None:
@@ -211,24 +217,19 @@ def matmul_limit(hf_model, schedule: list[tuple[int, int]], repeats: int = 3) ->
 
     def replay_linear() -> None:
         for tokens, sampled in schedule:
-            for w in weights_:
+            for w in out_in:
                 F.linear(inputs[w.shape[1]][:tokens], w)
             F.linear(inputs[hidden][:sampled], lm_head)
 
-    per_token = sum(w.numel() for w in weights_)
+    per_token = sum(w.numel() for w in out_in)
     flops = sum(2 * tokens * per_token + 2 * sampled * lm_head.numel() for tokens, sampled in schedule)
     a = torch.ones(1024, 1024)
     return dict(
-        matmul_seconds=median_seconds(replay_row_major, repeats=repeats),
-        matmul_seconds_linear=median_seconds(replay_linear, repeats=repeats),
+        matmul_seconds=_median_wall(replay_row_major, repeats),
+        matmul_seconds_linear=_median_wall(replay_linear, repeats),
         flops=flops,
-        gemm_flops_per_s=2 * 1024**3 / median_seconds(lambda: a @ a, repeats=5),
+        gemm_flops_per_s=2 * 1024**3 / _median_wall(lambda: a @ a, 5),
     )
-
-
-def _linears(layer) -> list:
-    a, m = layer.self_attn, layer.mlp
-    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
 
 
 def main() -> None:
