@@ -19,17 +19,18 @@ count, these rows:
   with the roomy pool (prefill in 256-token steps, then one decode step per token
   for all seven); ``generate(do_sample=False)`` takes one left-padded batch with its
   attention mask (its prefill computes the padding too). The two are run in turns,
-  ``--repeats`` times each (engine, transformers, engine, ...), and the table gives
-  the medians and the median of the per-turn ratios, so a busy machine slows both;
+  ``--repeats`` times each (engine, transformers, engine, ...; after one untimed
+  engine run), and the table gives the medians and the median of the per-turn
+  ratios, so a busy machine slows both;
 * ``transformers, one prompt at a time``: ``generate(do_sample=False)`` per sequence
   (the second sample of the fork: prompt plus its forced first token), as the oracle
   runs it (its time from the checks above).
 
 ``--profile N`` prints the top ``N`` Python functions (cProfile) and torch operators
 (torch profiler), by own time, of one more same-work engine run each. The report ends
-with this machine's limit for the same-work schedule (:func:`matmul_limit`): the
-model's matrix products alone, step by step, with the engine's shapes and weight
-layout, and their FLOPs over a large square matmul's FLOP rate. Also writes the
+with this machine's limit for the same-work schedule (:func:`matmul_replays`, timed
+in the same turns): the model's matrix products alone, step by step, with the
+engine's shapes and weight layout, and their FLOPs over a large square matmul's rate. Also writes the
 memory comparison of the standard run (bytes reserved, used and wasted by a
 ``torch.cat`` cache, a contiguous buffer and the paged pool). Writes
 ``bench_engine.json``. Rates count tokens actually generated.
@@ -133,25 +134,41 @@ def generate_batched(loaded, prompts, tokens) -> tuple[int, float]:
 
 
 def in_turns(loaded, attention, prompts, tokens, repeats) -> dict:
-    """Engine and batched ``generate`` in turns; medians of tokens/s and of the ratio."""
-    engine_rates, hf_rates, ratios, steps = [], [], [], 0
+    """Engine, batched ``generate`` and the matmul replays of :func:`matmul_replays`, in
+    turns, after one untimed engine run (which gives the schedule the replays follow);
+    medians of tokens/s and of the per-turn ratios."""
+    warm, _ = engine_same_work(loaded, attention, prompts, tokens)
+    schedule = step_shapes(warm)
+    replays, flops = matmul_replays(loaded.model, schedule)
+    runs = {name: [] for name in ("engine", "generate", *replays)}
     for _ in range(repeats):
-        engine, wall = engine_same_work(loaded, attention, prompts, tokens)
-        steps = engine.stats.steps
-        engine_rates.append(engine.stats.generated_tokens / wall)
-        hf_tokens, hf_wall = generate_batched(loaded, prompts, tokens)
-        hf_rates.append(hf_tokens / hf_wall)
-        ratios.append(engine_rates[-1] / hf_rates[-1])
+        runs["engine"].append(engine_same_work(loaded, attention, prompts, tokens)[1])
+        runs["generate"].append(generate_batched(loaded, prompts, tokens)[1])
+        for name, replay in replays.items():
+            runs[name].append(timed(replay)[1])
     n = len(prompts) * tokens
+    seconds = {name: statistics.median(times) for name, times in runs.items()}
     return {
         "engine, same work": dict(
-            tokens=n, seconds=n / statistics.median(engine_rates), steps=steps, rates=engine_rates
+            tokens=n, seconds=seconds["engine"], steps=warm.stats.steps, rates=[n / t for t in runs["engine"]]
         ),
         "transformers, batched": dict(
-            tokens=n, seconds=n / statistics.median(hf_rates), note="generate, left-padded batch", rates=hf_rates
+            tokens=n,
+            seconds=seconds["generate"],
+            note="generate, left-padded batch",
+            rates=[n / t for t in runs["generate"]],
         ),
-        "ratio": dict(median=statistics.median(ratios), each=ratios),
-        "schedule": step_shapes(engine),
+        "ratio": dict(
+            median=statistics.median(g / e for e, g in zip(runs["engine"], runs["generate"])),
+            each=[g / e for e, g in zip(runs["engine"], runs["generate"])],
+        ),
+        "limit": dict(
+            steps=len(schedule),
+            flops=flops,
+            seconds=seconds,
+            engine_over_matmuls=statistics.median(e / m for e, m in zip(runs["engine"], runs["matmuls"])),
+            gemm_flops_per_s=2 * 1024**3 / seconds["gemm 1024^3"],
+        ),
     }
 
 
@@ -180,42 +197,38 @@ def profile_lines(loaded, attention, prompts, tokens, top: int) -> list[str]:
     return [line for line in (out.getvalue() + table).splitlines() if line.strip()]
 
 
-def _median_wall(fn, repeats: int) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls after one warm-up
-    (CPU work: :func:`timing.median_seconds` would use CUDA events on a GPU)."""
-    fn()
-    return statistics.median(timed(fn)[1] for _ in range(repeats))
-
-
 @torch.inference_mode()
-def matmul_limit(hf_model, schedule: list[tuple[int, int]], repeats: int = 3) -> dict:
-    """This CPU's limit for ``schedule`` (``(tokens, sampled rows)`` per step, see
-    :func:`step_shapes`), one thread as set:
+def matmul_replays(hf_model, schedule: list[tuple[int, int]]) -> tuple[dict, int]:
+    """``({name: replay}, flops)``: this CPU's limit for ``schedule`` (``(tokens, sampled
+    rows)`` per step, see :func:`step_shapes`), to be timed in turns with the engine:
 
-    * ``matmul_seconds``: every step's matrix products alone (the
+    * ``matmuls``: every step's matrix products alone (the
       :data:`~pagedkv_engine.model.PROJECTIONS` of every layer over the step's
-      tokens; the LM head over its sampled rows), with the engine's row-major
-      ``[in, out]`` weights (:func:`pagedkv_engine.model.row_major_weights`), median
-      of ``repeats`` replays; nothing else a step does (attention, norms, RoPE,
-      sampling, Python) is in it; ``matmul_seconds_linear``: the same through
-      ``F.linear`` on transformers' ``[out, in]`` tensors (what ``generate`` runs);
-    * ``flops``: their multiply-adds x 2, and ``gemm_flops_per_s``: a 1024 x 1024 x
-      1024 fp32 matmul's rate, so ``flops / gemm_flops_per_s`` is the compute bound
-      if every product ran at that rate."""
+      tokens; the LM head over its sampled rows) with the engine's row-major ``[in,
+      out]`` weights (:func:`pagedkv_engine.model.row_major_weights`); nothing else a
+      step does (attention, norms, RoPE, sampling, Python) is in it;
+    * ``matmuls, F.linear``: the same through ``F.linear`` on transformers' ``[out, in]``
+      tensors (what ``generate`` runs);
+    * ``gemm 1024^3``: one 1024 x 1024 x 1024 fp32 matmul, for the FLOP rate.
+
+    ``flops`` counts the replays' multiply-adds x 2: at the 1024^3 rate they would take
+    ``flops / rate`` seconds, the compute bound."""
     layers, lm_head_t = row_major_weights(hf_model, "cpu")
     row_major = [w for layer in layers for w in layer.values()]
     out_in = [layer.get_submodule(path).weight for layer in hf_model.model.layers for path in PROJECTIONS.values()]
     lm_head = hf_model.lm_head.weight
     inputs = {width: torch.ones(max(t for t, _ in schedule), width) for width in {w.shape[0] for w in row_major}}
-    hidden = lm_head.shape[1]
+    hidden, square = lm_head.shape[1], torch.ones(1024, 1024)
 
-    def replay_row_major() -> None:
+    @torch.inference_mode()
+    def row_major_products() -> None:
         for tokens, sampled in schedule:
             for w in row_major:
                 inputs[w.shape[0]][:tokens] @ w
             inputs[hidden][:sampled] @ lm_head_t
 
-    def replay_linear() -> None:
+    @torch.inference_mode()
+    def linear_products() -> None:
         for tokens, sampled in schedule:
             for w in out_in:
                 F.linear(inputs[w.shape[1]][:tokens], w)
@@ -223,13 +236,8 @@ def matmul_limit(hf_model, schedule: list[tuple[int, int]], repeats: int = 3) ->
 
     per_token = sum(w.numel() for w in out_in)
     flops = sum(2 * tokens * per_token + 2 * sampled * lm_head.numel() for tokens, sampled in schedule)
-    a = torch.ones(1024, 1024)
-    return dict(
-        matmul_seconds=_median_wall(replay_row_major, repeats),
-        matmul_seconds_linear=_median_wall(replay_linear, repeats),
-        flops=flops,
-        gemm_flops_per_s=2 * 1024**3 / _median_wall(lambda: a @ a, 5),
-    )
+    replays = {"matmuls": row_major_products, "matmuls, F.linear": linear_products, "gemm 1024^3": lambda: square @ square}
+    return replays, flops
 
 
 def main() -> None:
@@ -281,16 +289,17 @@ def main() -> None:
         f"engine / batched generate, same work: {ratio['median']:.2f}x "
         f"(median of {', '.join(f'{r:.2f}' for r in ratio['each'])})"
     )
-    limit = matmul_limit(loaded.model, turns["schedule"])
-    n = rows["engine, same work"]["tokens"]
-    limit["tokens_per_s_matmul"] = n / limit["matmul_seconds"]
-    limit["tokens_per_s_gemm_rate"] = n / (limit["flops"] / limit["gemm_flops_per_s"])
+    limit = turns["limit"]
+    took, n = limit["seconds"], rows["engine, same work"]["tokens"]
+    limit["tokens_per_s_matmuls"] = n / took["matmuls"]
+    limit["tokens_per_s_gemm_rate"] = n * limit["gemm_flops_per_s"] / limit["flops"]
     print(
-        f"limit of the same-work schedule ({len(turns['schedule'])} steps): matmuls alone "
-        f"{limit['matmul_seconds']:.2f} s = {limit['tokens_per_s_matmul']:.1f} tokens/s "
-        f"(through F.linear on transformers' layout {limit['matmul_seconds_linear']:.2f} s); "
-        f"{limit['flops'] / 1e9:.0f} GFLOP at the 1024^3 matmul's {limit['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s "
-        f"= {limit['tokens_per_s_gemm_rate']:.1f} tokens/s"
+        f"limit of the same-work schedule ({limit['steps']} steps, in the same turns): its matmuls alone "
+        f"{took['matmuls']:.2f} s = {limit['tokens_per_s_matmuls']:.1f} tokens/s "
+        f"(through F.linear {took['matmuls, F.linear']:.2f} s); "
+        f"the engine takes {limit['engine_over_matmuls']:.2f}x its matmuls' time; {limit['flops'] / 1e9:.0f} GFLOP "
+        f"at the 1024^3 matmul's {limit['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s = "
+        f"{limit['tokens_per_s_gemm_rate']:.1f} tokens/s"
     )
     print("\n".join(memory_lines))
     profile = profile_lines(loaded, args.attention, prompts, args.tokens, args.profile) if args.profile else []
