@@ -236,7 +236,11 @@ def matmul_replays(hf_model, schedule: list[tuple[int, int]]) -> tuple[dict, int
 
     per_token = sum(w.numel() for w in out_in)
     flops = sum(2 * tokens * per_token + 2 * sampled * lm_head.numel() for tokens, sampled in schedule)
-    replays = {"matmuls": row_major_products, "matmuls, F.linear": linear_products, "gemm 1024^3": lambda: square @ square}
+    replays = {
+        "matmuls": row_major_products,
+        "matmuls, F.linear": linear_products,
+        "gemm 1024^3": lambda: square @ square,
+    }
     return replays, flops
 
 
