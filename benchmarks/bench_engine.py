@@ -244,6 +244,35 @@ def matmul_replays(hf_model, schedule: list[tuple[int, int]]) -> tuple[dict, int
     return replays, flops
 
 
+def table_lines(rows: dict) -> list[str]:
+    """One line per row (adding its ``tokens_per_s``): tokens, seconds, rate, and the
+    check or the turns' rates."""
+    lines = []
+    for name, row in rows.items():
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+        extra = f"  ({row['check']}, {row['preemptions']} preemptions)" if "check" in row else ""
+        if "rates" in row:
+            extra = f"  (median of {len(row['rates'])}: " + ", ".join(f"{r:.1f}" for r in row["rates"]) + ")"
+        rate = f"{row['tokens']:4d} tokens in {row['seconds']:6.1f} s wall = {row['tokens_per_s']:5.1f} tokens/s"
+        lines.append(f"{name:>34}: {rate}{extra}")
+    return lines
+
+
+def limit_line(limit: dict, tokens: int) -> str:
+    """The limit of :func:`in_turns` in words (adding its rates for ``tokens`` tokens)."""
+    took = limit["seconds"]
+    limit["tokens_per_s_matmuls"] = tokens / took["matmuls"]
+    limit["tokens_per_s_gemm_rate"] = tokens * limit["gemm_flops_per_s"] / limit["flops"]
+    return (
+        f"limit of the same-work schedule ({limit['steps']} steps, in the same turns): its matmuls alone "
+        f"{took['matmuls']:.2f} s = {limit['tokens_per_s_matmuls']:.1f} tokens/s "
+        f"(through F.linear {took['matmuls, F.linear']:.2f} s); "
+        f"the engine takes {limit['engine_over_matmuls']:.2f}x its matmuls' time; {limit['flops'] / 1e9:.0f} GFLOP "
+        f"at the 1024^3 matmul's {limit['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s = "
+        f"{limit['tokens_per_s_gemm_rate']:.1f} tokens/s"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -281,30 +310,13 @@ def main() -> None:
     rows["transformers, batched"] = turns["transformers, batched"]
     # The oracle ran generate for every sequence during the first check (the second reused it).
     rows["transformers, one prompt at a time"] = dict(tokens=report.hf_tokens, seconds=report.hf_seconds)
-    for name, row in rows.items():
-        row["tokens_per_s"] = row["tokens"] / row["seconds"]
-        extra = f"  ({row['check']}, {row['preemptions']} preemptions)" if "check" in row else ""
-        if "rates" in row:
-            extra = f"  (median of {len(row['rates'])}: " + ", ".join(f"{r:.1f}" for r in row["rates"]) + ")"
-        rate = f"{row['tokens']:4d} tokens in {row['seconds']:6.1f} s wall = {row['tokens_per_s']:5.1f} tokens/s"
-        print(f"{name:>34}: {rate}{extra}")
-    ratio = turns["ratio"]
+    print("\n".join(table_lines(rows)))
+    ratio, limit = turns["ratio"], turns["limit"]
     print(
         f"engine / batched generate, same work: {ratio['median']:.2f}x "
         f"(median of {', '.join(f'{r:.2f}' for r in ratio['each'])})"
     )
-    limit = turns["limit"]
-    took, n = limit["seconds"], rows["engine, same work"]["tokens"]
-    limit["tokens_per_s_matmuls"] = n / took["matmuls"]
-    limit["tokens_per_s_gemm_rate"] = n * limit["gemm_flops_per_s"] / limit["flops"]
-    print(
-        f"limit of the same-work schedule ({limit['steps']} steps, in the same turns): its matmuls alone "
-        f"{took['matmuls']:.2f} s = {limit['tokens_per_s_matmuls']:.1f} tokens/s "
-        f"(through F.linear {took['matmuls, F.linear']:.2f} s); "
-        f"the engine takes {limit['engine_over_matmuls']:.2f}x its matmuls' time; {limit['flops'] / 1e9:.0f} GFLOP "
-        f"at the 1024^3 matmul's {limit['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s = "
-        f"{limit['tokens_per_s_gemm_rate']:.1f} tokens/s"
-    )
+    print(limit_line(limit, rows["engine, same work"]["tokens"]))
     print("\n".join(memory_lines))
     profile = profile_lines(loaded, args.attention, prompts, args.tokens, args.profile) if args.profile else []
     print("\n".join(profile))
