@@ -1,23 +1,39 @@
 """Tokens per second of pagedkv_engine against transformers' generate, same prompts, same run.
 
-    python benchmarks/bench_engine.py --out benchmarks/results [--attention torch|triton] [--tokens 32]
+    python benchmarks/bench_engine.py --out benchmarks/results [--attention torch|triton|reference]
+        [--tokens 32] [--threads 1] [--repeats 3] [--profile 15]
 
 The prompts are those of the standard batch (:func:`pagedkv_engine.check.standard_batch`,
-seven requests, one with two samples: eight sequences). Three measurements, one process,
-one torch thread count:
+seven requests, one with two samples: eight sequences). One process, one torch thread
+count, these rows:
 
 * ``engine, standard pool``: the batch as the tests serve it (arrivals spread over
-  steps, a pool small enough to preempt);
-* ``engine, roomy pool``: every request submitted at step 0, a pool of 256 pages (no
-  preemption), a 256-token step budget;
-* ``transformers``: ``generate(do_sample=False)`` one prompt at a time (the second
-  sample of the fork: prompt plus its forced first token), as the oracle runs it.
+  steps, a pool small enough to preempt), checked against transformers;
+* ``engine, roomy pool``: the same eight sequences submitted at step 0, a pool of 256
+  pages (no preemption), a 256-token step budget, checked against transformers;
+* ``engine, same work`` and ``transformers, batched``: the comparison of like with
+  like. The seven prompts, one sample each, exactly ``--tokens`` new tokens each
+  (the engine with ``ignore_eos``, ``generate`` with ``min_new_tokens``, so both
+  generate ``7 x tokens`` tokens and neither stops at EOS; after an EOS the two
+  continue differently, at the same cost). The engine takes every request at step 0
+  with the roomy pool (prefill in 256-token steps, then one decode step per token
+  for all seven); ``generate(do_sample=False)`` takes one left-padded batch with its
+  attention mask (its prefill computes the padding too). The two are run in turns,
+  ``--repeats`` times each (engine, transformers, engine, ...; after one untimed
+  engine run), and the table gives the medians and the median of the per-turn
+  ratios, so a busy machine slows both;
+* ``transformers, one prompt at a time``: ``generate(do_sample=False)`` per sequence
+  (the second sample of the fork: prompt plus its forced first token), as the oracle
+  runs it (its time from the checks above).
 
-Every engine run is also checked against transformers (the report says PASS/FAIL).
-Also writes the memory comparison of the standard run (``--memory``: bytes reserved,
-used and wasted by a ``torch.cat`` cache, a contiguous buffer and the paged pool).
-Writes ``bench_engine.json``. Generation stops at EOS, so a few sequences may
-generate fewer than ``--tokens`` tokens; rates count tokens actually generated.
+``--profile N`` prints the top ``N`` Python functions (cProfile) and torch operators
+(torch profiler), by own time, of one more same-work engine run each. The report ends
+with this machine's limit for the same-work schedule (:func:`matmul_replays`, timed
+in the same turns): the model's matrix products alone, step by step, with the
+engine's shapes and weight layout, and their FLOPs over a large square matmul's rate. Also writes the
+memory comparison of the standard run (bytes reserved, used and wasted by a
+``torch.cat`` cache, a contiguous buffer and the paged pool). Writes
+``bench_engine.json``. Rates count tokens actually generated.
 """
 
 from __future__ import annotations
@@ -27,32 +43,244 @@ from pagedkv_lib import runtime
 
 # isort: split
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
+import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from timing import timed
 
-from pagedkv_engine import Engine, weights
+from pagedkv_engine import Engine, SamplingParams, weights
 from pagedkv_engine import check as oracle
 from pagedkv_engine.memory import compare_caches, summary_rows
+from pagedkv_engine.model import PROJECTIONS, row_major_weights
+
+ROOMY = dict(num_pages=256, page_size=16, max_num_batched_tokens=256)
 
 
-def run_engine(loaded, attention, tokens, arrivals, **settings):
+def run_engine(loaded, attention, arrivals, **settings):
     engine = Engine(loaded.model, attention, record_logits=True, **settings)
     _, wall = timed(lambda: engine.run(arrivals))
     return engine, wall
 
 
+def checked_row(engine, wall, loaded, references) -> dict:
+    """A table row for an engine run, with its check against transformers."""
+    report = oracle.check_engine(engine, loaded.model, references=references)
+    row = dict(
+        tokens=engine.stats.generated_tokens,
+        seconds=wall,
+        steps=engine.stats.steps,
+        preemptions=engine.stats.preemptions,
+        check="PASS" if report.ok else "FAIL",
+        max_logit_diff=report.max_diff,
+    )
+    return row, report
+
+
+def same_work_prompts(standard: dict) -> list[list[int]]:
+    """The standard batch's seven prompts, in arrival order."""
+    return [prompt for reqs in standard.values() for prompt, _ in reqs]
+
+
+def same_work(loaded, attention, prompts, tokens) -> tuple[Engine, dict]:
+    """An engine with the roomy pool and its arrivals: every prompt at step 0, exactly
+    ``tokens`` new tokens each (``ignore_eos``)."""
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    return Engine(loaded.model, attention, **ROOMY), {0: [(p, params) for p in prompts]}
+
+
+def engine_same_work(loaded, attention, prompts, tokens) -> tuple[Engine, float]:
+    """:func:`same_work`, served; returns the engine and the seconds ``run`` took."""
+    engine, arrivals = same_work(loaded, attention, prompts, tokens)
+    _, wall = timed(lambda: engine.run(arrivals))
+    assert engine.stats.generated_tokens == len(prompts) * tokens, "the engine stopped early"
+    return engine, wall
+
+
+@torch.inference_mode()
+def generate_batched(loaded, prompts, tokens) -> tuple[int, float]:
+    """``generate`` over one left-padded batch of ``prompts``, exactly ``tokens`` new
+    tokens each; returns ``(tokens generated, seconds)``."""
+    pad = loaded.model.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out, wall = timed(
+        lambda: loaded.model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
+    )
+    new = out.shape[1] - width
+    assert new == tokens, f"generate made {new} new tokens, not {tokens}"
+    return len(prompts) * new, wall
+
+
+def in_turns(loaded, attention, prompts, tokens, repeats) -> dict:
+    """Engine, batched ``generate`` and the matmul replays of :func:`matmul_replays`, in
+    turns, after one untimed engine run (which gives the schedule the replays follow);
+    medians of tokens/s and of the per-turn ratios."""
+    warm, _ = engine_same_work(loaded, attention, prompts, tokens)
+    schedule = step_shapes(warm)
+    replays, flops = matmul_replays(loaded.model, schedule)
+    runs = {name: [] for name in ("engine", "generate", *replays)}
+    for _ in range(repeats):
+        runs["engine"].append(engine_same_work(loaded, attention, prompts, tokens)[1])
+        runs["generate"].append(generate_batched(loaded, prompts, tokens)[1])
+        for name, replay in replays.items():
+            runs[name].append(timed(replay)[1])
+    n = len(prompts) * tokens
+    seconds = {name: statistics.median(times) for name, times in runs.items()}
+    return {
+        "engine, same work": dict(
+            tokens=n, seconds=seconds["engine"], steps=warm.stats.steps, rates=[n / t for t in runs["engine"]]
+        ),
+        "transformers, batched": dict(
+            tokens=n,
+            seconds=seconds["generate"],
+            note="generate, left-padded batch",
+            rates=[n / t for t in runs["generate"]],
+        ),
+        "ratio": dict(
+            median=statistics.median(g / e for e, g in zip(runs["engine"], runs["generate"])),
+            each=[g / e for e, g in zip(runs["engine"], runs["generate"])],
+        ),
+        "limit": dict(
+            steps=len(schedule),
+            flops=flops,
+            seconds=seconds,
+            engine_over_matmuls=statistics.median(e / m for e, m in zip(runs["engine"], runs["matmuls"])),
+            gemm_flops_per_s=2 * 1024**3 / seconds["gemm 1024^3"],
+        ),
+    }
+
+
+def step_shapes(engine: Engine) -> list[tuple[int, int]]:
+    """``(tokens, sampled rows)`` of every step the engine ran: the rows of its matrix
+    products and of its LM head (one per token generated in that step)."""
+    sampled = Counter(step for seq in engine.sequences.values() for step in seq.token_steps)
+    return [(r.num_prefill_tokens + r.num_decode_tokens, sampled[r.step]) for r in engine.history]
+
+
+def profile_lines(loaded, attention, prompts, tokens, top: int) -> list[str]:
+    """The ``top`` entries by own time of one same-work ``Engine.run`` (the engine is
+    built before): cProfile's Python functions, then the torch profiler's operators
+    (``x @ w`` is ``aten::mm``, which cProfile counts inside ``forward``)."""
+    engine, arrivals = same_work(loaded, attention, prompts, tokens)
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.run(arrivals)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    engine, arrivals = same_work(loaded, attention, prompts, tokens)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
+        engine.run(arrivals)
+    table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return [line for line in (out.getvalue() + table).splitlines() if line.strip()]
+
+
+@torch.inference_mode()
+def matmul_replays(hf_model, schedule: list[tuple[int, int]]) -> tuple[dict, int]:
+    """``({name: replay}, flops)``: this CPU's limit for ``schedule`` (``(tokens, sampled
+    rows)`` per step, see :func:`step_shapes`), to be timed in turns with the engine:
+
+    * ``matmuls``: every step's matrix products alone (the
+      :data:`~pagedkv_engine.model.PROJECTIONS` of every layer over the step's
+      tokens; the LM head over its sampled rows) with the engine's row-major ``[in,
+      out]`` weights (:func:`pagedkv_engine.model.row_major_weights`); nothing else a
+      step does (attention, norms, RoPE, sampling, Python) is in it;
+    * ``matmuls, F.linear``: the same through ``F.linear`` on transformers' ``[out, in]``
+      tensors (what ``generate`` runs);
+    * ``gemm 1024^3``: one 1024 x 1024 x 1024 fp32 matmul, for the FLOP rate.
+
+    ``flops`` counts the replays' multiply-adds x 2: at the 1024^3 rate they would take
+    ``flops / rate`` seconds, the compute bound."""
+    layers, lm_head_t = row_major_weights(hf_model, "cpu")
+    row_major = [w for layer in layers for w in layer.values()]
+    out_in = [layer.get_submodule(path).weight for layer in hf_model.model.layers for path in PROJECTIONS.values()]
+    lm_head = hf_model.lm_head.weight
+    inputs = {width: torch.ones(max(t for t, _ in schedule), width) for width in {w.shape[0] for w in row_major}}
+    hidden, square = lm_head.shape[1], torch.ones(1024, 1024)
+
+    @torch.inference_mode()
+    def row_major_products() -> None:
+        for tokens, sampled in schedule:
+            for w in row_major:
+                inputs[w.shape[0]][:tokens] @ w
+            inputs[hidden][:sampled] @ lm_head_t
+
+    @torch.inference_mode()
+    def linear_products() -> None:
+        for tokens, sampled in schedule:
+            for w in out_in:
+                F.linear(inputs[w.shape[1]][:tokens], w)
+            F.linear(inputs[hidden][:sampled], lm_head)
+
+    per_token = sum(w.numel() for w in out_in)
+    flops = sum(2 * tokens * per_token + 2 * sampled * lm_head.numel() for tokens, sampled in schedule)
+    replays = {
+        "matmuls": row_major_products,
+        "matmuls, F.linear": linear_products,
+        "gemm 1024^3": lambda: square @ square,
+    }
+    return replays, flops
+
+
+def table_lines(rows: dict) -> list[str]:
+    """One line per row (adding its ``tokens_per_s``): tokens, seconds, rate, and the
+    check or the turns' rates."""
+    lines = []
+    for name, row in rows.items():
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+        extra = f"  ({row['check']}, {row['preemptions']} preemptions)" if "check" in row else ""
+        if "rates" in row:
+            extra = f"  (median of {len(row['rates'])}: " + ", ".join(f"{r:.1f}" for r in row["rates"]) + ")"
+        rate = f"{row['tokens']:4d} tokens in {row['seconds']:6.1f} s wall = {row['tokens_per_s']:5.1f} tokens/s"
+        lines.append(f"{name:>34}: {rate}{extra}")
+    return lines
+
+
+def limit_line(limit: dict, tokens: int) -> str:
+    """The limit of :func:`in_turns` in words (adding its rates for ``tokens`` tokens)."""
+    took = limit["seconds"]
+    limit["tokens_per_s_matmuls"] = tokens / took["matmuls"]
+    limit["tokens_per_s_gemm_rate"] = tokens * limit["gemm_flops_per_s"] / limit["flops"]
+    return (
+        f"limit of the same-work schedule ({limit['steps']} steps, in the same turns): its matmuls alone "
+        f"{took['matmuls']:.2f} s = {limit['tokens_per_s_matmuls']:.1f} tokens/s "
+        f"(through F.linear {took['matmuls, F.linear']:.2f} s); "
+        f"the engine takes {limit['engine_over_matmuls']:.2f}x its matmuls' time; {limit['flops'] / 1e9:.0f} GFLOP "
+        f"at the 1024^3 matmul's {limit['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s = "
+        f"{limit['tokens_per_s_gemm_rate']:.1f} tokens/s"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--attention", choices=("torch", "triton"), default="torch")
+    p.add_argument("--attention", choices=("torch", "triton", "reference"), default="torch")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--repeats", type=int, default=3, help="turns of engine vs batched generate (default 3)")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N of an engine run")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_start = time.perf_counter()
@@ -61,19 +289,8 @@ def main() -> None:
     print(f"{runtime.backend_line()}; torch threads {torch.get_num_threads()}; load {loaded.seconds:.1f} s wall")
 
     standard = oracle.standard_batch(loaded.tokenizer, args.tokens)
-    engine, wall = run_engine(loaded, args.attention, args.tokens, standard, **oracle.standard_engine_args(args.tokens))
-    report = oracle.check_engine(engine, loaded.model, references=references)
-    rows["engine, standard pool"] = dict(
-        tokens=engine.stats.generated_tokens,
-        seconds=wall,
-        steps=engine.stats.steps,
-        preemptions=engine.stats.preemptions,
-        check="PASS" if report.ok else "FAIL",
-        max_logit_diff=report.max_diff,
-    )
-    rows["transformers"] = dict(
-        tokens=report.hf_tokens, seconds=report.hf_seconds, note="generate, one prompt at a time"
-    )
+    engine, wall = run_engine(loaded, args.attention, standard, **oracle.standard_engine_args(args.tokens))
+    rows["engine, standard pool"], report = checked_row(engine, wall, loaded, references)
     series = compare_caches(engine)
     memory = {
         name: dict(
@@ -84,24 +301,25 @@ def main() -> None:
     memory_lines = summary_rows(series, sum(pool.nbytes for pool in engine.pools))
 
     at_once = {0: [r for reqs in standard.values() for r in reqs]}
-    engine, wall = run_engine(
-        loaded, args.attention, args.tokens, at_once, num_pages=256, page_size=16, max_num_batched_tokens=256
+    engine, wall = run_engine(loaded, args.attention, at_once, **ROOMY)
+    rows["engine, roomy pool"], _ = checked_row(engine, wall, loaded, references)
+
+    prompts = same_work_prompts(standard)
+    turns = in_turns(loaded, args.attention, prompts, args.tokens, args.repeats)
+    rows["engine, same work"] = turns["engine, same work"]
+    rows["transformers, batched"] = turns["transformers, batched"]
+    # The oracle ran generate for every sequence during the first check (the second reused it).
+    rows["transformers, one prompt at a time"] = dict(tokens=report.hf_tokens, seconds=report.hf_seconds)
+    print("\n".join(table_lines(rows)))
+    ratio, limit = turns["ratio"], turns["limit"]
+    print(
+        f"engine / batched generate, same work: {ratio['median']:.2f}x "
+        f"(median of {', '.join(f'{r:.2f}' for r in ratio['each'])})"
     )
-    report = oracle.check_engine(engine, loaded.model, references=references)
-    rows["engine, roomy pool"] = dict(
-        tokens=engine.stats.generated_tokens,
-        seconds=wall,
-        steps=engine.stats.steps,
-        preemptions=engine.stats.preemptions,
-        check="PASS" if report.ok else "FAIL",
-        max_logit_diff=report.max_diff,
-    )
-    for name, row in rows.items():
-        row["tokens_per_s"] = row["tokens"] / row["seconds"]
-        extra = f"  ({row['check']}, {row['preemptions']} preemptions)" if "check" in row else ""
-        rate = f"{row['tokens']:4d} tokens in {row['seconds']:6.1f} s wall = {row['tokens_per_s']:5.1f} tokens/s"
-        print(f"{name:>22}: {rate}{extra}")
+    print(limit_line(limit, rows["engine, same work"]["tokens"]))
     print("\n".join(memory_lines))
+    profile = profile_lines(loaded, args.attention, prompts, args.tokens, args.profile) if args.profile else []
+    print("\n".join(profile))
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(
         backend=runtime.backend_line(),
@@ -112,7 +330,10 @@ def main() -> None:
         machine=platform.platform(),
         total_seconds=time.perf_counter() - load_start,
         throughput=rows,
+        engine_over_batched_generate=ratio,
+        limit=limit,
         memory_bytes=memory,
+        profile=profile,
     )
     (args.out / "bench_engine.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out / 'bench_engine.json'}")

@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N")
     p.add_argument("--n", type=_positive, default=1, metavar="N", help="samples per prompt (forked)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--attention", choices=ATTENTION_PATHS, default="torch", help="torch references or Triton kernels")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_PATHS,
+        default="torch",
+        help="torch (fast CPU path), triton (kernels) or reference (the Python references)",
+    )
     p.add_argument(
         "--page-size", type=_positive, metavar="N", help=f"tokens per page (default {DEFAULTS['page_size']})"
     )

@@ -19,7 +19,7 @@ Tolerance (:data:`TOLERANCE` = ``1e-3``, absolute, on fp32 logits that span abou
 -30..+40): measured over the standard batch (:func:`standard_batch`), the largest
 difference between the engine's logits and transformers' is 9e-5 on the torch path
 (8 sequences x 16 tokens) and 6e-5 on the Triton path (8 x 3 tokens). The two differ
-in attention arithmetic (paged references or kernels vs SDPA over a contiguous cache),
+in attention arithmetic (paged torch, references or kernels vs SDPA over a contiguous cache),
 in the number of rows of each matrix product (a batch of sequences vs one), and on the
 Triton path in RoPE's last bits (angle reduced in fp64 vs formed in fp32). ``1e-3``
 leaves a margin of 10x, the tests hold the observed maximum below ``tol / 5``, and the

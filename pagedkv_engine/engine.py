@@ -83,9 +83,11 @@ class Engine:
     """A small paged-KV inference engine for transformers' ``LlamaForCausalLM`` weights.
 
     Args:
-        hf_model: a transformers Llama model (fp32); its weight tensors are used as they are.
-        attention: ``"torch"`` (the suite's Python references) or ``"triton"`` (the
-            suite's kernels), or a backend object with ``write``/``prefill``/``decode``.
+        hf_model: a transformers Llama model (fp32); its weights are read from it (the
+            projections as row-major copies, :func:`pagedkv_engine.model.transposed`).
+        attention: ``"torch"`` (batched torch on the CPU), ``"reference"`` (the suite's
+            Python references) or ``"triton"`` (the suite's kernels), or a backend
+            object with ``write``/``prefill``/``decode``.
         num_pages, page_size: the paged pool (one ``PagedKVPool`` per layer, all indexed
             by the same page ids of one ``KVCacheManager``).
         max_num_batched_tokens: token budget of one step (chunked prefill fills it).

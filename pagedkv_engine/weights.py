@@ -188,7 +188,8 @@ def load_tokenizer():
 def load() -> Loaded:
     """Load SmolLM2-135M-Instruct in fp32 as a transformers ``LlamaForCausalLM``, from the
     disk cache (converting the GGUF file the first time). The engine reads its weights
-    from this model object, so engine and oracle share every tensor."""
+    from this model object, so engine and oracle use the very same values (the engine
+    multiplies by row-major copies of the projections, :func:`pagedkv_engine.model.transposed`)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 

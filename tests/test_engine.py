@@ -91,8 +91,11 @@ def assert_standard_batch_was_served_in_full(engine, report, tokens):
 def test_engine_reads_transformers_own_tensors_and_rope(loaded):
     model = loaded.model
     engine = Engine(model, "torch", num_pages=4)
-    assert engine.model.layers[7]["q"].data_ptr() == model.model.layers[7].self_attn.q_proj.weight.data_ptr()
-    assert engine.model.lm_head.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    assert engine.model.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    # The projections are row-major [in, out] copies of transformers' [out, in] tensors.
+    assert torch.equal(engine.model.layers[7]["q"].t(), model.model.layers[7].self_attn.q_proj.weight)
+    assert engine.model.layers[7]["q"].is_contiguous()
+    assert torch.equal(engine.model.lm_head.t(), model.model.embed_tokens.weight)  # tied
     assert HFRope(64, 100000.0).inv_freq.equal(model.model.rotary_emb.inv_freq)
 
 

@@ -7,6 +7,7 @@ layers of width 64, so the Triton interpreter path costs 2 layers per step, not 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the engine extra is not installed (make setup)")
 
 from pagedkv_engine import Engine, SamplingParams  # noqa: E402
-from pagedkv_engine.attention import HFRope  # noqa: E402
+from pagedkv_engine.attention import HFRope, LastCall, ReferenceAttention, TorchAttention  # noqa: E402
 from pagedkv_engine.check import check_engine  # noqa: E402
 from pagedkv_engine.scheduler import pages_needed  # noqa: E402
 
@@ -123,7 +124,7 @@ def test_hf_rope_matches_transformers_bit_for_bit(tiny):
     assert torch.equal(HFRope.rotate(k, cos, sin), k_hf[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
+@pytest.mark.parametrize("attention", ["torch", "triton", "reference"])
 def test_batch_with_chunks_prefix_hits_preemption_and_fork_matches_transformers(tiny, attention):
     # Page 8, budget 16: the 40-token prompt is prefilled in 3 chunks; two prompts share
     # 24 tokens (3 full pages); 14 pages run out while the sequences decode.
@@ -147,6 +148,77 @@ def test_batch_with_chunks_prefix_hits_preemption_and_fork_matches_transformers(
     assert max(r.num_prefill_tokens + r.num_decode_tokens for r in engine.history) <= 16
     chunked = [r.step for r in engine.history if "r1" in r.computed and 0 < r.computed["r1"] < 40]
     assert len(chunked) >= 2, "the 40-token prompt should take several steps"
+
+
+def scattered_step(seed=0):
+    """A pool of 12 pages of 4 rows (2 KV heads, head_dim 8) whose unused pages hold NaN,
+    block tables of scattered pages (``-1`` padded; page 0 in none) and one step's
+    tokens: three sequences of 9, 2 and 6 KV tokens, the first a 3-token prefill chunk."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.full((12, 2, 4, 2, 8), float("nan"))
+    tables = torch.tensor([[7, 3, 10], [5, -1, -1], [11, 2, -1]], dtype=torch.int32)
+    lens = torch.tensor([9, 2, 6])
+    for b, n in enumerate(lens.tolist()):  # written rows hold K/V, the rest of a used page zeros
+        for page in tables[b, : -(-n // 4)].tolist():
+            cache[page] = 0.0
+        rows = torch.arange(n)
+        cache[tables[b].long()[rows // 4], :, rows % 4] = torch.randn(n, 2, 2, 8, generator=g)
+    return cache, tables, lens, g
+
+
+def test_torch_attention_equals_the_references_on_a_scattered_pool():
+    cache, tables, lens, g = scattered_step()
+    fast, ref = TorchAttention(8, 10000.0), ReferenceAttention(8, 10000.0)
+    q = torch.randn(3, 4, 8, generator=g)  # 4 query heads over 2 KV heads (GQA)
+    want = ref.decode(q, cache, tables, lens)
+    torch.testing.assert_close(fast.decode(q, cache, tables, lens), want, rtol=1e-5, atol=1e-6)
+    # Prefill: chunks of 3, 0 and 6 queries (bottom-right causal).
+    indptr = torch.tensor([0, 3, 3, 9])
+    q = torch.randn(9, 4, 8, generator=g)
+    want = ref.prefill(q, cache, indptr, tables, lens)
+    torch.testing.assert_close(fast.prefill(q, cache, indptr, tables, lens), want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_attention_writes_and_rotates_as_the_reference():
+    caches = [scattered_step()[0] for _ in range(2)]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, 4, 8, generator=g), torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
+    slots, positions = torch.tensor([0, 9, 46]), torch.tensor([5, 0, 17])
+    qs = [q.clone(), q.clone()]
+    for backend, cache, q_ in zip((TorchAttention(8, 1e4), ReferenceAttention(8, 1e4)), caches, qs):
+        backend.write(q_, k, v, cache, slots, positions)
+    assert torch.equal(qs[0], qs[1]) and not torch.equal(qs[0], q)
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))
+
+
+def test_torch_attention_refuses_a_slot_written_twice_or_outside_the_pool():
+    cache = torch.zeros(4, 2, 4, 2, 8)
+    q, k = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8)
+    for slots, message in (([3, 3], "more than once"), ([3, 16], "outside the pool"), ([3, -1], "-1")):
+        with pytest.raises(ValueError, match=message):
+            TorchAttention(8, 1e4).write(q, k, k, cache, torch.tensor(slots), torch.tensor([0, 1]))
+
+
+def test_a_step_plan_is_built_once_for_all_layers_and_again_for_the_next_step():
+    calls = []
+    plan = LastCall(lambda t, n: calls.append(n) or len(calls))
+    step1, step2 = torch.zeros(2), torch.zeros(2)
+    assert [plan(step1, 4) for _ in range(3)] == [1, 1, 1]  # every layer of step 1
+    assert plan(step2, 4) == 2  # equal values, but a new step's tensor
+    assert plan(step2, 8) == 3 and plan(step2, 8) == 3  # another page size
+    assert calls == [4, 4, 8]
+
+
+def test_engines_over_one_model_share_its_row_major_weights_until_one_changes(tiny):
+    a, b = Engine(tiny, "torch", num_pages=4), Engine(tiny, "torch", num_pages=4)
+    assert a.model.layers[1]["up"] is b.model.layers[1]["up"] and a.model.lm_head is b.model.lm_head
+    assert torch.equal(a.model.layers[1]["up"].t(), tiny.model.layers[1].mlp.up_proj.weight)
+    model = copy.deepcopy(tiny)  # the fixture stays as it is
+    before = Engine(model, "torch", num_pages=4).model.layers[0]["down"]
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
+    after = Engine(model, "torch", num_pages=4).model.layers[0]["down"]
+    assert after is not before and torch.equal(after.t(), model.model.layers[0].mlp.down_proj.weight)
 
 
 # --------------------------------------------------------------------------- scheduler stories
