@@ -19,8 +19,10 @@
 # The engine is the package `pagedkv_engine` (about 1,000 lines): its own Llama forward
 # (RMSNorm, RoPE, GQA attention, SwiGLU) over the weights transformers loads, one
 # `PagedKVPool` per layer and one `KVCacheManager`, a scheduler with continuous
-# batching, and two attention paths: the suite's Python references (`torch`) or its
-# Triton kernels (`triton`). From a shell: `python -m pagedkv_engine --prompt "..."`.
+# batching, and three attention paths: batched torch over whole pages (`torch`, the
+# default and the fastest on a CPU), the suite's Python references one request at a time
+# (`reference`) or its Triton kernels (`triton`). From a shell:
+# `python -m pagedkv_engine --prompt "..."`.
 #
 # **You will learn to**
 # * serve a real model on the paged cache and hold every token and logit of its answers to
