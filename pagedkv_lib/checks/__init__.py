@@ -12,7 +12,7 @@ Every check raises ValueError naming the argument, before anything is written,
 allocated or launched, and returns the index tensors it read as host int64 tensors.
 Callers use the package (``checks.check_decode_args(...)``); its modules, by family:
 
-- :mod:`.shared`: rules every family builds on: float dtypes, the ring window, the
+- :mod:`.shared`: rules every family builds on: float dtypes, the windows (ring, linear), the
   softmax scale, query and K/V tensors, slots inside the pool, the RoPE options.
 - :mod:`.mha`: the MHA/GQA pool tensor: appends (slot mapping, CSR, fused RoPE, V tails)
   and reads (padded and CSR page tables for decode and prefill, the split merge).
@@ -66,6 +66,7 @@ from .shared import (
     check_kv,
     check_kv_rows,
     check_q,
+    check_read_window,
     check_rope_positions,
     check_rope_style,
     check_scale,
@@ -79,6 +80,7 @@ __all__ = [
     "ROPE_STYLES",
     "MAX_SCALE",
     "check_window",
+    "check_read_window",
     "check_scale",
     "check_float_tensor",
     "check_q",
