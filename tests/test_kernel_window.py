@@ -113,6 +113,21 @@ def test_sliding_window_must_count_at_least_the_query():
         LinearWindow.from_sliding_window(0)
 
 
+def test_the_references_loop_and_vectorized_agree_with_flashinfers_mask():
+    """The float64 references (loop and vectorized, decode and prefill) on a linear window
+    equal the independent oracle: the kernels are judged by a reference that is right."""
+    q, cache, qo, _, _, _, table, lens = flashinfer_batch(2, 23, 9, 4, torch.float64)
+    window = LinearWindow(5)
+    want = flashinfer_oracle(q, cache, qo, table, lens, 5)
+    vectorized = reference.paged_prefill_attention(q, cache, qo, table, lens, window=window, precision="fp64")
+    loop = reference.paged_prefill_attention_loop(q, cache, qo, table, lens, window=window, precision="fp64")
+    torch.testing.assert_close(vectorized, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loop, want, rtol=1e-12, atol=1e-12)
+    last = q[qo[1:] - 1]  # each request's last query is its decode step
+    decode = reference.paged_decode_attention_loop(last, cache, table, lens, window=window, precision="fp64")
+    torch.testing.assert_close(decode, want[qo[1:] - 1], rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------- prefill
 
 
