@@ -13,9 +13,9 @@ equivalent case exists: an excluded page size, head dim, GQA group, dtype or lay
 becomes the nearest admitted one the suite builds (:data:`SUBSTITUTES`; pages of 1 and
 5 become 16 and 32 for a kernel whose tile is one page of at least 16), sequences
 shorter than ``min_seq_len`` are dropped from their batch (as padding slots are
-dropped), and a ring or linear window is dropped for a kernel without it. The case records
-what changed under ``"substituted"``. Only a case with no admitted value to move to
-stays outside.
+dropped), and a ring or linear window is dropped for a kernel without it. The case
+records what changed under ``"substituted"``. Only a case with no admitted value to
+move to stays outside.
 
 Declare a contract when wrapping a kernel::
 
