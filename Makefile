@@ -108,7 +108,8 @@ test: setup
 # covers them.
 GPU_PLAN_TESTS ?= tests/test_kernel_prefill.py tests/test_kernel_read.py tests/test_kernel_write.py \
 	tests/test_quant_kernels.py tests/test_mla_kernels.py tests/test_indexer_k.py tests/test_block_copy.py \
-	tests/test_lse_merge.py tests/test_noncausal_prefill.py tests/test_mla_latent.py tests/test_quant_conventions.py
+	tests/test_lse_merge.py tests/test_noncausal_prefill.py tests/test_mla_latent.py tests/test_quant_conventions.py \
+	tests/test_kernel_window.py
 # Core cases: the argument checks (plan-independent) and the 216-case append grid (a copy;
 # its GPU tiles run in the verify grid under GPU plans, inside the compile check) are left out.
 GPU_PLAN_SELECT ?= not validation and not refuse and not bad_input and not bad_arguments and not test_append_matches_reference

@@ -6,9 +6,11 @@ points that are exactly ``run_x(plan_x(...), ...)``):
 
 * :mod:`kernels.write`: append new tokens' K/V (slot mapping or CSR; fused RoPE; ring
   windows); :mod:`kernels.v_tail`: zero the unwritten V rows of each last page;
-* :mod:`kernels.decode`: paged decode attention (split-KV, GQA, ring windows);
+* :mod:`kernels.decode`: paged decode attention (split-KV, GQA, ring windows and
+  linear-cache windows, FlashInfer's ``window_left``);
   :mod:`kernels.merge`: the merge of attention states (split-KV stage 2, merge_state(s));
-* :mod:`kernels.prefill`: paged prefill attention, many queries per sequence;
+* :mod:`kernels.prefill`: paged prefill attention, many queries per sequence (ring and
+  linear-cache windows);
   :mod:`kernels.cascade`: attention states' merge (``merge_state(s)``) and cascade attention;
 * :mod:`kernels.quant_write`, :mod:`kernels.quant_decode`: the same on FP8 / NVFP4 pools;
   :mod:`kernels.quant_codes`: their device-side encoders and decoders;

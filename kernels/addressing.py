@@ -42,10 +42,11 @@ __all__ = [
 ]
 
 
-def ring_params(window: RingWindow | None) -> tuple[int, int, int]:
+def ring_params(window) -> tuple[int, int, int]:
     """``(sink_tokens, bubble_len, cyclic_cache_len)`` for a launch; ``(0, 0, 0)`` means no
-    window (the kernels take ``HAS_WINDOW`` as a constexpr and skip the mapping)."""
-    if window is None:
+    ring (no window, or a :class:`~pagedkv_lib.window.LinearWindow`, stored linearly: the
+    kernels take the window's kind as a constexpr and skip the mapping)."""
+    if not isinstance(window, RingWindow):
         return 0, 0, 0
     return window.sink_tokens, window.bubble_len, window.cyclic_cache_len
 

@@ -9,9 +9,10 @@ share are the ``@triton.jit`` helpers below, each kernel keeping only what is it
 
 1. :func:`sequence_span`: the sequence's length and page-table row, from a padded
    table or a CSR slice (FlashInfer's last-page-length rule);
-2. :func:`visible_range` and :func:`visible_keys`: which positions a ring window
-   leaves visible, enumerated ``0 .. n_vis - 1`` (the sinks, then the recent range),
-   and the cache row of each;
+2. :func:`visible_range` and :func:`visible_keys`: which positions a window leaves
+   visible, enumerated ``0 .. n_vis - 1`` (the sinks, then the recent range), and the
+   cache row of each (through the ring for a ring window, the position itself for a
+   linear window, which has no sinks);
 3. :func:`split_tiles`: the tiles of one split-KV split;
 4. :func:`load_scaled_queries` and :func:`load_kv_tile`: a head group's queries in
    fp32 times ``scale * log2(e)``, and one K/V tile of the MHA pool;
@@ -28,7 +29,12 @@ purpose: in Triton's interpreter every call of a jit function (``tl.zeros`` and
 arithmetic, so each helper replaces inline code one for one or better. Host side,
 :class:`ReadPlan` holds what every read plan fixes (its page table is a
 :class:`kernels.launch.PageTable`) and :func:`split_outputs` / :func:`window_args` /
-:func:`finish_splits` the launch steps the split-KV kernels share.
+:func:`window_kind` / :func:`finish_splits` the launch steps the split-KV kernels share.
+
+The window's kind is the constexpr ``WINDOW``: 0 none, 1 a ring
+(:class:`~pagedkv_lib.window.RingWindow`), 2 a mask over a linear cache
+(:class:`~pagedkv_lib.window.LinearWindow`). A kernel that knows only the ring passes a
+bool (False, True), which reads as 0 and 1.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv_lib.window import RingWindow
+from pagedkv_lib.window import LinearWindow, Window
 
 from .addressing import kv_token_idx, ring_params, table_row_offset
 from .launch import PageTable
@@ -64,6 +70,7 @@ __all__ = [
     "ReadPlan",
     "read_plan_fields",
     "window_args",
+    "window_kind",
     "split_outputs",
     "finish_splits",
 ]
@@ -101,19 +108,20 @@ def sequence_span(
 
 
 @triton.jit
-def visible_range(end, first_end, sink_tokens, window_recent, HAS_WINDOW: tl.constexpr):
+def visible_range(end, first_end, sink_tokens, window_recent, WINDOW: tl.constexpr):
     """``(n_sink, recent_start, n_vis)`` (int32 scalars) of the keys at positions
-    ``0 .. end - 1`` that a ring window leaves visible to queries ending at ``first_end
-    .. end`` (a decode query: ``first_end == end == seq_len``; a prefill tile: its first
+    ``0 .. end - 1`` that a window leaves visible to queries ending at ``first_end ..
+    end`` (a decode query: ``first_end == end == seq_len``; a prefill tile: its first
     and last query's position + 1).
 
     Enumerated key ``j`` in ``0 .. n_vis - 1`` is position ``j`` for ``j < n_sink``
     (the sinks), else ``recent_start + (j - n_sink)`` (:func:`visible_keys`); the
-    recent range starts ``window_recent = window - sinks`` positions before
-    ``first_end``. Without a window every position is visible (``n_sink = recent_start
-    = n_vis = end``).
+    recent range starts ``window_recent`` positions before ``first_end`` (a ring's
+    ``window - sinks``, a linear window's ``window_left + 1`` with no sinks, so the
+    tiles before the window are never visited). Without a window (``WINDOW`` 0) every
+    position is visible (``n_sink = recent_start = n_vis = end``).
     """
-    if HAS_WINDOW:
+    if WINDOW:
         n_sink = tl.minimum(end, sink_tokens)
         recent_start = tl.maximum(sink_tokens, first_end - window_recent)
         n_vis = n_sink + tl.maximum(end - recent_start, 0)
@@ -130,7 +138,7 @@ def decode_split_range(
     block_tables_ptr, seq_lens_ptr, stride_table,
     kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
     page_size, sink_tokens, window_recent,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, IS_CSR: tl.constexpr,
 ):  # fmt: skip
     """What a split-KV decode program ``(b, ., split)`` reads, in one call:
     ``(table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi)`` (:func:`sequence_span`,
@@ -140,7 +148,7 @@ def decode_split_range(
         b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
         page_size, IS_CSR,
     )  # fmt: skip
-    n_sink, recent_start, n_vis = visible_range(seq_len, seq_len, sink_tokens, window_recent, HAS_WINDOW)
+    n_sink, recent_start, n_vis = visible_range(seq_len, seq_len, sink_tokens, window_recent, WINDOW)
     tile_lo, tile_hi = split_tiles(n_vis, split, num_splits, BLOCK_N)
     return table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi
 
@@ -149,17 +157,18 @@ def decode_split_range(
 def visible_keys(
     tile, offs_n, n_sink, recent_start, n_vis,
     sink_tokens, bubble_len, cyclic_cache_len,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
     """``(pos, row, valid)`` int32 ``[BLOCK_N]`` of key tile ``tile``: each lane's
     position (enumerated key ``j`` is ``j`` among the sinks, ``recent_start + (j -
     n_sink)`` after them; :func:`visible_range`), its logical row in the sequence's
-    cache (the ring's row with a window, :func:`kernels.addressing.kv_token_idx`) and
-    whether it is a visible key at all (lanes past ``n_vis`` are masked)."""
+    cache (the ring's row with a ring window, :func:`kernels.addressing.kv_token_idx`;
+    the position itself otherwise) and whether it is a visible key at all (lanes past
+    ``n_vis`` are masked)."""
     j = tile * BLOCK_N + offs_n
     valid = j < n_vis
     pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-    row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW)
+    row = kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, WINDOW == 1)
     return pos, row, valid
 
 
@@ -301,7 +310,7 @@ class ReadPlan:
     page_size: int  # tokens per page
     q_dtype: torch.dtype
     scale: float
-    window: RingWindow | None
+    window: Window | None
     group: int  # query heads per KV head
     table: PageTable
 
@@ -323,13 +332,21 @@ def read_plan_fields(q: torch.Tensor, num_kv_heads: int, page_size: int, scale, 
     }
 
 
-def window_args(window: RingWindow | None) -> tuple[int, int, int, int]:
+def window_args(window: Window | None) -> tuple[int, int, int, int]:
     """``(sink_tokens, bubble_len, cyclic_cache_len, window_recent)`` of a launch: the
-    ring's parameters (:func:`kernels.addressing.ring_params`) and the recent range's
-    length ``window - sinks`` (all 0, 0, 1, 0 without a window: unused then)."""
+    ring's parameters (:func:`kernels.addressing.ring_params`; zeros without a ring) and
+    the recent range's length ``window.recent_tokens`` (a ring's ``window - sinks``, a
+    linear window's ``window_left + 1``; 0 without a window, unused then)."""
     sinks, bubble, cyclic = ring_params(window)
-    recent = 0 if window is None else window.max_attention_window - window.sink_tokens
+    recent = 0 if window is None else window.recent_tokens
     return sinks, bubble, cyclic, recent
+
+
+def window_kind(window: Window | None) -> int:
+    """The ``WINDOW`` constexpr of a read launch: 0 no window, 1 a ring, 2 a linear window."""
+    if isinstance(window, LinearWindow):
+        return 2
+    return 0 if window is None else 1
 
 
 def split_outputs(out: torch.Tensor, splits: int, partials: bool):

@@ -1,4 +1,5 @@
-"""The Triton decode kernel: paged decode attention with split-KV, GQA and ring windows.
+"""The Triton decode kernel: paged decode attention with split-KV, GQA and sliding windows
+(a ring, or a mask over a linear cache).
 
 Decode attention walks each sequence's page table in tiles of ``BLOCK_N`` consecutive
 *logical* tokens: every token's physical page is looked up in the table
@@ -50,7 +51,7 @@ import triton.language as tl
 
 from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
-from pagedkv_lib.window import RingWindow
+from pagedkv_lib.window import Window
 
 from .attention_core import (
     ReadPlan,
@@ -65,6 +66,7 @@ from .attention_core import (
     store_partial,
     visible_keys,
     window_args,
+    window_kind,
 )
 from .launch import PageTable, fingerprint, parallel_units
 from .merge import launch_merge
@@ -114,11 +116,11 @@ def decode_split_kernel(
     stride_lb, stride_lh, stride_ls,
     # sizes
     qk_scale, group, head_dim, page_size, num_splits,
-    # ring window (kernels.attention_core.window_args)
+    # window (kernels.attention_core.window_args)
     sink_tokens, bubble_len, cyclic_cache_len, window_recent,
-    # constexprs
+    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind)
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr, WRITE_LSE: tl.constexpr,
+    WINDOW: tl.constexpr, IS_CSR: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv_head, split)``: the split's normalised partial output of every
     query head of the KV head's GQA group, and its base-2 log-sum-exp."""
@@ -129,7 +131,7 @@ def decode_split_kernel(
         b, split, num_splits,
         block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
         page_size, sink_tokens, window_recent,
-        BLOCK_N, HAS_WINDOW, IS_CSR,
+        BLOCK_N, WINDOW, IS_CSR,
     )  # fmt: skip
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -145,7 +147,7 @@ def decode_split_kernel(
     tile = tile_lo
     while tile < tile_hi:
         _, row, valid = visible_keys(
-            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, HAS_WINDOW
+            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, WINDOW
         )
         k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
                             stride_n, True)  # fmt: skip
@@ -160,13 +162,14 @@ def decode_split_kernel(
 # --------------------------------------------------------------------------- planning
 
 
-def visible_lengths(seq_lens: torch.Tensor, window: RingWindow | None = None) -> torch.Tensor:
+def visible_lengths(seq_lens: torch.Tensor, window: Window | None = None) -> torch.Tensor:
     """Keys each decode query attends to: ``seq_lens`` without a window, else
-    ``min(len, sinks) + (len - max(sinks, len - (window - sinks)))`` clamped at 0."""
+    ``min(len, sinks) + (len - max(sinks, len - recent))`` clamped at 0 (``recent =
+    window.recent_tokens``; a linear window has no sinks: ``min(len, window_left + 1)``)."""
     lens = torch.as_tensor(seq_lens).to(torch.int64)
     if window is None:
         return lens
-    sinks, recent = window.sink_tokens, window.max_attention_window - window.sink_tokens
+    sinks, recent = window.sink_tokens, window.recent_tokens
     start = torch.clamp(lens - recent, min=sinks)
     return torch.clamp(lens, max=sinks) + torch.clamp(lens - start, min=0)
 
@@ -249,11 +252,12 @@ def plan_decode(
     scale: float | None = None,
     layout: str = "NHD",
     num_splits: int | None = None,
-    window: RingWindow | None = None,
+    window: Window | None = None,
 ) -> DecodePlan:
     """Validate a :func:`paged_decode_attention` call and fix its tiles and split count;
     nothing is launched. Arguments and errors as :func:`paged_decode_attention`."""
-    _, lens = checks.check_decode_args(q, cache, host_copy(block_tables), host_copy(seq_lens), layout, window, scale)
+    host = (host_copy(block_tables), host_copy(seq_lens))
+    _, lens = checks.check_decode_args(q, cache, *host, layout, window, scale, linear=True)
     index = {"block_tables": block_tables, "seq_lens": seq_lens}
     check_read_launch({"q": q, "cache": cache}, index, q.shape[2], num_splits)
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
@@ -270,16 +274,17 @@ def plan_decode_csr(
     scale: float | None = None,
     layout: str = "NHD",
     num_splits: int | None = None,
+    window: Window | None = None,
 ) -> DecodePlan:
     """Validate a :func:`paged_decode_attention_csr` call and fix its tiles and split
     count; nothing is launched. Arguments and errors as :func:`paged_decode_attention_csr`."""
     host = (host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
-    *_, lens = checks.check_csr_decode_args(q, cache, *host, layout, scale)
+    *_, lens = checks.check_csr_decode_args(q, cache, *host, layout, scale, window)
     index = {"kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
     check_read_launch({"q": q, "cache": cache}, index, q.shape[2], num_splits)
-    max_visible = int(lens.max()) if lens.numel() else 0
+    max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
-    return _make_plan(q, cache, layout, scale, None, max_visible, num_splits, table)
+    return _make_plan(q, cache, layout, scale, window, max_visible, num_splits, table)
 
 
 def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials: bool = False, return_lse=False):
@@ -315,11 +320,11 @@ def run_decode(plan: DecodePlan, q: torch.Tensor, cache: torch.Tensor, partials:
         *lse_strides,
         # sizes
         plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size, plan.num_splits,
-        # ring window
+        # window
         *window_args(plan.window),
         # constexprs
         BLOCK_G=plan.block_g, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, WRITE_LSE=part is not out or total is not None,
+        WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, WRITE_LSE=part is not out or total is not None,
         num_warps=plan.num_warps,
     )
     # fmt: on
@@ -341,7 +346,7 @@ def paged_decode_attention(
     scale: float | None = None,
     layout: str = "NHD",
     num_splits: int | None = None,
-    window: RingWindow | None = None,
+    window: Window | None = None,
     return_lse: bool = False,
 ):
     """Decode attention over a paged KV pool, one query token per sequence.
@@ -361,7 +366,11 @@ def paged_decode_attention(
         num_splits: KV splits per sequence (split-KV / flash-decoding), 1 to
             ``MAX_SPLITS``; ``None`` picks one with :func:`choose_num_splits`.
         window: a :class:`~pagedkv_lib.window.RingWindow` (sliding window with sinks,
-            stored in a ring of ``window.tokens_per_block == page_size`` rows), or None.
+            stored in a ring of ``window.tokens_per_block == page_size`` rows), a
+            :class:`~pagedkv_lib.window.LinearWindow` (FlashInfer's ``window_left``,
+            vLLM's ``sliding_window`` through ``LinearWindow.from_sliding_window``: the
+            query sees keys ``seq_len - 1 - window_left .. seq_len - 1`` of a linear
+            cache; the key tiles before them are not read), or None.
         return_lse: also return the log-sum-exp (below).
 
     GQA maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``. A
@@ -390,7 +399,7 @@ def paged_decode_attention_partials(
     num_splits: int,
     scale: float | None = None,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 alone, for showing the split-KV merge: returns ``(partials, lse)``.
 
@@ -414,6 +423,7 @@ def paged_decode_attention_csr(
     layout: str = "NHD",
     num_splits: int | None = None,
     return_lse: bool = False,
+    window: Window | None = None,
 ):
     """Decode attention with a CSR page table (FlashInfer's format), walked in-kernel.
 
@@ -424,10 +434,11 @@ def paged_decode_attention_csr(
     ``kv_last_page_len [batch]`` are integer tensors on the kernels' device. The
     kernel reads ``kv_indices + kv_indptr[b]`` as the sequence's table row, so no
     padded table is built (same kernel as :func:`paged_decode_attention`, a constexpr
-    switch at its start). No window: with a ring the pages cover the ring's rows, not
-    the sequence, so ``last_page_len`` cannot give the length; use the padded entry.
-    Other arguments (``return_lse`` included), result and errors as
+    switch at its start). ``window``: a :class:`~pagedkv_lib.window.LinearWindow`
+    (FlashInfer's ``window_left``) or None; no ring: with a ring the pages cover the
+    ring's rows, not the sequence, so ``last_page_len`` cannot give the length (use the
+    padded entry). Other arguments (``return_lse`` included), result and errors as
     :func:`paged_decode_attention`.
     """
-    plan = plan_decode_csr(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale, layout, num_splits)
+    plan = plan_decode_csr(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale, layout, num_splits, window)
     return run_decode(plan, q, cache, return_lse=return_lse)

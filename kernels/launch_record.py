@@ -15,9 +15,11 @@ The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``,
 * ``exercises``: the workshop's kernel solutions through the exercise checker;
 * ``benchmarks``: each benchmark's default GPU dtype, head size and tiles, on short
   sequences (the tiles stop growing at 64 keys, so longer ones add no specialization),
-  the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes, and
-  the quantized append and decode under the peers' scale conventions (NVFP4 encode
-  scales, FP8 per head, FP8 per token across heads);
+  the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes, MLA
+  in FlashInfer's convention, the read options the grid leaves out (CSR tables, LSE
+  outputs, non-causal prefill, merge_states, cascade attention), the quantized append
+  and decode under the peers' scale conventions (NVFP4 encode scales, FP8 per head, FP8
+  per token across heads) and the CSR decode and prefill with FlashInfer's ``window_left``;
 * ``foreign``: the kernels written to vLLM's and nano-vllm's conventions
   (:mod:`kernels.peer_conventions`), in fp32, fp16 and bf16.
 
@@ -355,6 +357,29 @@ def _run_read_options() -> None:
         cascade.cascade_attention(qp, cache, qo, table[0, :2], 2 * p, table[:, 2:], lens - 2 * p)
 
 
+def _run_linear_windows() -> None:
+    """FlashInfer's sliding-window shapes on the CSR entry points (``window_left``, pages
+    of 16, head size 128, 16-bit), recorded dry: the verify grid runs linear windows
+    through the padded entries only."""
+    from pagedkv_lib.window import LinearWindow
+
+    from . import decode, prefill
+
+    gen = torch.Generator().manual_seed(0)
+    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    kv_indptr = torch.tensor([0, n // p, 2 * n // p], dtype=torch.int32)
+    kv_indices = torch.arange(2 * n // p, dtype=torch.int32)
+    last = torch.full((2,), p, dtype=torch.int32)
+    window = LinearWindow(127)
+    for dtype in (torch.bfloat16, torch.float16):
+        cache = torch.zeros((2 * n // p, 2, p, h, d), dtype=dtype)
+        q = torch.randn((2, h * g, d), generator=gen).to(dtype)
+        decode.paged_decode_attention_csr(q, cache, kv_indptr, kv_indices, last, window=window)
+        qp = torch.randn((2 * n, h * g, d), generator=gen).to(dtype)
+        qo = torch.tensor([0, n, 2 * n], dtype=torch.int32)
+        prefill.paged_prefill_attention_csr(qp, cache, qo, kv_indptr, kv_indices, last, window=window)
+
+
 RUNNERS = {  # (label, runner, dry)
     "verify": [("verify grid", _run_verify, False), ("bf16 prefill grid (dry)", _run_bf16_prefill, True)],
     "notebooks": [
@@ -367,6 +392,7 @@ RUNNERS = {  # (label, runner, dry)
         ("FlashInfer-convention MLA shapes (dry)", _run_mla_latent, True),
         ("read options: CSR, LSE, non-causal, merge, cascade (dry)", _run_read_options, True),
         ("peer scale conventions (dry)", _run_scale_conventions, True),
+        ("linear-window CSR shapes (dry)", _run_linear_windows, True),
     ],
     "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
 }

@@ -8,7 +8,8 @@ queries are ragged: request ``b`` owns rows ``qo_indptr[b] .. qo_indptr[b + 1] -
 of ``q``; ``seq_lens[b]`` counts its keys *including* the new ones (written before
 the call), so query ``i`` sits at absolute position ``seq_lens[b] - q_len[b] + i``
 and sees keys ``0 .. that position`` (the causal mask aligned bottom-right), or, with
-a ring window, the sinks and the last ``window - sinks`` of them.
+a ring window, the sinks and the last ``window - sinks`` of them, or, with a linear
+window (FlashInfer's ``window_left``), keys ``position - window_left .. position``.
 
 Tiles. One program owns a tile of ``BLOCK_M`` *rows* of one request and one KV head,
 a row being a (query, GQA head) pair: row ``r`` is query ``r // group``, query head
@@ -29,8 +30,9 @@ mostly per executed ``tl`` operation.
 Work skipped, not only masked: a tile reads keys up to its last query's position and
 no further (the causal limit); with a window it reads the sinks and then only from its
 first query's window start on (the enumeration of :mod:`kernels.decode`, over the
-union of its queries' windows). Inside that range each (row, key) is masked by the
-exact rule, so the result never depends on the tiling. The grid is ``(tiles,
+union of its queries' windows; a linear window has no sinks and no ring, so a chunk of
+any length reads rows of the linear cache directly). Inside that range each (row, key)
+is masked by the exact rule, so the result never depends on the tiling. The grid is ``(tiles,
 num_kv_heads)``; the plan lists the tiles of all requests (request, first row),
 longest key range first so that the long tiles of a GPU wave start early. A request
 with no queries owns no tile.
@@ -82,7 +84,7 @@ import triton.language as tl
 
 from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
-from pagedkv_lib.window import RingWindow
+from pagedkv_lib.window import Window
 
 from .attention_core import (
     ReadPlan,
@@ -95,6 +97,7 @@ from .attention_core import (
     visible_keys,
     visible_range,
     window_args,
+    window_kind,
 )
 from .launch import PageTable, fingerprint, int32_on_device
 from .rounding import round_to
@@ -142,17 +145,18 @@ def prefill_kernel(
     stride_lt, stride_lh,
     # sizes
     qk_scale, group, head_dim, page_size,
-    # ring window (kernels.attention_core.window_args)
+    # window (kernels.attention_core.window_args)
     sink_tokens, bubble_len, cyclic_cache_len, window_recent,
-    # constexprs
+    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
+    WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
     CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
     head) rows of one request; with ``WRITE_LSE`` also their base-2 log-sum-exp
-    (:func:`kernels.attention_core.row_lse`). ``CAUSAL=False`` (never with a window):
-    every row sees all ``seq_len`` keys of its request."""
+    (:func:`kernels.attention_core.row_lse`). ``CAUSAL=False`` (never with a ring):
+    every row sees all ``seq_len`` keys of its request (with a linear window, those from
+    its position ``- window_left`` on)."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(tile_request_ptr + tile_id)
@@ -192,7 +196,7 @@ def prefill_kernel(
         p_hi = past + tl.minimum((row0 + BLOCK_M - 1) // group, q_len - 1)
     else:
         p_hi = seq_len - 1  # every key of the request
-    n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, HAS_WINDOW)
+    n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, WINDOW)
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
@@ -200,7 +204,7 @@ def prefill_kernel(
     tile = 0
     while tile < num_key_tiles:
         pos, row, valid = visible_keys(
-            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, HAS_WINDOW
+            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, WINDOW
         )
         k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
                             stride_n, False)  # fmt: skip
@@ -219,7 +223,7 @@ def prefill_kernel(
             see = valid[None, :] & (pos[None, :] <= qpos[:, None])
         else:
             see = valid[None, :] & m_valid[:, None]
-        if HAS_WINDOW:
+        if WINDOW:  # a linear window has no sinks (sink_tokens 0): its left edge alone
             see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
         m_i, l_i, acc, p = online_softmax_step(s, see, m_i, l_i, acc, v, DOT == 0)
         if DOT == 1:
@@ -300,11 +304,12 @@ def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m
     past = (seq_lens - q_lens)[request]
     p_lo = past + torch.div(row0, group, rounding_mode="floor")
     p_hi = past + torch.minimum(torch.div(row0 + block_m - 1, group, rounding_mode="floor"), q_lens[request] - 1)
-    keys = p_hi + 1 if causal else seq_lens[request]
+    end = p_hi + 1 if causal else seq_lens[request]  # the kernel's key range ends here
+    keys = end
     if window is not None:
-        sinks, recent = window.sink_tokens, window.max_attention_window - window.sink_tokens
+        sinks, recent = window.sink_tokens, window.recent_tokens
         start = torch.clamp(p_lo - recent + 1, min=sinks)
-        keys = torch.clamp(p_hi + 1, max=sinks) + torch.clamp(p_hi + 1 - start, min=0)
+        keys = torch.clamp(end, max=sinks) + torch.clamp(end - start, min=0)
     order = torch.argsort(-keys, stable=True)
     live_rows = torch.clamp(rows[request] - row0, max=block_m)
     return request[order], row0[order], int((keys * live_rows).sum())
@@ -348,7 +353,7 @@ def plan_prefill(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
     scale: float | None = None,
     causal: bool = True,
 ) -> PrefillPlan:
@@ -372,16 +377,17 @@ def plan_prefill_csr(
     layout: str = "NHD",
     scale: float | None = None,
     causal: bool = True,
+    window: Window | None = None,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention_csr` call and fix its tiles and tile
     list; nothing is launched. Arguments and errors as :func:`paged_prefill_attention_csr`."""
     host = (host_copy(qo_indptr), host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
-    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale, causal)
+    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale, causal, window)
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
     check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
-    return _make_plan(q, cache, layout, scale, None, qo, lens, table, causal)
+    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal)
 
 
 def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_lse: bool = False):
@@ -412,11 +418,11 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
         *(lse.stride() if return_lse else (0, 0)),
         # sizes
         plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
-        # ring window
+        # window
         *window_args(plan.window),
         # constexprs
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        HAS_WINDOW=plan.window is not None, IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
+        WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
         CAUSAL=plan.causal, WRITE_LSE=return_lse,
         num_warps=plan.num_warps,
     )
@@ -434,7 +440,7 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
     scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
@@ -457,16 +463,22 @@ def paged_prefill_attention(
             request ``b`` sits at position ``seq_lens[b] - q_len[b] + i``.
         layout: ``"NHD"`` or ``"HND"``.
         window: a :class:`~pagedkv_lib.window.RingWindow` (``tokens_per_block ==
-            page_size``; chunks of at most ``window.max_chunk_len()`` queries), or None.
+            page_size``; a chunk may not have overwritten a ring slot one of its own
+            queries still sees, which ``window.max_chunk_len()`` queries never do), a
+            :class:`~pagedkv_lib.window.LinearWindow` (FlashInfer's ``window_left``,
+            vLLM's ``sliding_window`` through ``LinearWindow.from_sliding_window``: a
+            mask over a linear cache, chunks of any length), or None.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         causal: True (default): the bottom-right aligned causal mask below. False: every
             query sees all ``seq_lens[b]`` keys of its request (FlashInfer's
             ``causal=False``; a request may then have more queries than keys); refused
-            with a ring window, whose slots of older keys hold newer tokens.
+            with a ring window, whose slots of older keys hold newer tokens; with a
+            linear window the query sees keys from ``position - window_left`` on.
         return_lse: also return each row's log-sum-exp (below).
 
     Each query sees the keys at positions up to its own (causal, bottom-right aligned),
-    through the window when given (its sinks and last ``window - sinks`` positions).
+    through the window when given (a ring's sinks and last ``window - sinks``
+    positions; a linear window's last ``window_left + 1``).
     GQA maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``. The
     pool is only read. With ``q_len == 1`` every request is a decode step, and the
     result equals :func:`kernels.decode.paged_decode_attention` within the decode
@@ -499,6 +511,7 @@ def paged_prefill_attention_csr(
     scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    window: Window | None = None,
 ):
     """Prefill attention with a CSR page table (FlashInfer's format), walked in-kernel.
 
@@ -506,9 +519,11 @@ def paged_prefill_attention_csr(
     ``kv_last_page_len[b]`` rows of the last one; its KV length (new tokens included)
     is ``(pages - 1) * page_size + last``. ``kv_indptr [batch + 1]``, ``kv_indices
     [nnz_pages]``, ``kv_last_page_len [batch]`` are integer tensors on the kernels'
-    device. No window (a ring's pages do not give the length; use the padded entry).
-    Other arguments (``causal``, ``return_lse`` included), result and errors as
-    :func:`paged_prefill_attention`.
+    device. ``window``: a :class:`~pagedkv_lib.window.LinearWindow` (FlashInfer's
+    ``window_left``, as its ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
+    window_left=w)``) or None; no ring (a ring's pages do not give the length; use the
+    padded entry). Other arguments (``causal``, ``return_lse`` included), result and
+    errors as :func:`paged_prefill_attention`.
     """
-    plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal)
+    plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window)
     return run_prefill(plan, q, cache, return_lse)

@@ -19,7 +19,7 @@ from .indexing import element_offset, locate, locate_pow2
 from .manager import KVCacheManager
 from .memory import PRESETS, ModelSpec, kv_bytes_per_token, kv_cache_bytes, max_tokens
 from .pool import PagedKVPool
-from .window import RingWindow
+from .window import LinearWindow, RingWindow
 
 __all__ = [
     "runtime",
@@ -28,6 +28,7 @@ __all__ = [
     "KVCacheManager",
     "PagedKVPool",
     "RingWindow",
+    "LinearWindow",
     "ModelSpec",
     "PRESETS",
     "kv_bytes_per_token",

@@ -90,6 +90,11 @@ class KVCacheManager:
         block_bytes: int = 0,
     ) -> None:
         check_page_size(page_size)
+        if window is not None and not isinstance(window, RingWindow):
+            raise ValueError(
+                f"window={window!r} is not a RingWindow: the manager lays out a ring; a linear cache is "
+                "managed with window=None and its LinearWindow given to the decode or prefill that reads it"
+            )
         if window is not None and window.tokens_per_block != page_size:
             raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
         if window is not None and prefix_cache:

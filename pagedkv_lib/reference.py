@@ -31,7 +31,7 @@ from .checks import (
 from .formats import PAD, index_tensor
 from .indexing import locate, split_slot
 from .pool import cache_dims
-from .window import RingWindow, window_mask
+from .window import RingWindow, Window, window_mask
 
 __all__ = [
     "append_paged_kv",
@@ -226,9 +226,9 @@ def _compute_dtype(precision: str) -> torch.dtype:
     return torch.float32 if precision == "fp32" else torch.float64
 
 
-def _sequence_kv(cache, layout, table_row, seq_len: int, window: RingWindow | None):
+def _sequence_kv(cache, layout, table_row, seq_len: int, window: Window | None):
     """K and V ``[seq_len, num_kv_heads, head_dim]`` of positions ``0..seq_len-1`` as the
-    cache holds them (through the ring with a window; a position the ring has
+    cache holds them (through the ring with a ring window; a position the ring has
     overwritten comes back with the newer token's values, which the mask hides)."""
     page_size = cache_dims(cache, layout).page_size
     rows = torch.arange(seq_len)
@@ -280,7 +280,7 @@ def paged_prefill_attention(
     seq_lens,
     scale: float | None = None,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
     precision: str = "fp32",
     causal: bool = True,
     return_lse: bool = False,
@@ -290,9 +290,12 @@ def paged_prefill_attention(
     ``q [total_q, num_q_heads, head_dim]`` is ragged by ``qo_indptr [batch + 1]``;
     ``seq_lens [batch]`` are KV lengths including the new tokens. The causal mask is
     aligned bottom-right: query ``i`` of a chunk of ``q_len`` sits at position
-    ``seq_len - q_len + i`` and sees keys up to it (chunked prefill). With ``window``
-    it sees the sinks and the last ``window - sinks`` positions. ``causal=False`` (no
-    window): every query sees all ``seq_lens[b]`` keys of its request, and a request may
+    ``seq_len - q_len + i`` and sees keys up to it (chunked prefill). With a
+    :class:`~pagedkv_lib.window.RingWindow` it sees the sinks and the last ``window -
+    sinks`` positions (read through the ring); with a
+    :class:`~pagedkv_lib.window.LinearWindow` keys ``p - window_left .. p`` of the
+    linear cache. ``causal=False`` (no ring): every query sees all ``seq_lens[b]`` keys
+    of its request (from ``p - window_left`` on with a linear window), and a request may
     have more queries than keys. Softmax in fp32 (or fp64 with ``precision="fp64"``,
     returned in float64; else in ``q.dtype``). ``return_lse=True`` returns ``(out,
     lse)``, ``lse [total_q, num_q_heads]`` float64 the base-2 log-sum-exp of each row's
@@ -309,7 +312,7 @@ def paged_prefill_attention(
             continue
         k, v = _sequence_kv(cache, layout, table[b], n, window)
         qpos = torch.arange(n - (hi - lo), n)
-        mask = window_mask(qpos, torch.arange(n), window) if causal else torch.ones((hi - lo, n), dtype=torch.bool)
+        mask = window_mask(qpos, torch.arange(n), window, causal)
         out[lo:hi], lse[lo:hi] = _attend(q[lo:hi], k, v, mask, scale, dtype)
     out = out if precision == "fp64" else out.to(q.dtype)
     return (out, lse) if return_lse else out
@@ -322,13 +325,16 @@ def paged_decode_attention(
     seq_lens,
     scale: float | None = None,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
     precision: str = "fp32",
     return_lse: bool = False,
 ):
     """Decode attention: one query token per sequence, ``q [batch, num_q_heads, head_dim]``.
 
     The query is the sequence's last token (position ``seq_len - 1``, already written).
+    ``window``: a :class:`~pagedkv_lib.window.RingWindow` (read through the ring) or a
+    :class:`~pagedkv_lib.window.LinearWindow` (keys ``seq_len - 1 - window_left ..
+    seq_len - 1`` of the linear cache).
     GQA maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``. A
     sequence of length 0 returns zeros. Returns ``[batch, num_q_heads, head_dim]`` in
     ``q.dtype`` (float64 with ``precision="fp64"``, the oracle setting); with
@@ -336,7 +342,7 @@ def paged_decode_attention(
     log-sum-exp of the scaled scores (:func:`base2_lse`, ``-inf`` for length 0).
     """
     dtype = _compute_dtype(precision)
-    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale)
+    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale, linear=True)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     batch, max_len = lens.numel(), int(lens.max()) if lens.numel() else 0
     dims = cache_dims(cache, layout)
@@ -374,13 +380,13 @@ def paged_decode_attention_loop(
     seq_lens,
     scale: float | None = None,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
     precision: str = "fp32",
 ):
     """Loop form of :func:`paged_decode_attention`: per sequence, per query head, one
     key at a time through the block table, then a plain softmax."""
     dtype = _compute_dtype(precision)
-    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale)
+    table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale, linear=True)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     dims = cache_dims(cache, layout)
     group = q.shape[1] // dims.num_kv_heads
@@ -415,7 +421,7 @@ def paged_prefill_attention_loop(
     seq_lens,
     scale: float | None = None,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
     precision: str = "fp32",
 ):
     """Loop form of :func:`paged_prefill_attention`: each query token is a decode
@@ -448,17 +454,20 @@ def paged_decode_attention_csr(
     layout: str = "NHD",
     precision: str = "fp32",
     return_lse: bool = False,
+    window=None,
 ):
     """Decode attention over a CSR page table (FlashInfer's format): request ``b`` owns
     pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills ``kv_last_page_len[b]``
     rows of the last one (length 0 without pages). Same result as
-    :func:`paged_decode_attention` over the equivalent padded table (``return_lse`` as
-    there)."""
-    indptr, indices, _, lens = check_csr_decode_args(q, cache, kv_indptr, kv_indices, kv_last_page_len, layout, scale)
+    :func:`paged_decode_attention` over the equivalent padded table (``return_lse`` and
+    a :class:`~pagedkv_lib.window.LinearWindow` ``window`` as there; no ring)."""
+    indptr, indices, _, lens = check_csr_decode_args(
+        q, cache, kv_indptr, kv_indices, kv_last_page_len, layout, scale, window
+    )
     rows = [indices[indptr[b] : indptr[b + 1]].tolist() for b in range(lens.numel())]
     width = max((len(r) for r in rows), default=0)
     table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
-    return paged_decode_attention(q, cache, table, lens, scale, layout, None, precision, return_lse)
+    return paged_decode_attention(q, cache, table, lens, scale, layout, window, precision, return_lse)
 
 
 def merge_partials(partials, lse):
@@ -533,19 +542,23 @@ def paged_prefill_attention_csr(
     precision: str = "fp32",
     causal: bool = True,
     return_lse: bool = False,
+    window=None,
 ):
     """:func:`paged_prefill_attention` over a CSR page table (FlashInfer's format):
     request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
     ``kv_last_page_len[b]`` rows of the last one, so its KV length (new tokens
-    included) is ``(pages - 1) * page_size + last``. No window. Arguments as
+    included) is ``(pages - 1) * page_size + last``. ``window``: a
+    :class:`~pagedkv_lib.window.LinearWindow` or None (no ring). Arguments as
     ``kernels.paged_prefill_attention_csr``; same result as the padded form (``causal``
     and ``return_lse`` as there)."""
-    check_csr_prefill_args(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal)
+    check_csr_prefill_args(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window)
     table, lens = csr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, cache_dims(cache, layout).page_size)
-    return paged_prefill_attention(q, cache, qo_indptr, table, lens, scale, layout, None, precision, causal, return_lse)
+    return paged_prefill_attention(
+        q, cache, qo_indptr, table, lens, scale, layout, window, precision, causal, return_lse
+    )
 
 
-def contiguous_attention(q, k, v, q_positions, window: RingWindow | None = None, scale: float | None = None):
+def contiguous_attention(q, k, v, q_positions, window: Window | None = None, scale: float | None = None):
     """One-shot attention without pages: queries ``q [n, num_q_heads, head_dim]`` at
     absolute positions ``q_positions [n]`` over contiguous ``k, v [seq_len,
     num_kv_heads, head_dim]`` (key ``j`` at position ``j``), causal and through

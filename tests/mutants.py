@@ -90,6 +90,27 @@ DECODE_MUTANTS = [
     ),
 ]  # fmt: skip
 
+# Linear-cache windows (FlashInfer's window_left): each bug once through the decode and
+# once through the prefill entry point; tests/test_kernel_window.py runs them on the
+# grids' linear-window cases.
+_LINEAR_RECENT = "recent = 0 if window is None else window.recent_tokens\n"
+_LINEAR_KIND = "    if isinstance(window, LinearWindow):\n        return 2\n"
+_LINEAR_BUGS = {
+    "linear_window_off_by_one": (
+        "reads window_left as vLLM's sliding_window: a query sees window_left keys, not window_left + 1",
+        (_LINEAR_RECENT, "recent = 0 if window is None else window.recent_tokens - isinstance(window, LinearWindow)\n"),
+    ),
+    "ignores_linear_window": (
+        "launches a linear window as no window: every query sees every key",
+        (_LINEAR_KIND, "    if isinstance(window, LinearWindow):\n        return 0\n"),
+    ),
+}
+WINDOW_MUTANTS = [
+    Mutant(f"{name}_{entry.split('_')[1]}", bug, {"attention_core": (edit,)}, entry)
+    for name, (bug, edit) in _LINEAR_BUGS.items()
+    for entry in ("paged_decode_attention", "paged_prefill_attention")
+]
+
 APPEND_MUTANTS = [
     Mutant(
         "append_drops_last_token",

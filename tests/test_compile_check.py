@@ -121,7 +121,7 @@ def _bf16_prefill_record(path: Path) -> dict:
     args["lse_ptr"] = ["t", "float32", True]
     args |= {name: ["i", "i32"] for name in INT_ARGS}
     args |= {name: ["i", "1"] for name in ("stride_qd", "stride_d", "stride_od")} | {"qk_scale": ["f"]}
-    consts = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 64, "HAS_WINDOW": False, "IS_CSR": False, "DOT": 3}
+    consts = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 64, "WINDOW": 0, "IS_CSR": False, "DOT": 3}
     consts |= {"CAUSAL": True, "WRITE_LSE": False}
     args |= {k: ["c", v] for k, v in consts.items()}
     return {"kernel": "prefill_kernel", "module": None, "file": str(path), "args": args, "options": {"num_warps": 4}}

@@ -265,10 +265,40 @@ def test_chunked_prefill_through_a_ring_with_one_more_block(layout):
         past += n
 
 
-def test_prefill_refuses_chunks_longer_than_the_ring_allows():
-    w = RingWindow(8, 2, 4)  # plain ring: one token per step
+def test_prefill_refuses_chunks_that_overwrite_a_key_their_queries_see():
+    w = RingWindow(8, 2, 4)  # plain ring: 2 sinks, 6 ring slots; max_chunk_len() 1
     pool = PagedKVPool(4, 4, 1, 8, dtype=torch.float32)
-    with pytest.raises(ValueError, match="a chunk of 2 tokens overwrites ring slots"):
-        paged_prefill_attention(torch.zeros(2, 1, 8), pool.cache, [0, 2], [[0, 1]], [5], window=w)
+    # 5 tokens: the ring has not wrapped, so a chunk of 2 (positions 3, 4) overwrote nothing
+    paged_prefill_attention(torch.zeros(2, 1, 8), pool.cache, [0, 2], [[0, 1]], [5], window=w)
+    # 9 tokens: positions 8 overwrote position 2's slot, which the query at 7 still sees
+    with pytest.raises(ValueError, match="a chunk of 2 tokens overwrites ring slots.*overwrote position 2"):
+        paged_prefill_attention(torch.zeros(2, 1, 8), pool.cache, [0, 2], [[0, 1, 2]], [9], window=w)
     with pytest.raises(ValueError, match="window.tokens_per_block=4 != page_size=8"):
         paged_decode_attention(torch.zeros(1, 1, 8), PagedKVPool(4, 8, 1, 8).cache, [[0]], [1], window=w)
+
+
+@pytest.mark.parametrize(
+    "w", [RingWindow(8, 2, 4), RingWindow(8, 2, 4, True), RingWindow(6, 0, 3), RingWindow(10, 3, 4, True)]
+)
+def test_chunk_rule_refuses_exactly_the_chunks_that_lost_a_visible_key(w):
+    """Simulate the ring: write positions 0..n-1 in order, then ask every query of the
+    last chunk of m which of its visible keys still sit in their slot. ``lost_key`` names
+    the oldest one lost, or -1, for every (n, m): both sides of the boundary, a ring that
+    has not wrapped (any chunk), and chunks longer than ``max_chunk_len()`` that lose
+    nothing because their early queries see only the sinks and keys still held."""
+    longer_ok = 0
+    for n in range(41):
+        holder = {}
+        for p in range(n):
+            holder[w.kv_token_idx(p)] = p
+        for m in range(n + 1):
+            queries = torch.arange(n - m, n)
+            visible = window_mask(queries, torch.arange(n), w).any(0)
+            lost = [j for j in range(n) if visible[j] and holder[w.kv_token_idx(j)] != j]
+            want = lost[0] if lost else -1
+            assert w.lost_key(n, m) == want, (n, m)
+            assert int(w.lost_key(torch.tensor([n]), torch.tensor([m]))[0]) == want, (n, m)
+            longer_ok += want == -1 and m > w.max_chunk_len()
+            if m <= w.max_chunk_len():
+                assert want == -1, "max_chunk_len() is safe at any length"
+    assert longer_ok > 0

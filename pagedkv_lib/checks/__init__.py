@@ -12,8 +12,9 @@ Every check raises ValueError naming the argument, before anything is written,
 allocated or launched, and returns the index tensors it read as host int64 tensors.
 Callers use the package (``checks.check_decode_args(...)``); its modules, by family:
 
-- :mod:`.shared`: rules every family builds on: float dtypes, the ring window, the
-  softmax scale, query and K/V tensors, slots inside the pool, the RoPE options.
+- :mod:`.shared`: rules every family builds on: float dtypes, the windows (ring and
+  linear), the softmax scale, query and K/V tensors, slots inside the pool, the RoPE
+  options.
 - :mod:`.mha`: the MHA/GQA pool tensor: appends (slot mapping, CSR, fused RoPE, V tails)
   and reads (padded and CSR page tables for decode and prefill, the split merge).
 - :mod:`.quant`: quantized pools (FP8, NVFP4): formats, scales, the pool's tensors, appends.
@@ -74,6 +75,7 @@ from .shared import (
     check_kv,
     check_kv_rows,
     check_q,
+    check_read_window,
     check_rope_positions,
     check_rope_style,
     check_scale,
@@ -87,6 +89,7 @@ __all__ = [
     "ROPE_STYLES",
     "MAX_SCALE",
     "check_window",
+    "check_read_window",
     "check_scale",
     "check_float_tensor",
     "check_q",

@@ -9,12 +9,13 @@ import torch
 
 from ..formats import check_csr, csr_seq_lens, csr_slot_mapping, csr_to_block_table, index_tensor
 from ..pool import cache_dims
-from ..window import RingWindow
+from ..window import RingWindow, Window
 from .shared import (
     FLOAT_DTYPES,
     check_float_tensor,
     check_kv,
     check_q,
+    check_read_window,
     check_rope_positions,
     check_rope_style,
     check_scale,
@@ -130,16 +131,16 @@ def check_v_tail_args(
 # --------------------------------------------------------------------------- attention
 
 
-def check_block_tables(cache, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None):
+def check_block_tables(cache, block_tables, seq_lens, layout: str = "NHD", window: Window | None = None):
     """Validate a padded page table against the pool; return ``(block_tables, seq_lens)``
     as host int64.
 
     ``block_tables [batch, max_blocks]``: the first ``ceil(rows / page_size)`` entries of
     row ``b`` must be page ids, where ``rows`` is ``seq_lens[b]`` (or the ring's cache
-    length with a window); ``seq_lens [batch]`` >= 0.
+    length with a ring window; a linear window keeps every row); ``seq_lens [batch]`` >= 0.
     """
     dims = cache_dims(cache, layout)
-    check_window(window, dims.page_size)
+    check_read_window(window, dims.page_size)
     table = index_tensor("block_tables", block_tables, 2)
     lens = index_tensor("seq_lens", seq_lens, 1)
     if table.shape[0] != lens.numel():
@@ -165,27 +166,40 @@ def check_block_tables(cache, block_tables, seq_lens, layout: str = "NHD", windo
 
 
 def check_decode_args(
-    q, cache, block_tables, seq_lens, layout: str = "NHD", window: RingWindow | None = None, scale=None
-):
+    q, cache, block_tables, seq_lens, layout: str = "NHD", window: Window | None = None, scale=None,
+    linear: bool = False,
+):  # fmt: skip
     """Validate a decode-attention call; return ``(block_tables, seq_lens)`` as host int64.
 
     ``q [batch, num_q_heads, head_dim]`` (:func:`check_q`), a page table as
-    :func:`check_block_tables` wants it, ``scale`` as :func:`check_scale`.
+    :func:`check_block_tables` wants it, ``scale`` as :func:`check_scale`. ``window`` a
+    :class:`~pagedkv_lib.window.RingWindow` or None (:func:`check_window`); with
+    ``linear`` also a :class:`~pagedkv_lib.window.LinearWindow` (the MHA decode and its
+    reference; the quantized decode implements the ring only and keeps the default).
     """
-    check_q(q, cache, layout)
+    dims = check_q(q, cache, layout)
     check_scale(scale)
+    if linear:
+        check_read_window(window, dims.page_size)
+    else:
+        check_window(window, dims.page_size)
     table, lens = check_block_tables(cache, block_tables, seq_lens, layout, window)
     if q.shape[0] != lens.numel():
         raise ValueError(f"q has {q.shape[0]} rows but seq_lens has {lens.numel()} entries")
     return table, lens
 
 
-def check_csr_decode_args(q, cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None):
+def check_csr_decode_args(
+    q, cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None, window=None
+):
     """Validate a decode over a CSR page table; return ``(kv_indptr, kv_indices,
     kv_last_page_len, seq_lens)`` as host int64 (lengths by
-    :func:`pagedkv_lib.formats.csr_seq_lens`)."""
+    :func:`pagedkv_lib.formats.csr_seq_lens`). ``window``: a
+    :class:`~pagedkv_lib.window.LinearWindow` or None (:func:`check_read_window`: no ring
+    over a CSR table)."""
     dims = check_q(q, cache, layout)
     check_scale(scale)
+    check_read_window(window, dims.page_size, csr=True)
     indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
     if q.shape[0] != last.numel():
         raise ValueError(f"q has {q.shape[0]} rows but kv_last_page_len has {last.numel()} entries")
@@ -202,9 +216,10 @@ def check_causal(causal, window) -> None:
     """``causal`` must be a bool; ``causal=False`` with a ring window is refused: the ring
     keeps only the keys a causal query may still see (the sinks and the last ``window -
     sinks`` positions), the slots of older keys hold newer tokens, so "every key" is not
-    in the cache to attend to."""
+    in the cache to attend to. A linear window with ``causal=False`` bounds the left
+    side only (FlashInfer's rule): the linear cache holds every key."""
     check_flag("causal", causal)
-    if not causal and window is not None:
+    if not causal and isinstance(window, RingWindow):
         raise ValueError(
             "causal=False with a ring window: the ring holds only the keys a causal query can still "
             "see (older slots were overwritten), so non-causal attention over the sequence is not in the cache"
@@ -218,19 +233,21 @@ def check_prefill_args(
     block_tables,
     seq_lens,
     layout: str = "NHD",
-    window: RingWindow | None = None,
+    window: Window | None = None,
     scale=None,
     causal: bool = True,
 ):
     """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
     host int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most
-    ``seq_lens[b]`` queries each (at most ``window.max_chunk_len()`` with a ring window);
-    with ``causal=False`` (no window, :func:`check_causal`) a request may have more
+    ``seq_lens[b]`` queries each; through a ring window a chunk must not have overwritten
+    a slot one of its own queries still sees (:meth:`RingWindow.lost_key
+    <pagedkv_lib.window.RingWindow.lost_key>`); a linear window (a mask) caps nothing.
+    With ``causal=False`` (no ring, :func:`check_causal`) a request may have more
     queries than keys, since no query has a position to align."""
     dims = check_q(q, cache, layout)
     check_scale(scale)
     check_causal(causal, window)
-    check_window(window, dims.page_size)  # before the chunk rule, which counts in the window's pages
+    check_read_window(window, dims.page_size)  # before the chunk rule, which counts in the ring's pages
     indptr = index_tensor("qo_indptr", qo_indptr, 1)
     lens = index_tensor("seq_lens", seq_lens, 1)
     if indptr.numel() != lens.numel() + 1 or indptr.numel() == 0 or int(indptr[0]) != 0:
@@ -242,11 +259,17 @@ def check_prefill_args(
     if bad.any():
         b = int(torch.nonzero(bad)[0])
         raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
-    if window is not None and (q_lens > window.max_chunk_len()).any():
-        raise ValueError(
-            f"a chunk of {int(q_lens.max())} tokens overwrites ring slots its own queries need; "
-            f"this window allows {window.max_chunk_len()} (use one_more_block for chunks)"
-        )
+    if isinstance(window, RingWindow):
+        lost = window.lost_key(lens, q_lens)
+        if (lost >= 0).any():
+            b = int(torch.nonzero(lost >= 0)[0])
+            n, m, j = int(lens[b]), int(q_lens[b]), int(lost[b])
+            raise ValueError(
+                f"request {b}: a chunk of {m} tokens overwrites ring slots its own queries need: writing "
+                f"positions {n - m}..{n - 1} overwrote position {j}, which a query of the chunk still sees; "
+                f"this ring takes chunks of {window.max_chunk_len()} tokens at any length, longer ones only while "
+                "they overwrite no visible key (use one_more_block, or shorter chunks)"
+            )
     table, lens = check_block_tables(cache, block_tables, lens, layout, window)
     return indptr, table, lens
 
@@ -307,23 +330,26 @@ def check_state_pair(v_a, s_a, v_b, s_b) -> None:
 
 
 def check_csr_prefill_args(
-    q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None, causal: bool = True
-):
+    q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None, causal: bool = True,
+    window=None,
+):  # fmt: skip
     """Validate a prefill over a CSR page table; return ``(qo_indptr, kv_indptr,
     kv_indices, kv_last_page_len, seq_lens)`` as host int64.
 
     The page table follows :func:`pagedkv_lib.formats.check_csr` with page ids inside
     the pool; the KV lengths it implies (:func:`pagedkv_lib.formats.csr_seq_lens`) then
-    obey :func:`check_prefill_args`'s rules (no window: a ring's pages do not give the
-    sequence length).
+    obey :func:`check_prefill_args`'s rules. ``window``: a
+    :class:`~pagedkv_lib.window.LinearWindow` or None (no ring: a ring's pages do not
+    give the sequence length, :func:`check_read_window`).
     """
     dims = check_q(q, cache, layout)
     check_scale(scale)
-    check_causal(causal, None)
+    check_read_window(window, dims.page_size, csr=True)
+    check_causal(causal, window)
     indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
     table, lens = csr_to_block_table(indptr, indices, last, dims.page_size)
     try:  # what is left to fail is the qo_indptr rule, against lengths the caller did not pass
-        qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, None, scale, causal)
+        qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, window, scale, causal)
     except ValueError as err:
         raise ValueError(f"{err} (seq_lens: the KV lengths kv_indptr and kv_last_page_len give)") from None
     return qo, indptr, indices, last, lens

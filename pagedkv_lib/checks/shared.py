@@ -13,7 +13,7 @@ import torch
 
 from ..formats import PAD, index_tensor
 from ..pool import CacheDims, cache_dims
-from ..window import RingWindow
+from ..window import LinearWindow, RingWindow, Window
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 ROPE_STYLES = (None, "neox", "gptj")
@@ -24,13 +24,37 @@ MAX_SCALE = 1e4
 
 
 def check_window(window, page_size: int | None = None) -> RingWindow | None:
-    """``window`` must be a :class:`~pagedkv_lib.window.RingWindow` or None; with
-    ``page_size``, one whose ring counts in pages of that many tokens."""
+    """``window`` must be a :class:`~pagedkv_lib.window.RingWindow` or None (a call that
+    stores tokens through the ring, or a read kernel that only implements the ring);
+    with ``page_size``, one whose ring counts in pages of that many tokens."""
+    if isinstance(window, LinearWindow):
+        raise ValueError(
+            f"window={window!r} is a mask over a linear cache (FlashInfer's window_left, vLLM's sliding_window): "
+            "this call stores or reads tokens through a ring and takes a RingWindow or None; write a linear "
+            "cache with window=None and pass the LinearWindow to the decode or prefill that reads it"
+        )
     if window is not None and not isinstance(window, RingWindow):
-        raise ValueError(f"window must be a RingWindow or None, got {type(window).__name__}")
+        raise ValueError(f"window must be a RingWindow, a LinearWindow or None, got {type(window).__name__}")
     if window is not None and page_size is not None and window.tokens_per_block != page_size:
         raise ValueError(f"window.tokens_per_block={window.tokens_per_block} != page_size={page_size}")
     return window
+
+
+def check_read_window(window, page_size: int | None = None, csr: bool = False) -> Window | None:
+    """The window of an MHA decode or prefill: a :class:`~pagedkv_lib.window.LinearWindow`
+    (a mask over absolute positions), a :class:`~pagedkv_lib.window.RingWindow` as
+    :func:`check_window` wants it, or None. A ring is refused over a CSR page table
+    (``csr``): its pages hold the ring's rows, so ``kv_last_page_len`` cannot give the
+    sequence's length."""
+    if isinstance(window, LinearWindow):
+        return window
+    if csr and isinstance(window, RingWindow):
+        raise ValueError(
+            "window is a RingWindow but the page table is CSR: a ring's pages hold its rows, not the sequence, "
+            "so kv_last_page_len cannot give the length; use the padded entry point (block_tables, seq_lens), "
+            "or a LinearWindow for a linear cache"
+        )
+    return check_window(window, page_size)
 
 
 def check_scale(scale) -> float | None:

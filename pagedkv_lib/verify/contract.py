@@ -13,9 +13,9 @@ equivalent case exists: an excluded page size, head dim, GQA group, dtype or lay
 becomes the nearest admitted one the suite builds (:data:`SUBSTITUTES`; pages of 1 and
 5 become 16 and 32 for a kernel whose tile is one page of at least 16), sequences
 shorter than ``min_seq_len`` are dropped from their batch (as padding slots are
-dropped), and a ring window is dropped for a kernel without windows. The case records
-what changed under ``"substituted"``. Only a case with no admitted value to move to
-stays outside.
+dropped), and a ring or linear window is dropped for a kernel without it. The case
+records what changed under ``"substituted"``. Only a case with no admitted value to
+move to stays outside.
 
 Declare a contract when wrapping a kernel::
 
@@ -74,8 +74,12 @@ class Contract:
     :data:`pagedkv_lib.cache_layouts.CACHE_LAYOUTS`. ``head_dims``, ``page_sizes``,
     ``gqa_groups``: None (any), ``"pow2"`` (powers of two) or a tuple of values.
     ``min_seq_len``: the shortest sequence a decode accepts (1 excludes empty ones).
-    ``windows``: ring windows (the ``window=`` argument). ``padding``: ``-1`` slots
-    in an append. ``strided_kv``: non-contiguous K/V inputs.
+    ``windows``: ring windows (the ``window=`` argument, a
+    :class:`~pagedkv_lib.window.RingWindow`). ``linear_windows``: linear-cache windows
+    (``window=`` a :class:`~pagedkv_lib.window.LinearWindow`, FlashInfer's
+    ``window_left``); None (the default) follows ``windows``, so a kernel declared
+    without windows gets neither. ``padding``: ``-1`` slots in an append.
+    ``strided_kv``: non-contiguous K/V inputs.
     """
 
     dtypes: tuple[str, ...] = _DTYPES
@@ -86,6 +90,7 @@ class Contract:
     gqa_groups: tuple[int, ...] | str | None = None
     min_seq_len: int = 0
     windows: bool = True
+    linear_windows: bool | None = None
     padding: bool = True
     strided_kv: bool = True
     notes: str = field(default="", compare=False)
@@ -101,6 +106,8 @@ class Contract:
             _domain(name, getattr(self, name))
         if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
             raise ValueError(f"min_seq_len={self.min_seq_len!r} must be an int >= 0")
+        if self.linear_windows is None:
+            object.__setattr__(self, "linear_windows", self.windows)
 
     def project(self, case: dict) -> dict:
         """``case`` moved inside this contract where an equivalent case exists (see the
@@ -120,6 +127,8 @@ class Contract:
             out["padding"] = 0
         if not self.windows and out.get("window"):
             change("window", None)
+        if not self.linear_windows and out.get("window_left") is not None:
+            change("window_left", None)
         for key, allowed, universe in (("dtype", self.dtypes, _DTYPES), ("layout", self.layouts, _LAYOUTS)):
             if key in out and out[key] not in allowed and out[key] in universe:
                 change(key, allowed[universe.index(out[key]) % len(allowed)])
@@ -170,6 +179,8 @@ class Contract:
             reasons.append(f"a sequence of length {min(lens)} (< {self.min_seq_len})")
         if case.get("window") and not self.windows:
             reasons.append("a ring window")
+        if case.get("window_left") is not None and not self.linear_windows:
+            reasons.append("a linear window")
         if case.get("padding", 0) and not self.padding:
             reasons.append("-1 padding slots")
         if case.get("noncontiguous") and not self.strided_kv:
@@ -204,6 +215,7 @@ class Contract:
             gqa_groups=both(self.gqa_groups, other.gqa_groups),
             min_seq_len=max(self.min_seq_len, other.min_seq_len),
             windows=self.windows and other.windows,
+            linear_windows=self.linear_windows and other.linear_windows,
             padding=self.padding and other.padding,
             strided_kv=self.strided_kv and other.strided_kv,
         )

@@ -6,7 +6,8 @@ The grid holds short cases (every layout, dtype, head dim, page size, GQA group,
 empty and length-1 sequences, a page shared by two sequences) and long ones: several
 hundred to a few thousand tokens, lengths that straddle power-of-two tile boundaries,
 ``num_splits`` forced above 1 (when the callable takes it) and left to its heuristic,
-and ring windows that have wrapped. A kernel that is right on one tile but wrong
+ring windows that have wrapped, and linear-cache windows (FlashInfer's ``window_left``)
+far shorter than the sequence, as wide as one key, and wider than it. A kernel that is right on one tile but wrong
 across tiles or splits (a missing online-softmax rescale, unweighted split merges, a
 read that stops early) fails the long cases.
 """
@@ -22,19 +23,28 @@ from ..cache_layouts import to_paged
 from ..compare import DTYPES, TOLERANCES, compare, first_difference
 from ..formats import pad_block_tables, scatter_pages, slot_mapping
 from ..pool import PagedKVPool
-from ..window import RingWindow
+from ..window import LinearWindow, RingWindow, Window
 from .contract import Contract, contract_of
 from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
 from .stale import restrict_poison
 
-__all__ = ["decode_grid", "long_decode_cases", "decode_inputs", "decode_case", "write_sequence", "read_changes"]
+__all__ = [
+    "decode_grid",
+    "long_decode_cases",
+    "decode_inputs",
+    "decode_case",
+    "case_window",
+    "write_sequence",
+    "read_changes",
+]
 
 
 def long_decode_cases() -> list[dict]:
     """Cases of several hundred to 3000 tokens: several tiles per split, several splits,
-    the heuristic's choice, and a wrapped ring window."""
+    the heuristic's choice, a wrapped ring window, and linear windows (``window_left``:
+    34 keys of 300, with two splits; one key; 97 keys of 129, of exactly 97 and of 20)."""
     base = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 16, "group": 4, "num_kv_heads": 2}
     return [
         {**base, "seq_lens": [300, 1000, 0, 129], "num_splits": 3},
@@ -44,6 +54,10 @@ def long_decode_cases() -> list[dict]:
          "seq_lens": [640, 383, 384, 385], "num_splits": 7},
         {**base, "layout": "HND", "group": 2, "seq_lens": [1000, 77, 255], "window": (200, 4), "num_splits": 2},
         {**base, "dtype": "fp16", "page_size": 8, "group": 8, "num_kv_heads": 1, "seq_lens": [3000], "num_splits": 16},
+        {**base, "dtype": "fp16", "seq_lens": [300, 54, 1, 0], "window_left": 33, "num_splits": 2},
+        {**base, "layout": "HND", "dtype": "bf16", "page_size": 5, "group": 2, "seq_lens": [129, 97, 20],
+         "window_left": 96, "num_splits": None},
+        {**base, "page_size": 1, "group": 1, "num_kv_heads": 1, "seq_lens": [90, 2], "window_left": 0},
     ]  # fmt: skip
 
 
@@ -73,16 +87,22 @@ def decode_grid(full: bool = False) -> list[dict]:
     return cover(values, extra, outer=3 if full else 2)
 
 
-def _window(case: dict) -> RingWindow | None:
+def case_window(case: dict, one_more_block: bool = False) -> Window | None:
+    """A case's window: ``"window_left": w`` a :class:`LinearWindow` (FlashInfer's),
+    ``"window": (size, sinks)`` a :class:`RingWindow` in pages of the case's size, else None."""
+    if case.get("window_left") is not None:
+        return LinearWindow(case["window_left"])
     if not case.get("window"):
         return None
     size, sinks = case["window"]
-    return RingWindow(size, sinks, case["page_size"])
+    return RingWindow(size, sinks, case["page_size"], one_more_block=one_more_block)
 
 
 def write_sequence(pool: PagedKVPool, table, b: int, n: int, window, gen) -> None:
     """Write tokens ``0..n-1`` of sequence ``b`` (random K/V). Through a ring a later token
-    overwrites an earlier one's row, so only the last token of every row is written."""
+    overwrites an earlier one's row, so only the last token of every row is written; a
+    linear window stores tokens as no window does."""
+    window = window if isinstance(window, RingWindow) else None
     slots = slot_mapping(table, torch.full((n,), b), torch.arange(n), pool.page_size, window)
     k, v = (rand((n, pool.num_kv_heads, pool.head_dim), pool.dtype, gen) for _ in range(2))
     if window is not None:
@@ -99,12 +119,13 @@ def decode_inputs(case: dict):
     """``(q, cache, block_tables, seq_lens, window)`` of a decode case, on the CPU."""
     gen = torch.Generator().manual_seed(case.get("seed", 0))
     dtype, ps, hk, d = DTYPES[case["dtype"]], case["page_size"], case["num_kv_heads"], case["head_dim"]
-    window = _window(case)
+    window = case_window(case)
+    ring = window if isinstance(window, RingWindow) else None
     lens = list(case["seq_lens"])
     shared = case.get("shared_pages", False) and len(lens) > 1
     if shared:  # sequence 1 reads a prefix of sequence 0's pages (a shared prefix)
         lens[1] = min(lens[1], lens[0])
-    pages_each = [int(window.num_blocks(n)) if window else -(-n // ps) for n in lens]
+    pages_each = [int(ring.num_blocks(n)) if ring else -(-n // ps) for n in lens]
     num_pages = sum(pages_each) - (pages_each[1] if shared else 0) + 2
     rows = scatter_pages([0 if shared and b == 1 else n for b, n in enumerate(pages_each)], num_pages, gen)
     if shared:

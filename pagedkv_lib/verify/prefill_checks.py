@@ -9,10 +9,12 @@ seq_len - 1``. The batches hold a single-chunk prefill (``q_len == seq_len``), t
 second and third chunk of a chunked prefill, a prefix-cache hit whose first query
 starts mid-page, a decode step (``q_len == 1``), a request with keys but no queries
 and an empty request; ring windows narrower than the chunk (so the window cuts the
-chunk's own causal triangle); and long requests over several query tiles and key
-tiles. A kernel whose causal mask compares keys with the query's index inside its
-chunk instead of its absolute position (fault ``chunk_local_mask``) is right on the
-single-chunk batches only, and fails the others.
+chunk's own causal triangle); linear-cache windows (FlashInfer's ``window_left``)
+over chunks far longer than a page, as narrow as one key and wider than the sequence;
+and long requests over several query tiles and key tiles. A kernel whose causal mask
+compares keys with the query's index inside its chunk instead of its absolute position
+(fault ``chunk_local_mask``) is right on the single-chunk batches only, and fails the
+others.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ..formats import pad_block_tables, scatter_pages
 from ..pool import PagedKVPool
 from ..window import RingWindow
 from .contract import Contract, contract_of
-from .decode_checks import read_changes, write_sequence
+from .decode_checks import case_window, read_changes, write_sequence
 from .grid import accepts, cover, rand
 from .guards import Guards
 from .report import CaseResult
@@ -36,6 +38,8 @@ from .stale import restrict_poison
 __all__ = [
     "prefill_grid",
     "long_prefill_cases",
+    "window_prefill_cases",
+    "linear_window_prefill_cases",
     "noncausal_prefill_cases",
     "prefill_inputs",
     "prefill_case",
@@ -73,6 +77,21 @@ def window_prefill_cases() -> list[dict]:
     ]
 
 
+def linear_window_prefill_cases() -> list[dict]:
+    """Linear-cache windows (``window_left``, a mask over absolute positions; no ring, so
+    no chunk cap): chunks of 37 and 47 queries over pages of 16 with a window of 14 keys
+    (FlashInfer's test shapes), a whole prompt next to a later chunk with a window of
+    one key, and a window wider than every sequence (the causal result)."""
+    base = {"head_dim": 64, "group": 2, "num_kv_heads": 2}
+    return [
+        {**base, "layout": "NHD", "dtype": "fp32", "page_size": 16, "window_left": 13,
+         "requests": ((54, 37), (97, 47), (20, 1))},
+        {**base, "layout": "HND", "dtype": "fp16", "page_size": 5, "group": 5, "num_kv_heads": 1, "window_left": 0,
+         "requests": ((40, 40), (33, 9), (12, 0))},
+        {**base, "layout": "NHD", "dtype": "bf16", "page_size": 1, "window_left": 50, "requests": ((30, 12), (8, 8))},
+    ]  # fmt: skip
+
+
 def noncausal_prefill_cases() -> list[dict]:
     """``causal=False`` (every query sees all its request's keys; no window): a chunk in
     the middle of a sequence, over key tiles it would not reach causally, and a whole
@@ -89,8 +108,8 @@ def noncausal_prefill_cases() -> list[dict]:
 
 def prefill_grid(full: bool = False) -> list[dict]:
     """Prefill cases: layouts x dtypes, cycling head dims, page sizes, GQA groups and the
-    :data:`BATCHES`; a pool of finite stale values; a NaN in a query; then windows and
-    long requests."""
+    :data:`BATCHES`; a pool of finite stale values; a NaN in a query; then ring windows,
+    long requests and linear windows."""
     values = {
         "layout": ["NHD", "HND"],
         "dtype": ["fp32", "fp16", "bf16"],
@@ -107,15 +126,9 @@ def prefill_grid(full: bool = False) -> list[dict]:
          "requests": ((20, 6), (0, 0), (9, 3)), "nan_query": True},
         *window_prefill_cases(),
         *long_prefill_cases(),
+        *linear_window_prefill_cases(),
     ]  # fmt: skip
     return cover(values, extra, outer=3 if full else 2)
-
-
-def _window(case: dict) -> RingWindow | None:
-    if not case.get("window"):
-        return None
-    size, sinks = case["window"]
-    return RingWindow(size, sinks, case["page_size"], one_more_block=case.get("one_more_block", True))
 
 
 def prefill_inputs(case: dict):
@@ -123,10 +136,11 @@ def prefill_inputs(case: dict):
     CPU. Every slot no sequence owns is NaN (unless ``poison=False``: finite random)."""
     gen = torch.Generator().manual_seed(case.get("seed", 0))
     dtype, ps, hk, d = DTYPES[case["dtype"]], case["page_size"], case["num_kv_heads"], case["head_dim"]
-    window = _window(case)
+    window = case_window(case, one_more_block=case.get("one_more_block", True))
+    ring = window if isinstance(window, RingWindow) else None
     lens = [n for n, _ in case["requests"]]
     q_lens = [m for _, m in case["requests"]]
-    pages_each = [int(window.num_blocks(n)) if window else -(-n // ps) for n in lens]
+    pages_each = [int(ring.num_blocks(n)) if ring else -(-n // ps) for n in lens]
     num_pages = sum(pages_each) + 2
     pool = PagedKVPool(num_pages, ps, hk, d, dtype, case["layout"])
     if case.get("poison", True):
