@@ -253,7 +253,7 @@ def test_the_quantized_decode_refuses_a_linear_window():
     q = torch.zeros(1, 2, 64, device=DEV)
     table = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="mask over a linear cache"):
-        kernels.paged_decode_attention_quant(q, pool, table, torch.tensor([6], device=DEV), window=LinearWindow(3))
+        kernels.paged_decode_attention_quant_pool(q, pool, table, torch.tensor([6], device=DEV), window=LinearWindow(3))
 
 
 # ----------------------------------------------------------------------------- the ring's chunk rule
