@@ -82,13 +82,15 @@ class TokenIndex:
     ``[num_tokens]`` (``kv_indptr [batch + 1]``, ``kv_indices [pages]``) int32 or int64 on
     the kernels' device, made contiguous: the slot form holds ``slot_mapping`` (and
     ``positions`` with RoPE), the CSR form ``batch_indices``, ``positions``, ``kv_indptr``
-    and ``kv_indices``; the others are None."""
+    and ``kv_indices``, and ``rope_positions`` when the rotary positions are given apart
+    from the cache positions (:mod:`pagedkv_lib.rotary_positions`); the others are None."""
 
     slot_mapping: torch.Tensor | None = None
     batch_indices: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     kv_indptr: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
 
     @classmethod
     def of(cls, **tensors) -> TokenIndex:
@@ -100,16 +102,24 @@ class TokenIndex:
         """Whether tokens are addressed by request and position (else by slot)."""
         return self.kv_indptr is not None
 
+    @property
+    def own_rope_positions(self) -> bool:
+        """Whether the rotary positions are their own tensor (the ``ROPE_POS`` constexpr of
+        the write kernels), not the cache positions."""
+        return self.rope_positions is not None
+
     def named(self) -> list[tuple[str, torch.Tensor | None]]:
         """``(name, tensor)`` of each field, for the launch checks."""
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
     def launch_args(self) -> tuple:
-        """The five tensors in :func:`token_rows`'s order; an absent one is replaced by a
-        given one, which the kernel never dereferences under its ``CSR`` and ``ROPE``
-        constexprs (a launch needs a tensor for every pointer)."""
+        """Six tensors: the five of :func:`token_rows`, in its order, then the rotary
+        positions (``rope_pos_ptr``: ``rope_positions``, else ``positions``). An absent
+        one is replaced by a given one, which the kernel never dereferences under its
+        ``CSR`` and ``ROPE`` constexprs (a launch needs a tensor for every pointer)."""
         given = self.slot_mapping if self.slot_mapping is not None else self.batch_indices
-        return tuple(given if t is None else t for _, t in self.named())
+        rope = self.rope_positions if self.rope_positions is not None else self.positions
+        return (*(given if t is None else t for _, t in self.named()[:5]), given if rope is None else rope)
 
 
 @dataclass(frozen=True)

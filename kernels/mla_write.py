@@ -37,7 +37,15 @@ from pagedkv_lib import checks, reference
 from . import validate
 from .addressing import row_offset, token_rows
 from .launch import TokenIndex, fingerprint, memory_key
-from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_pair_features, rope_rotate_first, rope_rotate_second
+from .rope import (
+    ROPE_CODES,
+    copy_tile,
+    rope_cos_sin,
+    rope_pair_features,
+    rope_rotate_first,
+    rope_rotate_second,
+    rotary_positions,
+)
 from .rounding import round_to
 from .tiles import mla_append_block_t, pow2
 
@@ -88,10 +96,10 @@ def _rope_rows(
 # fmt: off
 @triton.jit
 def mla_append_kernel(
-    # pointers: inputs, the two caches, token addressing, RoPE frequencies
+    # pointers: inputs, the two caches, token addressing, RoPE positions and frequencies
     ckv_ptr, kpe_ptr, ckv_cache_ptr, kpe_cache_ptr,
     slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
-    inv_freq_ptr,
+    rope_pos_ptr, inv_freq_ptr,
     # sizes
     num_tokens, kv_lora_rank, rope_dim, page_size,
     # strides of ckv and kpe [token, feature]
@@ -104,7 +112,9 @@ def mla_append_kernel(
     CSR: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Program ``t``: tokens ``t*BLOCK_T ...``, their latent row and their RoPE key."""
+    """Program ``t``: tokens ``t*BLOCK_T ...``, their latent row and their RoPE key, rotated at
+    ``rope_pos_ptr`` (the cache positions, or ``rope_positions`` of their own: with no Q
+    to rotate, only the written tokens' positions are read either way)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     # No ring window for MLA: (sinks, bubble, cyclic length) are unused with HAS_WINDOW off.
     page, row, valid = token_rows(
@@ -126,7 +136,7 @@ def mla_append_kernel(
     )
     if ROPE != 0:
         pair = tl.arange(0, BLOCK_P // 2)
-        pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
+        pos, _ = rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, False)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < rope_dim // 2)
         _rope_rows(
             kpe_ptr, tok * stride_pt, stride_pd,
@@ -250,23 +260,27 @@ def plan_append_mla_csr(
     *,
     rope: str | None = None,
     rope_theta: float = 10000.0,
+    rope_positions: torch.Tensor | None = None,
 ) -> MLAAppendPlan:
     """Validate an :func:`append_paged_mla_kv_csr` call once and return its plan (nothing
     is written). Arguments and errors as :func:`append_paged_mla_kv_csr`."""
     slots = checks.check_mla_csr_append_args(
         ckv, kpe, ckv_cache, kpe_cache, batch_indices, positions, kv_indices, kv_indptr
     )
-    checks.check_mla_rope_args(rope, positions, rope_theta, kpe, slots)
+    source, name = checks.rope_position_source(rope, positions, rope_positions)
+    checks.check_mla_rope_args(rope, source, rope_theta, kpe, slots, name)
     index = {
         "batch_indices": (batch_indices, False),
         "positions": (positions, False),
         "kv_indices": (kv_indices, True),
         "kv_indptr": (kv_indptr, True),
     }
+    if rope_positions is not None:
+        index["rope_positions"] = (rope_positions, False)
     _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index)
     return _append_plan(
         ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, batch_indices=batch_indices, positions=positions,
-        kv_indptr=kv_indptr, kv_indices=kv_indices,
+        kv_indptr=kv_indptr, kv_indices=kv_indices, rope_positions=rope_positions,
     )  # fmt: skip
 
 
@@ -372,6 +386,7 @@ def append_paged_mla_kv_csr(
     *,
     rope: str | None = None,
     rope_theta: float = 10000.0,
+    rope_positions: torch.Tensor | None = None,
 ) -> None:
     """Write new tokens' latent rows addressed by request and position (FlashInfer's
     ``append_paged_mla_kv_cache``), in place; returns None.
@@ -380,14 +395,16 @@ def append_paged_mla_kv_csr(
     (both ``[num_tokens]``; ``-1`` in either marks padding) goes to row ``p % page_size``
     of page ``kv_indices[kv_indptr[b] + p // page_size]``; the kernel computes this
     itself, the launcher checks beforehand that every token lands on one of its
-    request's pages, inside the pool. ``rope`` rotates ``kpe`` at ``p``. Other
+    request's pages, inside the pool. ``rope`` rotates ``kpe`` at ``p``, or at
+    ``rope_positions [num_tokens]`` (needs ``rope``; >= 0 for a written token) given
+    apart from it, as :func:`kernels.write.append_paged_kv_csr` takes it. Other
     arguments and errors as :func:`append_paged_mla_kv`.
     """
     # fmt: off
     return run_append_mla(
         plan_append_mla_csr(
             ckv, kpe, ckv_cache, kpe_cache, batch_indices, positions, kv_indices, kv_indptr,
-            rope=rope, rope_theta=rope_theta,
+            rope=rope, rope_theta=rope_theta, rope_positions=rope_positions,
         ),
         ckv, kpe, ckv_cache, kpe_cache,
     )

@@ -59,7 +59,15 @@ from .addressing import ring_params, row_offset, token_rows
 from .launch import TokenIndex, memory_key
 from .quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
 from .quant_launch import FORMAT_CODES, check_pool_launch, planned_pool, pool_fingerprint, scale_strides
-from .rope import ROPE_CODES, rope_cos_sin, rope_feature_pair, rope_pair_features, rope_q_in_place, rope_rotate
+from .rope import (
+    ROPE_CODES,
+    rope_cos_sin,
+    rope_feature_pair,
+    rope_pair_features,
+    rope_q_in_place,
+    rope_rotate,
+    rotary_positions,
+)
 from .tiles import quant_write_tiles
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 from .validate import (
@@ -181,10 +189,10 @@ def _quantize_store(
 @triton.jit
 def quant_append_kernel(
     # pointers: inputs, the pool's codes, scales and global scales, q (rotated in place),
-    # token addressing, RoPE frequencies
+    # token addressing, RoPE positions and frequencies
     k_ptr, v_ptr, data_ptr, scales_ptr, gscale_ptr, q_ptr,
     slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
-    inv_freq_ptr,
+    rope_pos_ptr, inv_freq_ptr,
     # sizes
     num_tokens, num_kv_heads, num_q_heads, head_dim, page_size,
     # strides of k, v and q [token, head, feature]
@@ -196,12 +204,15 @@ def quant_append_kernel(
     sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
     # ring window (kernels.addressing.ring_params)
     sink_tokens, bubble_len, cyclic_cache_len,
-    # constexprs: format, addressing form, window, RoPE code, q given; tiles
-    FORMAT: tl.constexpr, CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, HAS_Q: tl.constexpr,
+    # constexprs: format, addressing form, window, RoPE code, rotary positions of their own, q given; tiles
+    FORMAT: tl.constexpr, CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, ROPE_POS: tl.constexpr,
+    HAS_Q: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``: quantize and store K
-    and V; head blocks past the KV heads rotate Q (only with ``HAS_Q``)."""
+    and V; head blocks past the KV heads rotate Q (only with ``HAS_Q``). RoPE angles come
+    from ``rope_pos_ptr`` (:func:`kernels.rope.rotary_positions`); stores are masked by
+    ``valid`` alone."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     page, row, valid = token_rows(
         tokens, num_tokens,
@@ -213,9 +224,9 @@ def quant_append_kernel(
     kv_blocks = tl.cdiv(num_kv_heads, BLOCK_H)
     hb = tl.program_id(1)
     if ROPE != 0:
-        pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
+        pos, rotated = rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, ROPE_POS)
     else:
-        pos = tokens  # unused without RoPE
+        pos, rotated = tokens, valid  # unused without RoPE
     if hb < kv_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_th = valid[:, None] & (heads < num_kv_heads)[None, :]
@@ -244,7 +255,7 @@ def quant_append_kernel(
         pair = tl.arange(0, BLOCK_D // 2)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
         rope_q_in_place(
-            q_ptr, stride_qt, stride_qh, stride_qd, tok, valid,
+            q_ptr, stride_qt, stride_qh, stride_qd, tok, rotated,
             hb - kv_blocks, num_q_heads, cos, sin, head_dim // 2,
             ROPE == 1, BLOCK_H, BLOCK_D // 2,
         )
@@ -369,11 +380,13 @@ def plan_append_quant_csr(
     k, v, data, scales, global_scale, batch_indices, positions, kv_indices, kv_indptr,
     kv_dtype="fp8", scale_mode=None, layout="NHD",
     *, window: RingWindow | None = None, rope=None, rope_theta: float = 10000.0, q=None, kv_last_page_len=None,
+    rope_positions=None,
 ) -> QuantAppendPlan:  # fmt: skip
     """Validate an :func:`append_paged_kv_quant_csr` call once and return its plan."""
     pool = QuantizedKVPool.from_tensors(data, scales, global_scale, kv_dtype, scale_mode, layout)
     slots = checks.check_quant_csr_append_args(k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window)
-    checks.check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
+    source, name = checks.rope_position_source(rope, positions, rope_positions)
+    checks.check_rope_args(rope, source, rope_theta, q, k, pool.shape_proxy, pool.layout, slots, name)
     check_pool_launch(pool)
     _check_inputs(k, v, pool, q)
     for name, t, fits in (
@@ -381,6 +394,7 @@ def plan_append_quant_csr(
         ("positions", positions, False),
         ("kv_indices", kv_indices, True),
         ("kv_indptr", kv_indptr, True),
+        *([("rope_positions", rope_positions, False)] if rope_positions is not None else []),
     ):
         check_index_tensor(name, t, fits_int32=fits)
     tail = None
@@ -388,7 +402,7 @@ def plan_append_quant_csr(
         tail = v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), slots)
     return _plan(
         k, v, pool, q, rope, rope_theta, window, tail, batch_indices=batch_indices, positions=positions,
-        kv_indptr=kv_indptr, kv_indices=kv_indices,
+        kv_indptr=kv_indptr, kv_indices=kv_indices, rope_positions=rope_positions,
     )  # fmt: skip
 
 
@@ -441,7 +455,7 @@ def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
         *sstrides,
         *ring_params(plan.window),
         FORMAT=plan.format, CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope],
-        HAS_Q=q is not None,
+        ROPE_POS=plan.index.own_rope_positions, HAS_Q=q is not None,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
     # fmt: on
@@ -515,17 +529,21 @@ def append_paged_kv_quant_csr(
     rope_theta: float = 10000.0,
     q: torch.Tensor | None = None,
     kv_last_page_len: torch.Tensor | None = None,
+    rope_positions: torch.Tensor | None = None,
 ) -> None:
     """:func:`append_paged_kv_quant` addressed by request and position over a CSR page
     table, as :func:`kernels.write.append_paged_kv_csr` (the kernel computes each
-    token's page and row; ``window``; RoPE at the absolute position;
-    ``kv_last_page_len`` zeroes the V tails). Raises ValueError before any write."""
+    token's page and row; ``window``; RoPE at the absolute position, or at
+    ``rope_positions`` given apart from it, with ``q`` rotated for every token whose
+    ``rope_positions`` is >= 0, written or not; ``kv_last_page_len`` zeroes the V
+    tails). Raises ValueError before any write."""
     # fmt: off
     return run_append_quant(
         plan_append_quant_csr(
             k, v, data, scales, global_scale, batch_indices, positions, kv_indices, kv_indptr,
             kv_dtype, scale_mode, layout,
             window=window, rope=rope, rope_theta=rope_theta, q=q, kv_last_page_len=kv_last_page_len,
+            rope_positions=rope_positions,
         ),
         k, v, data, scales, global_scale, q,
     )

@@ -4,6 +4,9 @@ RoPE is written once here and every kernel that rotates calls it:
 
 * :data:`ROPE_CODES`: the ``ROPE`` constexpr of the write kernels (``None``: no
   rotation, ``"neox"``: GPT-NeoX half-split pairs, ``"gptj"``: GPT-J interleaved pairs);
+* :func:`rotary_positions`: each token's rotary position and whether its Q is rotated:
+  the cache (or slot-form) positions of the written tokens, or, with ``ROPE_POS``, a
+  tensor of their own (:mod:`pagedkv_lib.rotary_positions`) for every token;
 * :func:`rope_cos_sin`: ``cos, sin`` of ``position * inv_freq`` (fp32), with the angle
   formed and reduced to ``[-pi, pi]`` in fp64 (in fp32 its rounding error grows with
   the position, about 2e-3 rad at position 32768);
@@ -39,6 +42,7 @@ import triton.language as tl
 
 __all__ = [
     "ROPE_CODES",
+    "rotary_positions",
     "rope_cos_sin",
     "rope_pair_features",
     "rope_feature_pair",
@@ -51,6 +55,24 @@ __all__ = [
 ]
 
 ROPE_CODES = {None: 0, "neox": 1, "gptj": 2}  # the ROPE constexpr of the write kernels
+
+
+@triton.jit
+def rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, OWN: tl.constexpr):
+    """``(pos, rotated)`` per token ``[BLOCK_T]``: the rotary position (0 where not rotated)
+    and whether the token's Q is rotated. Without ``OWN``, ``rope_pos_ptr`` holds the
+    positions the tokens are cached at (or the slot form's positions) and only written
+    tokens (``valid``) rotate. With ``OWN`` it holds rotary positions of their own
+    (``rope_positions``): every token in range whose position is >= 0 rotates its Q,
+    written or not (a Helix inactive rank rotates Q but stores no K/V)."""
+    if OWN:
+        pos = tl.load(rope_pos_ptr + tokens, mask=tokens < num_tokens, other=-1)
+        rotated = pos >= 0
+        pos = tl.where(rotated, pos, 0)
+    else:
+        pos = tl.load(rope_pos_ptr + tokens, mask=valid, other=0)
+        rotated = valid
+    return pos, rotated
 
 
 @triton.jit

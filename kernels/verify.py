@@ -21,7 +21,7 @@ from .mla_decode import mla_decode_attention
 from .mla_write import append_paged_mla_kv
 from .prefill import paged_prefill_attention
 from .quant_pool_entry import append_paged_kv_quant_pool, paged_decode_attention_quant_pool
-from .write import append_paged_kv
+from .write import append_paged_kv, append_paged_kv_csr
 
 __all__ = ["main", "BF16_DOT_NOTE"]
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         "quant_decode_fn": paged_decode_attention_quant_pool,
         "indexer_scatter_fn": indexer_k_cache_scatter,
         "block_copy_fn": copy_paged_blocks,
+        "rotary_append_fn": append_paged_kv_csr,
     }
     return cli.main(argv, defaults=defaults, prog="python -m kernels.verify")
 

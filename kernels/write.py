@@ -13,9 +13,10 @@ Two entry points address the same kernel, :func:`append_kernel`; each is
 
 Options, fused into the same launch: RoPE on K (GPT-NeoX half-split or GPT-J
 interleaved pairs, :mod:`kernels.rope`) with Q rotated in place by extra programs of
-the same grid; and, as a second small launch, zeroing the unused V rows of each
-sequence's last page (:mod:`kernels.v_tail`, whose :func:`~kernels.v_tail.zero_paged_v_tail`
-does it alone).
+the same grid, at the cache positions or, in the CSR form, at ``rope_positions`` given
+apart from them (:mod:`pagedkv_lib.rotary_positions`); and, as a second small launch,
+zeroing the unused V rows of each sequence's last page (:mod:`kernels.v_tail`, whose
+:func:`~kernels.v_tail.zero_paged_v_tail` does it alone).
 
 Grid: ``(cdiv(num_tokens, BLOCK_T), kv_head_blocks [+ q_head_blocks])``. Each program
 writes one independent tile of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the whole head
@@ -58,7 +59,7 @@ from pagedkv_lib.window import RingWindow
 
 from .addressing import ring_params, row_offset, token_rows
 from .launch import TokenIndex, fingerprint, memory_key
-from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_q_in_place, rope_tile
+from .rope import ROPE_CODES, copy_tile, rope_cos_sin, rope_q_in_place, rope_tile, rotary_positions
 from .tiles import write_tiles
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 from .validate import (
@@ -88,10 +89,10 @@ __all__ = [
 # fmt: off
 @triton.jit
 def append_kernel(
-    # pointers: inputs, the pool, q (rotated in place), token addressing, RoPE frequencies
+    # pointers: inputs, the pool, q (rotated in place), token addressing, RoPE positions and frequencies
     k_ptr, v_ptr, cache_ptr, q_ptr,
     slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
-    inv_freq_ptr,
+    rope_pos_ptr, inv_freq_ptr,
     # sizes
     num_tokens, num_kv_heads, num_q_heads, head_dim, page_size,
     # strides of k, v and q [token, head, feature]
@@ -102,12 +103,14 @@ def append_kernel(
     stride_page, stride_kv, stride_n, stride_h, stride_d,
     # ring window (kernels.addressing.ring_params)
     sink_tokens, bubble_len, cyclic_cache_len,
-    # constexprs: addressing form, window, RoPE code, q given; tiles
-    CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, HAS_Q: tl.constexpr,
+    # constexprs: addressing form, window, RoPE code, rotary positions of their own, q given; tiles
+    CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, ROPE_POS: tl.constexpr, HAS_Q: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``. Head blocks past the
-    KV heads rotate Q (only with ``HAS_Q``); their programs write nothing to the cache."""
+    KV heads rotate Q (only with ``HAS_Q``); their programs write nothing to the cache.
+    RoPE angles come from ``rope_pos_ptr`` (:func:`kernels.rope.rotary_positions`), the
+    cache store is masked by ``valid`` alone."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     page, row, valid = token_rows(
         tokens, num_tokens,
@@ -120,7 +123,7 @@ def append_kernel(
     hb = tl.program_id(1)
     if ROPE != 0:
         pair = tl.arange(0, BLOCK_D // 2)
-        pos = tl.load(positions_ptr + tokens, mask=valid, other=0)
+        pos, rotated = rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, ROPE_POS)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
     if hb < kv_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -149,7 +152,7 @@ def append_kernel(
         )
     elif HAS_Q:
         rope_q_in_place(
-            q_ptr, stride_qt, stride_qh, stride_qd, tok, valid,
+            q_ptr, stride_qt, stride_qh, stride_qd, tok, rotated,
             hb - kv_blocks, num_q_heads, cos, sin, head_dim // 2,
             ROPE == 1, BLOCK_H, BLOCK_D // 2,
         )
@@ -180,7 +183,7 @@ class AppendPlan:
     kv_dtype: torch.dtype
     q_dtype: torch.dtype | None
     q_rows: int  # rows of q (0 without q)
-    index: TokenIndex  # slot or CSR form (positions also for RoPE)
+    index: TokenIndex  # slot or CSR form (positions, or rope_positions, for RoPE)
     window: RingWindow | None
     rope: str | None
     inv_freq: torch.Tensor | None  # float64 [head_dim / 2] on the device, with rope
@@ -298,22 +301,26 @@ def plan_append_csr(
     rope_theta: float = 10000.0,
     q: torch.Tensor | None = None,
     zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope_positions: torch.Tensor | None = None,
 ) -> AppendPlan:
     """Validate an :func:`append_paged_kv_csr` call once and return its :class:`AppendPlan`
     (nothing is written). Arguments and errors as :func:`append_paged_kv_csr`."""
     slots = checks.check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window)
-    checks.check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
+    source, name = checks.rope_position_source(rope, positions, rope_positions)
+    checks.check_rope_args(rope, source, rope_theta, q, k, cache, layout, slots, name)
     index = {
         "batch_indices": (batch_indices, False),
         "positions": (positions, False),
         "kv_indices": (kv_indices, True),
         "kv_indptr": (kv_indptr, True),
     }
+    if rope_positions is not None:
+        index["rope_positions"] = (rope_positions, False)
     _check_write_launch(k, v, cache, q, index)
     tail = None if zero_v_tail is None else v_tail_tensors(cache, layout, zero_v_tail, slots)
     return _plan(
         k, v, cache, layout, q, rope, rope_theta, window, tail, slots.numel(), batch_indices=batch_indices,
-        positions=positions, kv_indptr=kv_indptr, kv_indices=kv_indices,
+        positions=positions, kv_indptr=kv_indptr, kv_indices=kv_indices, rope_positions=rope_positions,
     )  # fmt: skip
 
 
@@ -363,7 +370,8 @@ def _launch(plan: AppendPlan, k, v, cache, q) -> None:
         *((0, 0, 0) if q is None else q.stride()),
         *cache_strides(cache, plan.layout),
         *ring_params(plan.window),
-        CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope], HAS_Q=q is not None,
+        CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope],
+        ROPE_POS=plan.index.own_rope_positions, HAS_Q=q is not None,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
     # fmt: on
@@ -396,9 +404,14 @@ def append_paged_kv(
 
     ``rope="neox"|"gptj"`` stores K rotated by RoPE at ``positions [num_tokens]`` (the
     tokens' absolute positions, required then) with base ``rope_theta``; ``k`` itself
-    is not modified. ``q [num_tokens, num_q_heads, head_dim]`` (fp32/fp16/bf16, needs
-    ``rope``) is rotated in place in the same launch; rows of padding tokens are left
-    as they are.
+    is not modified. ``positions`` is only the rotary position here (the cache row is
+    the slot's), so positions other than the cache position, such as TensorRT-LLM's
+    speculative-decoding, M-RoPE and Helix sources, go straight in
+    (:func:`pagedkv_lib.rotary_positions.rotary_positions` builds them).
+    ``q [num_tokens, num_q_heads, head_dim]`` (fp32/fp16/bf16, needs ``rope``) is
+    rotated in place in the same launch; rows of padding tokens are left as they are
+    (an inactive Helix rank's tokens made padding here keep their Q unrotated: the CSR
+    form's ``rope_positions`` rotates them).
 
     ``zero_v_tail=(kv_indptr, kv_indices, kv_last_page_len)`` (a CSR page table, see
     :mod:`pagedkv_lib.formats`) afterwards zeroes V rows ``kv_last_page_len[b] ..
@@ -437,6 +450,7 @@ def append_paged_kv_csr(
     rope_theta: float = 10000.0,
     q: torch.Tensor | None = None,
     zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope_positions: torch.Tensor | None = None,
 ) -> None:
     """Write ``k, v [num_tokens, num_kv_heads, head_dim]`` into ``cache`` in place, addressed
     by request and position (FlashInfer's ``append_paged_kv_cache``); returns None.
@@ -453,13 +467,24 @@ def append_paged_kv_csr(
     kv_last_page_len)`` as in :func:`append_paged_kv`; RoPE uses the absolute position
     ``p``, never the ring row. (FlashInfer's ``append_paged_kv_cache`` also takes a
     ``kv_last_page_len`` but does not write with it; here a V tail is zeroed only when
-    asked for by name.) Raises ValueError naming the argument before any write.
+    asked for by name.)
+
+    ``rope_positions [num_tokens]`` (int32/int64, needs ``rope``) gives each token's
+    rotary position apart from its cache position ``p``, as TensorRT-LLM's
+    speculative-decoding offsets, M-RoPE deltas and Helix position tables do
+    (:func:`pagedkv_lib.rotary_positions.rotary_positions` builds it). K is then
+    rotated by ``rope_positions[i]`` (>= 0 for a written token), and ``q`` rows are
+    rotated for every token whose ``rope_positions[i] >= 0``, *written or not*: a token
+    with ``p = -1`` (a Helix inactive rank, :func:`pagedkv_lib.rotary_positions.as_padding`)
+    stores nothing but still has its Q rotated. Raises ValueError naming the argument
+    before any write.
     """
     # fmt: off
     return run_append(
         plan_append_csr(
             k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout,
             window=window, rope=rope, rope_theta=rope_theta, q=q, zero_v_tail=zero_v_tail,
+            rope_positions=rope_positions,
         ),
         k, v, cache, q,
     )

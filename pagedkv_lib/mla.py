@@ -66,6 +66,7 @@ from .checks import (
     check_mla_latent_csr_args,
     check_mla_rope_args,
     mla_cache_dims,
+    rope_position_source,
 )
 from .formats import PAD, index_tensor
 from .indexing import locate, split_slot
@@ -234,15 +235,18 @@ def append_paged_mla_kv_csr(
     *,
     rope: str | None = None,
     rope_theta=10000.0,
+    rope_positions=None,
 ) -> None:
     """Write ``ckv, kpe`` addressed by request and position over a CSR page table
     (FlashInfer's ``append_paged_mla_kv_cache``), in place: token ``i`` of request
     ``batch_indices[i]`` at position ``positions[i]`` (``-1`` in either: padding) goes to
     row ``positions[i] % page_size`` of page ``kv_indices[kv_indptr[b] + positions[i] //
-    page_size]``. ``rope`` rotates ``kpe`` at ``positions``. Arguments as
-    ``kernels.append_paged_mla_kv_csr``."""
+    page_size]``. ``rope`` rotates ``kpe`` at ``positions``, or at ``rope_positions
+    [num_tokens]`` when given (the rotary position apart from the cache position,
+    :mod:`pagedkv_lib.rotary_positions`). Arguments as ``kernels.append_paged_mla_kv_csr``."""
     slots = check_mla_csr_append_args(ckv, kpe, ckv_cache, kpe_cache, batch_indices, positions, kv_indices, kv_indptr)
-    pos = check_mla_rope_args(rope, positions, rope_theta, kpe, slots)
+    source, name = rope_position_source(rope, positions, rope_positions)
+    pos = check_mla_rope_args(rope, source, rope_theta, kpe, slots, name)
     _store(ckv, kpe, ckv_cache, kpe_cache, slots, rope, pos, rope_theta)
 
 

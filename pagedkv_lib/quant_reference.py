@@ -26,6 +26,8 @@ from .checks import (
     check_quant_pool,
     check_rope_args,
     check_v_tail_args,
+    rope_position_source,
+    rotated_rows,
 )
 from .indexing import split_slot
 from .reference import paged_decode_attention, paged_decode_attention_csr, rope_reference
@@ -80,18 +82,21 @@ def write_rows(pool, kv: int, page, row, x: torch.Tensor, quantizer=None) -> Non
         pool.scales[at] = scales.to(pool.device)
 
 
-def _store(k, v, pool, slots: torch.Tensor, rope, positions, rope_theta, q) -> None:
+def _store(k, v, pool, slots: torch.Tensor, rope, positions, rope_theta, q, q_rows=None) -> None:
     """Quantize and write the tokens whose slot is not ``-1`` (K rotated first with
-    ``rope``); rotate the written tokens' rows of ``q`` in place."""
+    ``rope`` at ``positions``); rotate the rows ``q_rows`` (host bool; default: the
+    written tokens) of ``q`` in place."""
     keep = slots >= 0
+    q_rows = keep if q_rows is None else q_rows
     page, row = split_slot(slots[keep], pool.page_size)
     k_new = k[keep.to(k.device)].cpu()
     if rope is not None:  # rotated in float64, rounded once to fp32, then quantized
         pos = positions[keep]
         k_new = rope_reference(k_new, pos, rope_theta, rope).to(torch.float32)
         if q is not None:
-            q_keep = keep.to(q.device)
-            q[q_keep] = rope_reference(q[q_keep].cpu(), pos, rope_theta, rope).to(q.dtype).to(q.device)
+            q_keep = torch.cat([q_rows, torch.zeros(q.shape[0] - q_rows.numel(), dtype=torch.bool)]).to(q.device)
+            rotated = rope_reference(q[q_keep].cpu(), positions[q_rows], rope_theta, rope)
+            q[q_keep] = rotated.to(q.dtype).to(q.device)
     write_rows(pool, 0, page, row, k_new)
     write_rows(pool, 1, page, row, v[keep.to(v.device)])
 
@@ -151,16 +156,19 @@ def append_paged_kv_quant_csr(
     rope_theta: float = 10000.0,
     q=None,
     kv_last_page_len=None,
+    rope_positions=None,
 ) -> None:
     """:func:`append_paged_kv_quant` addressed by request and position over a CSR page
     table, as :func:`pagedkv_lib.reference.append_paged_kv_csr` (``window``, RoPE at the
-    absolute position, ``kv_last_page_len`` zeroes the V tails afterwards)."""
+    absolute position or at ``rope_positions``, ``kv_last_page_len`` zeroes the V tails
+    afterwards)."""
     slots = check_quant_csr_append_args(k, v, pool, batch_indices, positions, kv_indices, kv_indptr, window)
-    pos = check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
+    source, name = rope_position_source(rope, positions, rope_positions)
+    pos = check_rope_args(rope, source, rope_theta, q, k, pool.shape_proxy, pool.layout, slots, name)
     tails = None
     if kv_last_page_len is not None:
         tails = check_v_tail_args(pool.shape_proxy, kv_indptr, kv_indices, kv_last_page_len, pool.layout, slots)
-    _store(k, v, pool, slots, rope, pos, rope_theta, q)
+    _store(k, v, pool, slots, rope, pos, rope_theta, q, None if rope_positions is None else rotated_rows(slots, pos))
     if tails is not None:
         _zero_tails(pool, tails)
 

@@ -27,6 +27,8 @@ from .checks import (
     check_prefill_args,
     check_rope_args,
     check_v_tail_args,
+    rope_position_source,
+    rotated_rows,
 )
 from .formats import PAD, index_tensor
 from .indexing import locate, split_slot
@@ -60,10 +62,12 @@ def _row_index(layout: str, page, kv: int, offset):
     return (page, kv, offset) if layout == "NHD" else (page, kv, slice(None), offset)
 
 
-def _store(k, v, cache, slots: torch.Tensor, layout: str, rope, positions, rope_theta, q) -> None:
-    """Write the tokens whose slot is not ``-1`` (K rotated first with ``rope``), and
-    rotate the written tokens' rows of ``q`` in place."""
+def _store(k, v, cache, slots: torch.Tensor, layout: str, rope, positions, rope_theta, q, q_rows=None) -> None:
+    """Write the tokens whose slot is not ``-1`` (K rotated first with ``rope`` at
+    ``positions``), and rotate the rows ``q_rows`` (host bool ``[num_tokens]``; default:
+    the written tokens) of ``q`` in place."""
     keep = slots >= 0
+    q_rows = keep if q_rows is None else q_rows
     page, offset = split_slot(slots[keep], cache_dims(cache, layout).page_size)
     keep_dev = keep.to(k.device)
     k, v = k[: slots.numel()], v[: slots.numel()]  # rows past the mapped tokens are not written
@@ -72,8 +76,9 @@ def _store(k, v, cache, slots: torch.Tensor, layout: str, rope, positions, rope_
         pos = positions[keep]
         k_new = rope_reference(k_new.cpu(), pos, rope_theta, rope).to(cache.dtype)
         if q is not None:
-            q_keep = torch.cat([keep, torch.zeros(q.shape[0] - keep.numel(), dtype=torch.bool)]).to(q.device)
-            q[q_keep] = rope_reference(q[q_keep].cpu(), pos, rope_theta, rope).to(q.dtype).to(q.device)
+            q_keep = torch.cat([q_rows, torch.zeros(q.shape[0] - q_rows.numel(), dtype=torch.bool)]).to(q.device)
+            rotated = rope_reference(q[q_keep].cpu(), positions[q_rows], rope_theta, rope)
+            q[q_keep] = rotated.to(q.dtype).to(q.device)
     cache[_row_index(layout, page.to(cache.device), 0, offset.to(cache.device))] = k_new.to(cache.device)
     cache[_row_index(layout, page.to(cache.device), 1, offset.to(cache.device))] = v[keep_dev].to(cache.device)
 
@@ -127,6 +132,7 @@ def append_paged_kv_csr(
     rope_theta: float = 10000.0,
     q=None,
     zero_v_tail=None,
+    rope_positions=None,
 ) -> None:
     """Write ``k, v`` addressed by request and position over a CSR page table
     (FlashInfer's ``append_paged_kv_cache``), in place.
@@ -135,13 +141,18 @@ def append_paged_kv_csr(
     either: padding) goes to cache row ``positions[i]`` (or ``window.kv_token_idx`` of it)
     of the request's pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``. ``rope``,
     ``rope_theta``, ``q`` and ``zero_v_tail=(kv_indptr, kv_indices, kv_last_page_len)``
-    as :func:`append_paged_kv` (RoPE at the absolute position). Arguments as
-    ``kernels.append_paged_kv_csr``.
+    as :func:`append_paged_kv` (RoPE at the absolute position). ``rope_positions
+    [num_tokens]`` (needs ``rope``): the rotary position of each token apart from its
+    cache position (:mod:`pagedkv_lib.rotary_positions`); K is rotated by it, and ``q``
+    rows are rotated for every token whose ``rope_positions`` is >= 0, written or not.
+    Arguments as ``kernels.append_paged_kv_csr``.
     """
     slots = check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window)
-    pos = check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
+    source, name = rope_position_source(rope, positions, rope_positions)
+    pos = check_rope_args(rope, source, rope_theta, q, k, cache, layout, slots, name)
     tails = None if zero_v_tail is None else check_v_tail_args(cache, *zero_v_tail, layout=layout, written=slots)
-    _store(k, v, cache, slots, layout, rope, pos, rope_theta, q)
+    q_rows = None if rope_positions is None else rotated_rows(slots, pos)
+    _store(k, v, cache, slots, layout, rope, pos, rope_theta, q, q_rows)
     if tails is not None:
         _zero_tails(cache, tails, layout)
 

@@ -126,6 +126,24 @@ APPEND_MUTANTS = [
     ),
 ]
 
+# Write kernels that take the RoPE angle from the cache position instead of
+# rope_positions (TensorRT-LLM's speculative-decoding, M-RoPE and Helix sources ignored).
+_ROPE_FROM = "rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, "
+_ROPE_AT_CACHE = "rotary_positions(tokens, num_tokens, valid, positions_ptr, "
+ROTARY_MUTANTS = [
+    Mutant(
+        f"{module}_rope_at_cache_position",
+        "RoPE at the cache position: the rotary positions given apart from it are ignored",
+        {module: ((_ROPE_FROM, _ROPE_AT_CACHE),)},
+        entry,
+    )
+    for module, entry in (
+        ("write", "append_paged_kv_csr"),
+        ("quant_write", "append_paged_kv_quant_csr_pool"),
+        ("mla_write", "append_paged_mla_kv_csr"),
+    )
+]
+
 _BUILT: dict[str, object] = {}
 _TMP = Path(tempfile.mkdtemp(prefix="pagedkv-mutants-"))
 

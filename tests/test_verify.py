@@ -18,11 +18,13 @@ CAUGHT_BY = {
     "stale_block_table": "reused_page",
     "int32_offset": "int64_offsets",
     "chunk_local_mask": "prefill",
+    "rotary_at_cache_position": "rotary_append",
 }
 IMPLEMENTATIONS = {  # (append_fn, decode_fn, prefill_fn)
     "reference": (reference.append_paged_kv, reference.paged_decode_attention, reference.paged_prefill_attention),
     "kernels": (kernels.append_paged_kv, kernels.paged_decode_attention, kernels.paged_prefill_attention),
 }
+ROTARY_APPEND = {"reference": reference.append_paged_kv_csr, "kernels": kernels.append_paged_kv_csr}
 
 
 def test_every_fault_has_a_check():
@@ -33,7 +35,7 @@ def test_every_fault_has_a_check():
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_harness_passes_on_correct_code(impl):
-    report = verify.run(*IMPLEMENTATIONS[impl], hypothesis_examples=3)
+    report = verify.run(*IMPLEMENTATIONS[impl], rotary_append_fn=ROTARY_APPEND[impl], hypothesis_examples=3)
     assert report.passed, str(report)
     checks = {r.check for r in report.results if r.passed}
     assert {"append", "decode", "prefill", "append[hypothesis]", "decode[hypothesis]", *CAUGHT_BY.values()} <= checks
@@ -43,7 +45,7 @@ def test_harness_passes_on_correct_code(impl):
 @pytest.mark.parametrize("fault", sorted(CAUGHT_BY))
 def test_fault_is_caught_by_its_check(impl, fault):
     check = CAUGHT_BY[fault]
-    report = verify.run(*IMPLEMENTATIONS[impl], faults={fault}, checks=(check,))
+    report = verify.run(*IMPLEMENTATIONS[impl], rotary_append_fn=ROTARY_APPEND[impl], faults={fault}, checks=(check,))
     caught = {r.check for r in report.failures if r.kind != "nothing"}  # a self-check alone also "checks nothing"
     assert caught == {check}, str(report)
 

@@ -81,6 +81,8 @@ from .shared import (
     check_scale,
     check_slots,
     check_window,
+    rope_position_source,
+    rotated_rows,
 )
 
 __all__ = [
@@ -98,6 +100,8 @@ __all__ = [
     "check_slots",
     "check_rope_style",
     "check_rope_positions",
+    "rope_position_source",
+    "rotated_rows",
     # append (MHA)
     "check_append_args",
     "check_csr_append_args",

@@ -64,7 +64,9 @@ def check_csr_append_args(
     return slots
 
 
-def check_rope_args(rope, positions, rope_theta, q, k, cache, layout: str, slots: torch.Tensor):
+def check_rope_args(
+    rope, positions, rope_theta, q, k, cache, layout: str, slots: torch.Tensor, name: str = "positions"
+):
     """Validate the fused-RoPE options of an append; return ``positions`` as host int64
     (None without RoPE).
 
@@ -73,7 +75,8 @@ def check_rope_args(rope, positions, rope_theta, q, k, cache, layout: str, slots
     >= 0 for every token that is written (``slots >= 0``). ``q`` (rotated in place)
     needs ``rope`` and is ``[num_tokens, num_q_heads, head_dim]`` (a float tensor,
     ``num_q_heads`` any positive count; extra rows, like K's, are left alone). Without
-    ``rope``, ``positions`` is ignored.
+    ``rope``, ``positions`` is ignored. ``name``: the argument ``positions`` came in as
+    (:func:`~pagedkv_lib.checks.shared.rope_position_source`).
     """
     check_rope_style(rope)
     if rope is None:
@@ -83,7 +86,7 @@ def check_rope_args(rope, positions, rope_theta, q, k, cache, layout: str, slots
     head_dim = cache_dims(cache, layout).head_dim
     if head_dim % 2:
         raise ValueError(f"rope needs an even head_dim, the cache has {head_dim}")
-    pos = check_rope_positions(rope_theta, positions, slots.numel(), slots)
+    pos = check_rope_positions(rope_theta, positions, slots.numel(), slots, name)
     if q is not None:
         check_float_tensor("q", q, "[num_tokens, num_q_heads, head_dim]")
         if q.shape[0] < slots.numel() or q.shape[2] != head_dim or q.shape[1] == 0:

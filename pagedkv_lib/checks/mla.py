@@ -122,7 +122,7 @@ def check_mla_csr_append_args(
     return slots
 
 
-def check_mla_rope_args(rope, positions, rope_theta, kpe, slots: torch.Tensor):
+def check_mla_rope_args(rope, positions, rope_theta, kpe, slots: torch.Tensor, name: str = "positions"):
     """Validate the RoPE options of an MLA append; return ``positions`` as host int64
     (None without RoPE).
 
@@ -130,14 +130,14 @@ def check_mla_rope_args(rope, positions, rope_theta, kpe, slots: torch.Tensor):
     With it: an even ``qk_rope_head_dim``, ``rope_theta`` a finite number > 1,
     ``positions [num_tokens]`` integers >= 0 for every token that is written. Without
     it, ``positions`` is ignored. The same rules as :func:`check_rope_args`, for the
-    one shared RoPE key instead of per-head K.
+    one shared RoPE key instead of per-head K; ``name`` as there.
     """
     check_rope_style(rope)
     if rope is None:
         return None
     if kpe.shape[1] % 2:
         raise ValueError(f"rope needs an even qk_rope_head_dim, kpe has {kpe.shape[1]}")
-    pos = check_rope_positions(rope_theta, positions, kpe.shape[0], slots)
+    pos = check_rope_positions(rope_theta, positions, kpe.shape[0], slots, name)
     return pos
 
 

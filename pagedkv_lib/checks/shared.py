@@ -157,23 +157,48 @@ def check_rope_style(rope) -> None:
         raise ValueError(f"rope={rope!r} must be None, 'neox' or 'gptj'")
 
 
-def check_rope_positions(rope_theta, positions, num_tokens: int, slots: torch.Tensor) -> torch.Tensor:
+def check_rope_positions(
+    rope_theta, positions, num_tokens: int, slots: torch.Tensor, name: str = "positions"
+) -> torch.Tensor:
     """The options of a fused RoPE that every family shares; return ``positions`` as
     host int64.
 
     ``rope_theta`` a finite number > 1; ``positions [num_tokens]`` integers, >= 0 for
-    every token that is written (``slots >= 0``, host int64 ``[num_tokens]``)."""
+    every token that is written (``slots >= 0``, host int64 ``[num_tokens]``). ``name``
+    is the argument the positions came in as (``"rope_positions"`` when given apart
+    from the cache positions, :func:`rope_position_source`)."""
     if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not math.isfinite(rope_theta):
         raise ValueError(f"rope_theta={rope_theta!r} must be a finite number")
     if rope_theta <= 1:
         raise ValueError(f"rope_theta={rope_theta!r} must be > 1")
     if positions is None:
-        raise ValueError("rope needs positions [num_tokens], the tokens' absolute positions")
-    pos = index_tensor("positions", positions, 1)
+        raise ValueError(f"rope needs {name} [num_tokens], the tokens' absolute positions")
+    pos = index_tensor(name, positions, 1)
     if pos.numel() != num_tokens:
-        raise ValueError(f"positions has {pos.numel()} entries for {num_tokens} tokens")
+        raise ValueError(f"{name} has {pos.numel()} entries for {num_tokens} tokens")
     bad = (slots >= 0) & (pos < 0)
     if bad.any():
         i = int(torch.nonzero(bad)[0])
-        raise ValueError(f"positions[{i}]={int(pos[i])} must be >= 0 for a token that is written")
+        raise ValueError(f"{name}[{i}]={int(pos[i])} must be >= 0 for a token that is written")
     return pos
+
+
+def rope_position_source(rope, positions, rope_positions) -> tuple:
+    """``(tensor, name)``: the rotary positions of a CSR append and the argument they came
+    in as. ``rope_positions [num_tokens]`` (the rotary position of each token, given
+    apart from its cache position, :mod:`pagedkv_lib.rotary_positions`) when given, else
+    ``positions`` (the cache position, which then is the rotary one too).
+    ``rope_positions`` without ``rope`` is a ValueError: nothing would use it."""
+    if rope_positions is None:
+        return positions, "positions"
+    if rope is None:
+        raise ValueError("rope_positions is given but rope is None: it only sets the RoPE angle")
+    return rope_positions, "rope_positions"
+
+
+def rotated_rows(slots: torch.Tensor, rope_positions) -> torch.Tensor:
+    """``[num_tokens]`` bool: the tokens whose ``q`` a fused-RoPE append rotates. The
+    written ones (``slots >= 0``); with separate ``rope_positions`` (host int64) every
+    token whose rotary position is >= 0, written or not (a Helix inactive rank rotates
+    Q but writes no K/V)."""
+    return slots >= 0 if rope_positions is None else rope_positions >= 0

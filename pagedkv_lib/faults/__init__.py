@@ -40,6 +40,7 @@ from .harness import (
     chunk_positions_from_zero,
     element_offset_int32,
     minus_one_as_index,
+    rotary_at_cache_position,
     whole_page_decode,
 )
 from .quantized import nvfp4_quantize_unrounded_scale, shared_kv_scale, unrounded_block_scale
@@ -64,6 +65,7 @@ __all__ = [
     "element_offset_int32",
     "whole_page_decode",
     "chunk_local_mask",
+    "rotary_at_cache_position",
     # quantized pools
     "nvfp4_quantize_unrounded_scale",
     "unrounded_block_scale",
@@ -178,6 +180,13 @@ REGISTRY: tuple[Fault, ...] = (
         "harness",
         "prefill's causal mask compares keys with the query's index in its chunk, not its position",
         parts={"prefill_fn": f"{_H}chunk_local_mask"},
+    ),
+    Fault(
+        "rotary_at_cache_position",
+        "harness",
+        "the write kernel rotates K and Q by the cache position, ignoring rope_positions (speculative-decoding "
+        "offsets, M-RoPE deltas, a Helix position table); an inactive rank's Q is left unrotated",
+        parts={"rotary_append_fn": f"{_H}rotary_at_cache_position"},
     ),
     Fault(
         "nvfp4_unrounded_scale",

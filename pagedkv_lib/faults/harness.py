@@ -27,6 +27,7 @@ __all__ = [
     "element_offset_int32",
     "whole_page_decode",
     "chunk_local_mask",
+    "rotary_at_cache_position",
 ]
 
 
@@ -129,3 +130,16 @@ def chunk_local_mask(prefill_fn):
         return prefill_fn(q, cache, qo_indptr, block_tables, q_lens, *args, **kwargs)
 
     return prefill
+
+
+def rotary_at_cache_position(append_fn):
+    """Wrap a CSR append (the harness's ``rotary_append_fn``) so that it rotates by the
+    cache position: the ``rope_positions`` it is given are dropped, as by a write kernel
+    that reads its RoPE angle from ``positions``. TensorRT-LLM's speculative-decoding
+    offsets, M-RoPE deltas and Helix table are then ignored, and an inactive rank's Q
+    (cache position ``-1``) is left unrotated."""
+
+    def append(*args, rope_positions=None, **kwargs):
+        return append_fn(*args, **kwargs)  # the fault: rope_positions dropped
+
+    return append

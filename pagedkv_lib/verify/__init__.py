@@ -76,6 +76,7 @@ from .quant_checks import (
     quant_decode_grid,
 )
 from .report import CaseResult, Report
+from .rotary_checks import ROTARY_SOURCES, rotary_append_case, rotary_append_grid, rotary_append_inputs
 from .runner import CHECKS, callable_path, resolve_callable, run, run_case
 from .scenarios import (
     SCENARIO_NEEDS,
@@ -134,6 +135,11 @@ __all__ = [
     "mla_decode_inputs",
     "mla_decode_case",
     "deepseek_v2_case",
+    # rotary positions apart from cache positions (TensorRT-LLM's three sources)
+    "ROTARY_SOURCES",
+    "rotary_append_grid",
+    "rotary_append_inputs",
+    "rotary_append_case",
     # scenarios
     "check_chunked_prefill",
     "check_ring_window",

@@ -28,6 +28,7 @@ _HELP = {
     "quant_decode_fn": "your FP8/NVFP4 decode (kernels.paged_decode_attention_quant_pool)",
     "indexer_scatter_fn": "your indexer-K cache scatter (kernels.indexer_k_cache_scatter)",
     "block_copy_fn": "your multi-layer block copy (kernels.copy_paged_blocks)",
+    "rotary_append_fn": "your CSR append with rope_positions (kernels.append_paged_kv_csr)",
 }
 REFERENCES = {  # --reference: the Python references of every family that has one
     "append_fn": reference.append_paged_kv,
@@ -37,6 +38,7 @@ REFERENCES = {  # --reference: the Python references of every family that has on
     "quant_decode_fn": quant_reference.paged_decode_attention_quant,
     "indexer_scatter_fn": indexer_cache.scatter_indexer_k,
     "block_copy_fn": block_copy.copy_blocks,
+    "rotary_append_fn": reference.append_paged_kv_csr,
 }
 
 

@@ -26,6 +26,7 @@ from .prefill_checks import prefill_case, prefill_grid
 from .prefill_scenarios import PREFILL_SCENARIO_NEEDS, PREFILL_SCENARIOS
 from .quant_checks import check_quant_scales, quant_append_case, quant_append_grid, quant_decode_case, quant_decode_grid
 from .report import CaseResult, Report
+from .rotary_checks import rotary_append_case, rotary_append_grid
 from .scenarios import SCENARIO_NEEDS, SCENARIOS
 from .stale import UNUSED_ROWS
 
@@ -65,6 +66,8 @@ FAMILIES = {
         Family("indexer_scatter", "indexer_scatter_fn", indexer_scatter_grid, indexer_scatter_case,
                cache_layouts=("paged",)),
         Family("block_copy", "block_copy_fn", block_copy_grid, block_copy_case, cache_layouts=("paged",)),
+        Family("rotary_append", "rotary_append_fn", rotary_append_grid, rotary_append_case,
+               cache_layouts=("paged",)),
     )
 }  # fmt: skip
 # Scenarios drive a writer and a reader together: the callables under test, or the
@@ -92,6 +95,7 @@ FAULT_WRAPPERS = {
     "minus_one_as_index": ("append_fn", F.minus_one_as_index),
     "chunk_local_mask": ("prefill_fn", F.chunk_local_mask),
     "nvfp4_unrounded_scale": ("quant_append_fn", F.unrounded_block_scale),
+    "rotary_at_cache_position": ("rotary_append_fn", F.rotary_at_cache_position),
 }
 
 
@@ -309,6 +313,7 @@ def run(
     quant_decode_fn=None,
     indexer_scatter_fn=None,
     block_copy_fn=None,
+    rotary_append_fn=None,
     faults=(),
     full: bool = False,
     hypothesis_examples: int = 0,
@@ -337,7 +342,10 @@ def run(
     * ``quant_append_fn`` / ``quant_decode_fn``: those of ``kernels.append_paged_kv_quant_pool``
       and ``kernels.paged_decode_attention_quant_pool`` (:mod:`.quant_checks`);
     * ``indexer_scatter_fn`` / ``block_copy_fn``: those of ``kernels.indexer_k_cache_scatter``
-      and ``kernels.copy_paged_blocks`` (:mod:`.indexer_cases`).
+      and ``kernels.copy_paged_blocks`` (:mod:`.indexer_cases`);
+    * ``rotary_append_fn``: that of ``kernels.append_paged_kv_csr`` with ``rope=``, ``q=``
+      and ``rope_positions=`` (rotary positions apart from the cache positions,
+      :mod:`.rotary_checks`).
 
     A scenario runs when one of its two sides is given (``append_fn`` with
     ``decode_fn`` or ``prefill_fn``, or the quantized pair for ``quant_scales``), with
@@ -365,6 +373,7 @@ def run(
     fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
     fns |= {"quant_append_fn": quant_append_fn, "quant_decode_fn": quant_decode_fn}
     fns |= {"indexer_scatter_fn": indexer_scatter_fn, "block_copy_fn": block_copy_fn}
+    fns |= {"rotary_append_fn": rotary_append_fn}
     session = _Session(fns, faults, contracts, isolate, timeout_s)
     wanted = _wanted(checks)
     report = Report()
