@@ -380,6 +380,44 @@ def _run_linear_windows() -> None:
         prefill.paged_prefill_attention_csr(qp, cache, qo, kv_indptr, kv_indices, last, window=window)
 
 
+def _run_rotary_positions() -> None:
+    """The CSR write kernels with rotary positions of their own (``rope_positions``, the
+    ``ROPE_POS`` branch: TensorRT-LLM's spec-decode, M-RoPE and Helix sources) and ``q``,
+    at the benchmarks' shapes, recorded dry: MHA in both layouts, FP8 and NVFP4, MLA (the
+    verify grid runs only the MHA one, at small shapes)."""
+    from pagedkv_lib.formats import block_table_to_csr
+    from pagedkv_lib.quant_pool import QuantizedKVPool
+
+    from . import mla_write, quant_write, write
+
+    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    gen = torch.Generator().manual_seed(0)
+    table = torch.arange(2 * n // p, dtype=torch.int32).view(2, n // p)
+    indptr, indices, _ = block_table_to_csr(table, torch.full((2,), n, dtype=torch.int32), p)
+    batch = torch.arange(2, dtype=torch.int32).repeat_interleave(n // 2)
+    pos = torch.arange(n // 2, n, dtype=torch.int32).repeat(2)
+    rope_pos = pos.clone()
+    pos[: n // 2] = -1  # request 0 inactive (a Helix rank that does not own its KV)
+    csr = (batch, pos, indices, indptr)
+    for dtype in (torch.float16, torch.bfloat16):
+        k = torch.randn((n, h, d), generator=gen).to(dtype)
+        q = torch.randn((n, h * g, d), generator=gen).to(dtype)
+        for layout in ("NHD", "HND"):
+            cache = torch.zeros((2 * n // p, 2, p, h, d) if layout == "NHD" else (2 * n // p, 2, h, p, d), dtype=dtype)
+            write.append_paged_kv_csr(k, k, cache, *csr, layout, rope="neox", q=q, rope_positions=rope_pos)
+        ckv, kpe = torch.randn((n, 512), generator=gen).to(dtype), torch.randn((n, 64), generator=gen).to(dtype)
+        caches = torch.zeros((2 * n // p, p, 512), dtype=dtype), torch.zeros((2 * n // p, p, 64), dtype=dtype)
+        mla_write.append_paged_mla_kv_csr(ckv, kpe, *caches, *csr, rope="gptj", rope_positions=rope_pos)
+    for fmt in ("fp8", "nvfp4"):
+        pool = QuantizedKVPool(2 * n // p, p, h, d, kv_dtype=fmt)
+        k = torch.randn((n, h, d), generator=gen).to(torch.float16)
+        q = torch.randn((n, h * g, d), generator=gen).to(torch.float16)
+        index = dict(zip(("batch_indices", "positions", "kv_indices", "kv_indptr"), csr))
+        quant_write.append_paged_kv_quant_csr(
+            k, k, **index, **pool.kernel_args(), rope="neox", q=q, rope_positions=rope_pos
+        )
+
+
 RUNNERS = {  # (label, runner, dry)
     "verify": [("verify grid", _run_verify, False), ("bf16 prefill grid (dry)", _run_bf16_prefill, True)],
     "notebooks": [
@@ -393,6 +431,7 @@ RUNNERS = {  # (label, runner, dry)
         ("read options: CSR, LSE, non-causal, merge, cascade (dry)", _run_read_options, True),
         ("peer scale conventions (dry)", _run_scale_conventions, True),
         ("linear-window CSR shapes (dry)", _run_linear_windows, True),
+        ("rotary positions apart from cache positions (dry)", _run_rotary_positions, True),
     ],
     "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
 }

@@ -343,9 +343,8 @@ def run(
       and ``kernels.paged_decode_attention_quant_pool`` (:mod:`.quant_checks`);
     * ``indexer_scatter_fn`` / ``block_copy_fn``: those of ``kernels.indexer_k_cache_scatter``
       and ``kernels.copy_paged_blocks`` (:mod:`.indexer_cases`);
-    * ``rotary_append_fn``: that of ``kernels.append_paged_kv_csr`` with ``rope=``, ``q=``
-      and ``rope_positions=`` (rotary positions apart from the cache positions,
-      :mod:`.rotary_checks`).
+    * ``rotary_append_fn``: that of ``kernels.append_paged_kv_csr`` with ``rope=``, ``q=``,
+      ``rope_positions=`` (rotary positions apart from cache positions, :mod:`.rotary_checks`).
 
     A scenario runs when one of its two sides is given (``append_fn`` with
     ``decode_fn`` or ``prefill_fn``, or the quantized pair for ``quant_scales``), with
@@ -370,10 +369,9 @@ def run(
     ``False`` lets them read 0.
     """
     fns = {"append_fn": append_fn, "decode_fn": decode_fn, "prefill_fn": prefill_fn}
-    fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn}
+    fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn, "rotary_append_fn": rotary_append_fn}
     fns |= {"quant_append_fn": quant_append_fn, "quant_decode_fn": quant_decode_fn}
     fns |= {"indexer_scatter_fn": indexer_scatter_fn, "block_copy_fn": block_copy_fn}
-    fns |= {"rotary_append_fn": rotary_append_fn}
     session = _Session(fns, faults, contracts, isolate, timeout_s)
     wanted = _wanted(checks)
     report = Report()
