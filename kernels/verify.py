@@ -2,7 +2,8 @@
 
 The harness itself (:mod:`pagedkv_lib.verify`) sits below the kernels and never imports
 them; this thin command line lives on the kernels' side and hands it the suite's
-append, decode, prefill, MLA and quantized kernels. Options as ``python -m pagedkv_lib.verify`` (``--full``,
+append, decode, prefill, MLA and quantized kernels, and the CSR append for the rotary-position
+family. Options as ``python -m pagedkv_lib.verify`` (``--full``,
 ``--hypothesis N``, ``--fault NAME``, ``--reference``, ``--no-poison-masked``); exits 1 when a check fails.
 """
 

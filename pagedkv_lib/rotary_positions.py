@@ -55,6 +55,9 @@ def _appended(append_indptr, past_lens) -> tuple[torch.Tensor, torch.Tensor, tor
         b = int(torch.nonzero(past < 0)[0])
         raise ValueError(f"past_lens[{b}] = {int(past[b])} must be >= 0 (tokens already cached)")
     counts = indptr[1:] - indptr[:-1]
+    if (counts < 0).any():
+        b = int(torch.nonzero(counts < 0)[0])
+        raise ValueError(f"append_indptr must be non-decreasing: append_indptr[{b + 1}] < append_indptr[{b}]")
     batch, cache_pos = get_batch_indices_positions(indptr, past + counts)
     batch, cache_pos = batch.long(), cache_pos.long()
     return batch, cache_pos - past[batch], past

@@ -112,6 +112,10 @@ def test_bad_sources_are_refused_naming_the_argument(kwargs, match):
         rotary_positions([0, 3, 4], [3, 0], **kwargs)
     with pytest.raises(ValueError, match="append_indptr needs 3 entries"):
         rotary_positions([0, 3], [3, 0])
+    with pytest.raises(ValueError, match="append_indptr must be non-decreasing"):
+        rotary_positions([0, 3, 2], [3, 0])
+    with pytest.raises(ValueError, match=r"past_lens\[1\] = -1"):
+        rotary_positions([0, 3, 4], [3, -1])
 
 
 def test_an_inactive_ranks_tokens_become_padding():
