@@ -134,9 +134,13 @@ def quant_decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int
 # Spills that are not register pressure, measured and allowed by kernels.compile_check
 # (any other spill fails it): ptxas spills 4 B on sm_80 in a few NVFP4 decode
 # specializations at 64-96 registers, where larger tiles of the same kernel (more
-# registers) spill nothing, and the same tiles on sm_90 spill nothing. (kernel, arch):
-# bytes stored per thread.
-PTXAS_SPILL_QUIRKS = {("quant_decode_split_kernel", 80): 4}
+# registers) spill nothing, and the same tiles on sm_90 spill nothing. Likewise 4 B on
+# sm_90 in the MHA write with rotary positions of their own (``ROPE_POS``, fused Q) at
+# 80 registers (fp16/bf16, tiles 16 x 2 x 32 and 4 x 4 x 128), where the 16 x 2 x 64 tile
+# of the same branch takes 108 registers and spills nothing, as do the same tiles on
+# sm_80; moving the Q mask or the angles into the branches only moved the 4 B to other
+# tiles or to sm_80 (measured with Triton 3.9). (kernel, arch): bytes stored per thread.
+PTXAS_SPILL_QUIRKS = {("quant_decode_split_kernel", 80): 4, ("append_kernel", 90): 4}
 
 
 # ---------------------------------------------------------- prefill (kernels/prefill.py)
