@@ -42,7 +42,7 @@ from .attention import make_attention
 from .model import LlamaModel, StepInput
 from .parts import EngineParts
 from .scheduler import Chunk, SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
-from .speculative import num_accepted
+from .speculative import num_accepted, stats_line
 
 __all__ = ["ENGINE_FAULTS", "Engine", "EngineStats", "StepRecord"]
 
@@ -486,6 +486,8 @@ def default_stats_lines(engine: Engine) -> list[str]:
         f"generated {s.generated_tokens} tokens in {s.steps} steps, {s.seconds:.1f} s wall, "
         f"{s.tokens_per_second:.1f} tokens/s",
     ]
+    if engine.speculative:  # only with --speculative: the stored outputs without it stay as they are
+        lines.insert(-1, stats_line(s, engine.speculative))
     off = engine.manager.secondary
     if off is not None:  # only with --offload-blocks: the stored outputs without it stay as they are
         o = off.stats

@@ -9,8 +9,8 @@ order (running sequences before new ones, oldest first, as vLLM does):
    again later from all its tokens (prompt and generated so far). With
    ``speculative > 0`` a greedy sequence also gets up to that many **drafts**
    (:func:`pagedkv_engine.speculative.propose_ngram`) after its token, as far as the
-   budget allows once every later decoding sequence has its one token and as far as
-   the pool has pages: drafts never preempt anyone;
+   budget allows once every later decoding sequence has its one token, and only if
+   the pool keeps a page for each of those: drafts never cause a preemption;
 2. a sequence whose prompt is partly computed gets its next **chunk** (chunked
    prefill), as much as the budget allows;
 3. waiting requests are **admitted** while the budget lasts: the manager reuses the
@@ -196,7 +196,7 @@ class Scheduler:
         queue = [s for s in self.running if not s.prefilling]
         while queue:
             seq = queue.pop(0)
-            verify = self._speculate(seq, budget - len(queue))
+            verify = self._speculate(seq, budget - len(queue), len(queue))
             if verify is not None:
                 out.verifies.append(verify)
                 budget -= len(verify.token_ids)
@@ -242,11 +242,12 @@ class Scheduler:
             self.manager.free_sequence(seq.seq_id)
             raise
 
-    def _speculate(self, seq: Sequence, room: int) -> Chunk | None:
+    def _speculate(self, seq: Sequence, room: int, later: int) -> Chunk | None:
         """A verify chunk for ``seq``: its last sampled token and the drafts that fit in
-        ``room`` tokens, in its remaining ``max_new_tokens`` (the model's token after the
-        drafts comes on top) and in the pool. None without speculation, for a sampling
-        sequence, without drafts, or when their pages are not free."""
+        ``room`` tokens and in its remaining ``max_new_tokens`` (the model's token after
+        the drafts comes on top), if the pool still has a page for each of the ``later``
+        decoding sequences afterwards. None without speculation, for a sampling
+        sequence, without drafts, or when the drafts' pages are needed elsewhere."""
         params = seq.params
         most = min(self.speculative, room - 1, params.max_new_tokens - seq.num_generated - 1)
         if most <= 0 or params.temperature != 0:
@@ -256,10 +257,10 @@ class Scheduler:
             return None
         pos = seq.num_computed
         ids = [seq.token_ids[pos], *drafts]
-        try:
-            slots = self.manager.append_tokens(seq.seq_id, len(ids), ids)
-        except OutOfBlocksError:
-            return None  # the plain decode may preempt; drafts never do
+        # Each later decode may need a block: drafts must not take it (nor preempt anyone).
+        if self.manager.blocks_needed(seq.seq_id, len(ids)) + later > self.manager.num_allocatable:
+            return None
+        slots = self.manager.append_tokens(seq.seq_id, len(ids), ids)
         return Chunk(seq, pos, ids, slots, False, True, num_drafts=len(drafts))
 
     def _append_or_preempt(self, seq: Sequence, queue: list[Sequence], out: Schedule) -> int | None:

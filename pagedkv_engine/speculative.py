@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["PROMPT_LOOKUP_MAX", "PROMPT_LOOKUP_MIN", "propose_ngram", "num_accepted"]
+__all__ = ["PROMPT_LOOKUP_MAX", "PROMPT_LOOKUP_MIN", "propose_ngram", "num_accepted", "stats_line"]
 
 #: The longest and shortest suffix matched (tokens); vLLM's ``prompt_lookup_max/min``.
 PROMPT_LOOKUP_MAX = 4
@@ -64,3 +64,13 @@ def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
             break
         accepted += 1
     return accepted
+
+
+def stats_line(stats, max_drafts: int) -> str:
+    """One line of an engine's speculative counters (:class:`pagedkv_engine.EngineStats`)."""
+    return (
+        f"speculative decoding (prompt lookup, up to {max_drafts} drafts per step): "
+        f"{stats.drafts_accepted} of {stats.drafts_proposed} drafts accepted ({stats.acceptance_rate:.0%}); "
+        f"{stats.forwards_per_token:.2f} forwards per generated token ({stats.sampled_chunks} sequence-forwards "
+        f"for {stats.generated_tokens} tokens)"
+    )

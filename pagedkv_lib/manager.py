@@ -24,6 +24,9 @@ findable by its hash; an :meth:`~KVCacheManager.admit` that hits it restores it 
 free primary block first. Those copies, and copy-on-write, then go through the
 ``copy_fn`` the manager is given, at once (while it plans, before the step writes
 anything), so :meth:`~KVCacheManager.pop_copies` only reports copies already made.
+
+(A little over 500 lines: one class whose operations share the invariants that
+:meth:`~KVCacheManager.check_integrity` holds them to.)
 """
 
 from __future__ import annotations
@@ -126,6 +129,11 @@ class KVCacheManager:
         return self.allocator.num_free
 
     @property
+    def num_allocatable(self) -> int:
+        """Blocks an append could get now: the free list plus cached blocks nobody uses."""
+        return self.allocator.num_free + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
+
+    @property
     def sequences(self) -> list:
         return list(self._seqs)
 
@@ -222,11 +230,8 @@ class KVCacheManager:
                 f"{self.window.max_chunk_len()}"
             )
         start, ps = seq.num_tokens, self.page_size
-        targets = [locate(self._row_of(p), ps) for p in range(start, start + n)]
-        # Plan: blocks to add at the end of the table, shared blocks to copy first.
-        new_blocks = max(-(-self._rows(start + n) // ps) - len(seq.block_table), 0)
+        targets, new_blocks, to_copy = self._plan_append(seq, n)
         filled = self._rows(start)
-        to_copy = sorted({j for j, _ in targets if j < len(seq.block_table) and self._needs_copy(seq.block_table[j])})
         fresh = self._reserve(new_blocks + len(to_copy))
         for j in to_copy:
             src, dst = seq.block_table[j], fresh.pop()
@@ -244,6 +249,22 @@ class KVCacheManager:
         elif n:
             seq.tracked = False
         return [slot_of(seq.block_table[j], off, ps) for j, off in targets]
+
+    def _plan_append(self, seq: _Sequence, n: int) -> tuple[list[tuple[int, int]], int, list[int]]:
+        """``(targets, new_blocks, to_copy)`` of appending ``n`` tokens to ``seq``: the
+        (logical block, row) of each new token, the blocks to add at the end of the
+        table, and the shared blocks to copy first (logical indices)."""
+        start, ps = seq.num_tokens, self.page_size
+        targets = [locate(self._row_of(p), ps) for p in range(start, start + n)]
+        new_blocks = max(-(-self._rows(start + n) // ps) - len(seq.block_table), 0)
+        to_copy = sorted({j for j, _ in targets if j < len(seq.block_table) and self._needs_copy(seq.block_table[j])})
+        return targets, new_blocks, to_copy
+
+    def blocks_needed(self, seq_id, n: int) -> int:
+        """Blocks :meth:`append_tokens` ``(seq_id, n)`` would take now: new blocks at the end
+        of the table plus copies of shared blocks (compare with :attr:`num_allocatable`)."""
+        _, new_blocks, to_copy = self._plan_append(self._get(seq_id), n)
+        return new_blocks + len(to_copy)
 
     def commit(self, seq_id, num_tokens: int | None = None) -> None:
         """Declare the K/V of the sequence's first ``num_tokens`` tokens (default: every

@@ -163,3 +163,17 @@ def test_rollback_refuses_bad_counts_and_ring_windows_before_changing_anything()
     assert ring.seq_len("r") == 3
     m.check_integrity()
     ring.check_integrity()
+
+
+def test_blocks_needed_counts_new_and_copied_blocks_without_changing_anything():
+    # A speculative step asks first whether its drafts fit beside the other decodes.
+    m = KVCacheManager(8, 4, prefix_cache=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6])  # pages 0 (full), 1 (2 rows)
+    m.commit("a")
+    assert m.num_allocatable == 6 and m.blocks_needed("a", 2) == 0 and m.blocks_needed("a", 3) == 1
+    m.fork("a", "b")  # page 1 is shared now: b's first write copies it
+    assert m.blocks_needed("b", 1) == 1 and m.blocks_needed("b", 6) == 2
+    m.free_sequence("b")
+    m.free_sequence("a")  # page 0 stays cached, evictable: still allocatable
+    assert m.num_free == 7 and m.num_allocatable == 8
+    m.check_integrity()
