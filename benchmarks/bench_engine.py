@@ -1,7 +1,7 @@
 """Tokens per second of pagedkv_engine against transformers' generate, same prompts, same run.
 
     python benchmarks/bench_engine.py --out benchmarks/results [--attention torch|triton|reference]
-        [--tokens 32] [--threads 1] [--repeats 3] [--profile 15]
+        [--tokens 32] [--threads 1] [--repeats 3] [--profile 15] [--speculative 4]
 
 The prompts are those of the standard batch (:func:`pagedkv_engine.check.standard_batch`,
 seven requests, one with two samples: eight sequences). One process, one torch thread
@@ -22,6 +22,11 @@ count, these rows:
   ``--repeats`` times each (engine, transformers, engine, ...; after one untimed
   engine run), and the table gives the medians and the median of the per-turn
   ratios, so a busy machine slows both;
+* ``engine, repetitive`` and ``engine, repetitive, speculative N`` (``--speculative``,
+  default 4; 0 leaves them out): the two prompts of
+  :func:`pagedkv_engine.check.repetitive_batch`, which the model copies, served
+  without and with prompt-lookup drafts (default pool), checked against transformers;
+  the second row adds the drafts' acceptance rate and forwards per generated token;
 * ``transformers, one prompt at a time``: ``generate(do_sample=False)`` per sequence
   (the second sample of the fork: prompt plus its forced first token), as the oracle
   runs it (its time from the checks above).
@@ -84,6 +89,21 @@ def checked_row(engine, wall, loaded, references) -> dict:
         max_logit_diff=report.max_diff,
     )
     return row, report
+
+
+def speculative_rows(loaded, attention, tokens: int, drafts: int, references: dict) -> dict:
+    """The rows ``engine, repetitive`` (no drafts) and ``engine, repetitive, speculative
+    <drafts>``: the repetitive batch, ``tokens`` new tokens each, checked."""
+    rows = {}
+    for n in (0, drafts):
+        arrivals = oracle.repetitive_batch(loaded.tokenizer, tokens)
+        engine, wall = run_engine(loaded, attention, arrivals, speculative=n)
+        name = "engine, repetitive" + (f", speculative {n}" if n else "")
+        rows[name], _ = checked_row(engine, wall, loaded, references)
+        if n:
+            s = engine.stats
+            rows[name].update(acceptance_rate=s.acceptance_rate, forwards_per_token=s.forwards_per_token)
+    return rows
 
 
 def same_work_prompts(standard: dict) -> list[list[int]]:
@@ -251,6 +271,9 @@ def table_lines(rows: dict) -> list[str]:
     for name, row in rows.items():
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
         extra = f"  ({row['check']}, {row['preemptions']} preemptions)" if "check" in row else ""
+        if "forwards_per_token" in row:
+            rate, per_token = row["acceptance_rate"], row["forwards_per_token"]
+            extra = extra[:-1] + f", {rate:.0%} of drafts accepted, {per_token:.2f} forwards per token)"
         if "rates" in row:
             extra = f"  (median of {len(row['rates'])}: " + ", ".join(f"{r:.1f}" for r in row["rates"]) + ")"
         rate = f"{row['tokens']:4d} tokens in {row['seconds']:6.1f} s wall = {row['tokens_per_s']:5.1f} tokens/s"
@@ -281,6 +304,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="turns of engine vs batched generate (default 3)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N of an engine run")
+    p.add_argument("--speculative", type=int, default=4, metavar="N", help="drafts per step of the repetitive rows")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_start = time.perf_counter()
@@ -310,6 +334,8 @@ def main() -> None:
     rows["transformers, batched"] = turns["transformers, batched"]
     # The oracle ran generate for every sequence during the first check (the second reused it).
     rows["transformers, one prompt at a time"] = dict(tokens=report.hf_tokens, seconds=report.hf_seconds)
+    if args.speculative:
+        rows |= speculative_rows(loaded, args.attention, args.tokens, args.speculative, references)
     print("\n".join(table_lines(rows)))
     ratio, limit = turns["ratio"], turns["limit"]
     print(

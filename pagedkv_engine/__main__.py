@@ -4,11 +4,14 @@
     python -m pagedkv_engine --prompt "..." --attention triton --check
     python -m pagedkv_engine --standard-batch --check       # the batch the tests check
     python -m pagedkv_engine --standard-batch --check --fault decode_rope_off_by_one  # exits 1
+    python -m pagedkv_engine --standard-batch --speculative 4 --check   # prompt-lookup drafts
+    python -m pagedkv_engine --repetitive --speculative 4 --check       # drafts accepted often
     python -m pagedkv_engine --clear-cache
 
 Prompts go through the model's chat template (``--raw`` sends them as they are).
 Prints each answer, then pages used, prefix hits, page copies, preemptions and
-tokens per second. ``--check`` compares every generated token and its logits with
+tokens per second (with ``--speculative``: drafts proposed and accepted, forwards per
+generated token). ``--check`` compares every generated token and its logits with
 transformers' ``generate`` on the same weights and exits with status 1 on any
 mismatch. Converted weights are cached on disk (see ``--help``).
 """
@@ -39,6 +42,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -65,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--standard-batch",
         action="store_true",
         help="serve the checked batch: 7 requests, shared system prompt, chunked prefill, a fork, preemption",
+    )
+    p.add_argument(
+        "--repetitive",
+        action="store_true",
+        help="serve the repetitive batch: 2 requests that copy their prompt (speculative decoding's best case)",
     )
     p.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N")
     p.add_argument("--n", type=_positive, default=1, metavar="N", help="samples per prompt (forked)")
@@ -94,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="secondary pool of N blocks: evicted cached pages are offloaded there and restored on a hit (default 0)",
     )
+    p.add_argument(
+        "--speculative",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="speculative decoding: up to N prompt-lookup drafts per step, verified in one forward (greedy only)",
+    )
     p.add_argument("--check", action="store_true", help="compare with transformers; exit 1 on any mismatch")
     p.add_argument(
         "--fault",
@@ -112,7 +137,14 @@ def _requests(args, parser, tokenizer) -> tuple[dict[int, list], dict]:
     """``(arrivals, engine settings)`` for the command line's prompts or the standard batch."""
     from . import check
 
-    if args.standard_batch:
+    if args.standard_batch and args.repetitive:
+        parser.error("give --standard-batch or --repetitive, not both")
+    if args.repetitive:
+        if args.prompt or args.n != 1 or args.temperature or args.raw or args.system:
+            parser.error("--repetitive brings its own prompts: drop --prompt/--system/--raw/--n/--temperature")
+        arrivals = check.repetitive_batch(tokenizer, args.max_new_tokens)
+        settings = dict(DEFAULTS)
+    elif args.standard_batch:
         if args.prompt or args.n != 1 or args.temperature or args.raw or args.system:
             parser.error("--standard-batch brings its own prompts: drop --prompt/--system/--raw/--n/--temperature")
         arrivals = check.standard_batch(tokenizer, args.max_new_tokens)
@@ -161,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         removed = weights.clear_cache()
         print(f"removed {len(removed)} cached model(s) under {weights.cache_root()}" if removed else "nothing cached")
         return 0
-    if not args.prompt and not args.standard_batch:
-        parser.error("give at least one --prompt (or --standard-batch)")
+    if not args.prompt and not args.standard_batch and not args.repetitive:
+        parser.error("give at least one --prompt (or --standard-batch, --repetitive)")
     if args.check and args.temperature:
         parser.error("--check compares greedy generation: drop --temperature")
+    if args.speculative and args.temperature:
+        parser.error("--speculative verifies drafts against greedy tokens: drop --temperature")
     page_size = args.page_size or DEFAULTS["page_size"]
     num_pages = args.num_pages or DEFAULTS["num_pages"]
     if num_pages * page_size <= args.max_new_tokens:
@@ -191,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=min(16, settings["max_batched_tokens"]),
         record_logits=args.check,
         offload_blocks=args.offload_blocks,
+        speculative=args.speculative,
         faults=args.fault,
     )
     engine.run(arrivals, progress=not args.no_progress)

@@ -48,6 +48,8 @@ __all__ = [
     "check_engine",
     "SYSTEM_PROMPT",
     "standard_batch",
+    "REPETITIVE_REQUESTS",
+    "repetitive_batch",
     "chat_ids",
 ]
 
@@ -294,6 +296,35 @@ STANDARD_REQUESTS = (
     (7, "Write a haiku about memory.", None, 1),
     (9, "Count from one to five.", None, 1),
 )
+
+
+#: (arrival step, user message) of the repetitive batch: answers that copy their prompt,
+#: where prompt lookup's drafts are accepted often (speculative decoding's best case).
+REPETITIVE_REQUESTS = (
+    (
+        0,
+        "Copy this text exactly: A paged cache splits memory into pages of sixteen tokens. Each request gets a "
+        "table of its pages. Freed pages go back to a shared pool, so no memory is reserved for tokens that never "
+        "come.",
+    ),
+    (
+        0,
+        "Repeat exactly: one page, two pages, three pages, four pages, five pages, six pages, seven pages, "
+        "eight pages.",
+    ),
+)
+
+
+def repetitive_batch(tokenizer, max_new_tokens: int) -> dict[int, list[tuple[list[int], SamplingParams]]]:
+    """The :data:`REPETITIVE_REQUESTS` as ``Engine.run`` arrivals (greedy, ``max_new_tokens``
+    each): SmolLM2-135M-Instruct copies both texts, so with ``speculative=4`` nearly every
+    draft is accepted (measured, 32 new tokens each: 46 of 47 drafts, 0.27 forwards per
+    generated token)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    arrivals: dict[int, list] = {}
+    for step, user in REPETITIVE_REQUESTS:
+        arrivals.setdefault(step, []).append((chat_ids(tokenizer, user), params))
+    return arrivals
 
 
 def chat_ids(tokenizer, user: str, system: str | None = None) -> list[int]:

@@ -12,8 +12,13 @@ Each :meth:`Engine.step`:
    anything is written;
 3. the model runs the step's tokens; each layer writes its K/V into its pool, then
    attends (:mod:`pagedkv_engine.model`);
-4. :meth:`Engine._mark_written`: the written tokens become shareable;
-5. sampling; forks for ``n > 1``; finished sequences free their pages.
+4. speculative decoding (``speculative > 0``, :mod:`pagedkv_engine.speculative`): a
+   verify chunk's drafts are checked against the model's greedy tokens, and the
+   rejected ones are rolled back (:meth:`KVCacheManager.rollback`): their slots are
+   released before anything commits, reads or shares them;
+5. :meth:`Engine._mark_written`: the written (and accepted) tokens become shareable;
+6. sampling; forks for ``n > 1``; finished sequences free their pages. With
+   speculation the manager's :meth:`~KVCacheManager.check_integrity` runs after every step.
 
 Everything the notebook and the tests look at afterwards is recorded: per-step block
 tables (:attr:`Engine.history`), counters (:attr:`Engine.stats`), and per generated
@@ -23,7 +28,7 @@ token the step it came from and, with ``record_logits=True``, its logits.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,7 +41,8 @@ from pagedkv_lib.indexing import check_page_size
 from .attention import make_attention
 from .model import LlamaModel, StepInput
 from .parts import EngineParts
-from .scheduler import SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
+from .scheduler import Chunk, SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
+from .speculative import num_accepted, stats_line
 
 __all__ = ["ENGINE_FAULTS", "Engine", "EngineStats", "StepRecord"]
 
@@ -46,7 +52,9 @@ class StepRecord:
     """What one step did: the live sequences' block tables (after scheduling), ``lens``
     (tokens each table spans: a prompt's pages are reserved at admission) and
     ``computed`` (tokens with K/V in the pool once the step ran), tokens by kind, page
-    copies, admissions with their prefix-cache hits (tokens) and preemptions."""
+    copies, admissions with their prefix-cache hits (tokens) and preemptions.
+    ``num_decode_tokens`` counts every decode-side token, drafts included;
+    ``drafts`` maps each verified sequence to ``(proposed, accepted)`` drafts."""
 
     step: int
     tables: dict[str, list[int]]
@@ -57,6 +65,7 @@ class StepRecord:
     copies: list[tuple[int, int, int]]
     admitted: dict[str, int]
     preempted: list[str]
+    drafts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,10 +82,24 @@ class EngineStats:
     preemptions: int = 0
     peak_pages: int = 0
     seconds: float = 0.0
+    drafts_proposed: int = 0  # speculative decoding
+    drafts_accepted: int = 0
+    sampled_chunks: int = 0  # (sequence, forward) pairs that produced tokens
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed drafts (0 without drafts)."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    @property
+    def forwards_per_token(self) -> float:
+        """Forwards a sequence took per token it generated, over all sequences: 1 for
+        plain decoding (a fork's first tokens share one), below 1 with accepted drafts."""
+        return self.sampled_chunks / self.generated_tokens if self.generated_tokens else 0.0
 
 
 class Engine:
@@ -97,6 +120,9 @@ class Engine:
             a cached page evicted from the pool is copied there and restored on a hit
             (:mod:`pagedkv_lib.offload`); counters in ``manager.secondary.stats``.
         record_logits: keep every generated token's logits (``[vocab]`` fp32 each).
+        speculative: drafts per step and greedy sequence, proposed by prompt lookup
+            (:mod:`pagedkv_engine.speculative`) and verified in the step's one forward;
+            0 (default) decodes one token per step.
         eos_token_id: ends a sequence (default: the model's generation config).
         parts: the engine's replaceable parts (:class:`~pagedkv_engine.parts.EngineParts`:
             position builder, manager, attention wrapper); the correct ones by default.
@@ -118,6 +144,7 @@ class Engine:
         prefix_cache: bool = True,
         offload_blocks: int = 0,
         record_logits: bool = False,
+        speculative: int = 0,
         eos_token_id: int | None = None,
         parts: EngineParts | None = None,
         faults=(),
@@ -130,6 +157,8 @@ class Engine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Engine: {name}={value!r} must be a positive int")
+        if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
+            raise ValueError(f"Engine: speculative={speculative!r} must be an int >= 0 (drafts per step)")
         if max_num_seqs > max_num_batched_tokens:
             raise ValueError(
                 f"Engine: max_num_seqs={max_num_seqs} > max_num_batched_tokens={max_num_batched_tokens}: "
@@ -169,7 +198,8 @@ class Engine:
             secondary_blocks=offload_blocks,
             block_bytes=self.kv[:, 0].nbytes,
         )
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs)
+        self.speculative = speculative
+        self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs, speculative)
         self.record_logits = record_logits
         gen_eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos_token_id if eos_token_id is not None else (gen_eos or cfg.eos_token_id)
@@ -232,21 +262,51 @@ class Engine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         copies = self.manager.pop_copies()  # made already, through _copy, while planning
-        if plan.chunks:
-            step_input = self._prepare(plan)
-            logits = self.model.forward(step_input, [pool.cache for pool in self.pools])
-        for chunk in plan.chunks:
-            self.scheduler.advance(chunk)
+        rows = self._forward(plan)
+        accepted = [self._verify(c, r) if c.num_drafts else 0 for c, r in zip(plan.chunks, rows)]
+        for chunk, n in zip(plan.chunks, accepted):
+            self.scheduler.advance(chunk, rejected=chunk.num_drafts - n)
             self._mark_written(chunk.seq)
         self._record(plan, copies)
-        if plan.chunks:
-            sampled = [c for c in plan.chunks if c.wants_logits]
-            for chunk, row in zip(sampled, logits):
-                self._sample(chunk.seq, row)
+        for chunk, chunk_rows, n in zip(plan.chunks, rows, accepted):
+            if chunk.num_drafts:
+                self._emit(chunk.seq, chunk_rows[: n + 1])
+            elif chunk.wants_logits:
+                self._sample(chunk.seq, chunk_rows[0])
+        if self.speculative:
+            self.manager.check_integrity()
         self._step += 1
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - start
         return plan
+
+    def _forward(self, plan: Schedule) -> list[torch.Tensor]:
+        """Run the step's tokens; return each chunk's logits rows (``[num_logits, vocab]``
+        fp32 on the CPU, empty for a chunk that is not sampled), in chunk order."""
+        if not plan.chunks:
+            return []
+        logits = self.model.forward(self._prepare(plan), [pool.cache for pool in self.pools])
+        return list(logits.float().cpu().split([c.num_logits for c in plan.chunks]))
+
+    def _verify(self, chunk: Chunk, rows: torch.Tensor) -> int:
+        """Accept the leading drafts of ``chunk`` that equal the model's greedy tokens
+        (``rows`` are the logits after its last sampled token and after each draft) and
+        roll the others back; return how many were accepted. The table then spans exactly
+        the accepted tokens, before anything is committed."""
+        accepted = num_accepted(chunk.token_ids[1:], rows.argmax(dim=-1).tolist())
+        self.manager.rollback(chunk.seq.seq_id, chunk.num_drafts - accepted)
+        self.stats.drafts_proposed += chunk.num_drafts
+        self.stats.drafts_accepted += accepted
+        return accepted
+
+    def _emit(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """Append a verified chunk's tokens: its accepted drafts, then the model's token
+        after them (each the greedy pick of its row), until the sequence finishes."""
+        self.stats.sampled_chunks += 1
+        for row in rows:
+            self._append_token(seq, int(torch.argmax(row)), row)
+            if seq.status is Status.FINISHED:
+                return
 
     def _copy(self, kind: str, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
         """The manager's copy function (:data:`pagedkv_lib.offload.COPY_KINDS`): the
@@ -272,10 +332,10 @@ class Engine:
             ids += chunk.token_ids
             positions += self.parts.positions(chunk)
             slots += chunk.slots
-            if chunk.wants_logits:
-                logit_rows.append(len(ids) - 1)
+            logit_rows += range(len(ids) - chunk.num_logits, len(ids))
+        ragged = plan.prefills + plan.verifies  # several queries per sequence: the prefill path
         qo = [0]
-        for chunk in plan.prefills:
+        for chunk in ragged:
             qo.append(qo[-1] + len(chunk.token_ids))
 
         def tables(chunks):
@@ -293,8 +353,8 @@ class Engine:
             slot_mapping=long(slots),
             num_prefill_tokens=qo[-1],
             qo_indptr=long(qo),
-            prefill_block_tables=tables(plan.prefills),
-            prefill_seq_lens=lens(plan.prefills),
+            prefill_block_tables=tables(ragged),
+            prefill_seq_lens=lens(ragged),
             decode_block_tables=tables(plan.decodes),
             decode_seq_lens=lens(plan.decodes),
             logit_rows=long(logit_rows),
@@ -308,10 +368,11 @@ class Engine:
             lens={s: self.manager.seq_len(s) for s in live},
             computed={s: self.sequences[s].num_computed for s in live},
             num_prefill_tokens=sum(len(c.token_ids) for c in plan.prefills),
-            num_decode_tokens=len(plan.decodes),
+            num_decode_tokens=sum(len(c.token_ids) for c in plan.verifies + plan.decodes),
             copies=list(copies),
             admitted=dict(plan.admitted),
             preempted=list(plan.preempted),
+            drafts={c.seq.seq_id: (c.num_drafts, c.seq.num_computed - c.start - 1) for c in plan.verifies},
         )
         self.history.append(record)
         s = self.stats
@@ -325,9 +386,9 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> None:
         params = seq.params
-        row = logits.float().cpu()
+        self.stats.sampled_chunks += 1
         if params.n > 1 and seq.num_generated == 0:  # only the parent has generated nothing
             self._fork(seq, row)
             return
@@ -425,6 +486,8 @@ def default_stats_lines(engine: Engine) -> list[str]:
         f"generated {s.generated_tokens} tokens in {s.steps} steps, {s.seconds:.1f} s wall, "
         f"{s.tokens_per_second:.1f} tokens/s",
     ]
+    if engine.speculative:  # only with --speculative: the stored outputs without it stay as they are
+        lines.insert(-1, stats_line(s, engine.speculative))
     off = engine.manager.secondary
     if off is not None:  # only with --offload-blocks: the stored outputs without it stay as they are
         o = off.stats

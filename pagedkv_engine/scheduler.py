@@ -6,7 +6,11 @@ order (running sequences before new ones, oldest first, as vLLM does):
 1. every decoding sequence gets one token (its last sampled one); when the pool has
    no page left for it, the newest decoding sequence is **preempted by recompute**:
    its pages are freed and it goes back to the front of the queue, to be prefilled
-   again later from all its tokens (prompt and generated so far);
+   again later from all its tokens (prompt and generated so far). With
+   ``speculative > 0`` a greedy sequence also gets up to that many **drafts**
+   (:func:`pagedkv_engine.speculative.propose_ngram`) after its token, as far as the
+   budget allows once every later decoding sequence has its one token, and only if
+   the pool keeps a page for each of those: drafts never cause a preemption;
 2. a sequence whose prompt is partly computed gets its next **chunk** (chunked
    prefill), as much as the budget allows;
 3. waiting requests are **admitted** while the budget lasts: the manager reuses the
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pagedkv_lib import KVCacheManager, OutOfBlocksError
+
+from .speculative import propose_ngram
 
 __all__ = ["SamplingParams", "Status", "Sequence", "Chunk", "Scheduler", "pages_needed"]
 
@@ -115,7 +121,9 @@ class Sequence:
 class Chunk:
     """Tokens of one sequence in one step: ``token_ids`` at positions ``start ..`` written
     to ``slots``. ``is_prefill``: part of a prompt (or of a recompute); ``wants_logits``:
-    the chunk ends the sequence's uncomputed tokens, so its last row is sampled."""
+    the chunk ends the sequence's uncomputed tokens, so its last row is sampled.
+    ``num_drafts``: a decode chunk's last sampled token is followed by that many draft
+    tokens (speculative decoding); its last ``1 + num_drafts`` rows are sampled."""
 
     seq: Sequence
     start: int
@@ -123,20 +131,30 @@ class Chunk:
     slots: list[int]
     is_prefill: bool
     wants_logits: bool
+    num_drafts: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of this chunk whose next-token logits are wanted."""
+        return 1 + self.num_drafts if self.wants_logits else 0
 
 
 @dataclass
 class Schedule:
-    """One step's work: prefill chunks, decode chunks, and what happened on the way."""
+    """One step's work: prefill chunks, verify chunks (a decode with drafts: several
+    causal queries, attended like a prefill chunk), decode chunks (one query each), and
+    what happened on the way."""
 
     prefills: list[Chunk] = field(default_factory=list)
     decodes: list[Chunk] = field(default_factory=list)
+    verifies: list[Chunk] = field(default_factory=list)
     admitted: dict[str, int] = field(default_factory=dict)  # seq_id -> tokens served by the prefix cache
     preempted: list[str] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[Chunk]:
-        return self.prefills + self.decodes
+        """Every chunk, in the order of the step's rows: prefills, verifies, decodes."""
+        return self.prefills + self.verifies + self.decodes
 
     @property
     def num_tokens(self) -> int:
@@ -146,7 +164,9 @@ class Schedule:
 class Scheduler:
     """Waiting queue, running list and the step policy described in the module docstring."""
 
-    def __init__(self, manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, speculative: int = 0
+    ) -> None:
         if max_num_seqs > max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs={max_num_seqs} > max_num_batched_tokens={max_num_batched_tokens}: "
@@ -155,6 +175,7 @@ class Scheduler:
         self.manager = manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.speculative = speculative
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -175,6 +196,11 @@ class Scheduler:
         queue = [s for s in self.running if not s.prefilling]
         while queue:
             seq = queue.pop(0)
+            verify = self._speculate(seq, budget - len(queue), len(queue))
+            if verify is not None:
+                out.verifies.append(verify)
+                budget -= len(verify.token_ids)
+                continue
             slot = self._append_or_preempt(seq, queue, out)
             if slot is not None:
                 pos = seq.num_computed
@@ -216,6 +242,27 @@ class Scheduler:
             self.manager.free_sequence(seq.seq_id)
             raise
 
+    def _speculate(self, seq: Sequence, room: int, later: int) -> Chunk | None:
+        """A verify chunk for ``seq``: its last sampled token and the drafts that fit in
+        ``room`` tokens and in its remaining ``max_new_tokens`` (the model's token after
+        the drafts comes on top), if the pool still has a page for each of the ``later``
+        decoding sequences afterwards. None without speculation, for a sampling
+        sequence, without drafts, or when the drafts' pages are needed elsewhere."""
+        params = seq.params
+        most = min(self.speculative, room - 1, params.max_new_tokens - seq.num_generated - 1)
+        if most <= 0 or params.temperature != 0:
+            return None
+        drafts = propose_ngram(seq.token_ids, most)
+        if not drafts:
+            return None
+        pos = seq.num_computed
+        ids = [seq.token_ids[pos], *drafts]
+        # Each later decode may need a block: drafts must not take it (nor preempt anyone).
+        if self.manager.blocks_needed(seq.seq_id, len(ids)) + later > self.manager.num_allocatable:
+            return None
+        slots = self.manager.append_tokens(seq.seq_id, len(ids), ids)
+        return Chunk(seq, pos, ids, slots, False, True, num_drafts=len(drafts))
+
     def _append_or_preempt(self, seq: Sequence, queue: list[Sequence], out: Schedule) -> int | None:
         """A slot for ``seq``'s next token, preempting the newest decoding sequences not yet
         scheduled (``queue``'s tail) until one is free; None if ``seq`` itself had to go."""
@@ -243,10 +290,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the step
 
-    def advance(self, chunk: Chunk) -> None:
-        """The chunk's K/V are in the pool: move ``num_computed`` past it."""
+    def advance(self, chunk: Chunk, rejected: int = 0) -> None:
+        """The chunk's K/V are in the pool, all but its last ``rejected`` drafts (rolled
+        back): move ``num_computed`` past the rest."""
         seq = chunk.seq
-        seq.num_computed = chunk.start + len(chunk.token_ids)
+        seq.num_computed = chunk.start + len(chunk.token_ids) - rejected
         if chunk.is_prefill and not seq.pending_slots:
             seq.prefilling = False
 

@@ -24,6 +24,9 @@ findable by its hash; an :meth:`~KVCacheManager.admit` that hits it restores it 
 free primary block first. Those copies, and copy-on-write, then go through the
 ``copy_fn`` the manager is given, at once (while it plans, before the step writes
 anything), so :meth:`~KVCacheManager.pop_copies` only reports copies already made.
+
+(A little over 500 lines: one class whose operations share the invariants that
+:meth:`~KVCacheManager.check_integrity` holds them to.)
 """
 
 from __future__ import annotations
@@ -126,6 +129,11 @@ class KVCacheManager:
         return self.allocator.num_free
 
     @property
+    def num_allocatable(self) -> int:
+        """Blocks an append could get now: the free list plus cached blocks nobody uses."""
+        return self.allocator.num_free + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
+
+    @property
     def sequences(self) -> list:
         return list(self._seqs)
 
@@ -222,11 +230,8 @@ class KVCacheManager:
                 f"{self.window.max_chunk_len()}"
             )
         start, ps = seq.num_tokens, self.page_size
-        targets = [locate(self._row_of(p), ps) for p in range(start, start + n)]
-        # Plan: blocks to add at the end of the table, shared blocks to copy first.
-        new_blocks = max(-(-self._rows(start + n) // ps) - len(seq.block_table), 0)
+        targets, new_blocks, to_copy = self._plan_append(seq, n)
         filled = self._rows(start)
-        to_copy = sorted({j for j, _ in targets if j < len(seq.block_table) and self._needs_copy(seq.block_table[j])})
         fresh = self._reserve(new_blocks + len(to_copy))
         for j in to_copy:
             src, dst = seq.block_table[j], fresh.pop()
@@ -244,6 +249,22 @@ class KVCacheManager:
         elif n:
             seq.tracked = False
         return [slot_of(seq.block_table[j], off, ps) for j, off in targets]
+
+    def _plan_append(self, seq: _Sequence, n: int) -> tuple[list[tuple[int, int]], int, list[int]]:
+        """``(targets, new_blocks, to_copy)`` of appending ``n`` tokens to ``seq``: the
+        (logical block, row) of each new token, the blocks to add at the end of the
+        table, and the shared blocks to copy first (logical indices)."""
+        start, ps = seq.num_tokens, self.page_size
+        targets = [locate(self._row_of(p), ps) for p in range(start, start + n)]
+        new_blocks = max(-(-self._rows(start + n) // ps) - len(seq.block_table), 0)
+        to_copy = sorted({j for j, _ in targets if j < len(seq.block_table) and self._needs_copy(seq.block_table[j])})
+        return targets, new_blocks, to_copy
+
+    def blocks_needed(self, seq_id, n: int) -> int:
+        """Blocks :meth:`append_tokens` ``(seq_id, n)`` would take now: new blocks at the end
+        of the table plus copies of shared blocks (compare with :attr:`num_allocatable`)."""
+        _, new_blocks, to_copy = self._plan_append(self._get(seq_id), n)
+        return new_blocks + len(to_copy)
 
     def commit(self, seq_id, num_tokens: int | None = None) -> None:
         """Declare the K/V of the sequence's first ``num_tokens`` tokens (default: every
@@ -388,6 +409,48 @@ class KVCacheManager:
             block_hashes=list(parent.block_hashes),
         )
 
+    def rollback(self, seq_id, num_tokens: int) -> list[int]:
+        """Drop the sequence's last ``num_tokens`` tokens, as if they had never been
+        appended; return the pages released (emptied tail pages, in table order).
+
+        Speculative decoding's rejected drafts: their slots were handed out by
+        :meth:`append_tokens` and written by the step's forward, but they are not the
+        sequence's. Afterwards the table spans exactly the remaining tokens (a page left
+        with no token is released: freed, or back to the prefix cache's evictable
+        blocks if cached), the ids and the hash chain end at the remaining tokens, and
+        the next :meth:`append_tokens` hands the first rejected slot out again, so the
+        next write overwrites the stale K/V before anyone reads it. Only uncommitted
+        tokens roll back: a committed block may already be shared through the prefix
+        cache, which must never name a block holding a rejected token (so commit only
+        the accepted ones, after the rollback).
+
+        Raises KeyError for an unknown ``seq_id``; ValueError, before anything changes,
+        if ``num_tokens`` is not an int in ``[0, seq_len - committed_len]``, or with a
+        ring window (the drafts overwrote ring slots whose earlier K/V is gone).
+        """
+        seq = self._get(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
+        if self.window is not None and num_tokens:
+            raise ValueError("rollback() is impossible with a ring window: the dropped tokens overwrote ring slots")
+        uncommitted = seq.num_tokens - seq.num_committed
+        if num_tokens > uncommitted:
+            raise ValueError(
+                f"num_tokens={num_tokens} > {uncommitted}, the uncommitted tokens of {seq_id!r} "
+                f"({seq.num_tokens} tokens, {seq.num_committed} committed): committed K/V may be shared already"
+            )
+        seq.num_tokens -= num_tokens
+        keep = -(-seq.num_tokens // self.page_size)
+        released = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        for block in reversed(released):
+            if self.allocator.decref(block) == 1 and self.prefix_cache is not None and block in self.prefix_cache:
+                self.prefix_cache.mark_evictable(block)
+        if len(seq.token_ids) >= seq.num_tokens:  # the tail without ids (if any) is gone
+            del seq.token_ids[seq.num_tokens :]
+            seq.tracked = True
+        return released
+
     def free_sequence(self, seq_id) -> None:
         """Drop a sequence: every page loses one reference; pages nobody holds are freed,
         cached pages nobody uses become evictable (tail blocks evicted first)."""
@@ -409,8 +472,9 @@ class KVCacheManager:
         * every table spans exactly the pages its length needs;
         * committed <= tokens; the ids cover the tracked prefix (all tokens while tracked);
           the hash chain covers exactly the committed full blocks that have ids;
-        * a cached page is a full block in every table naming it (so no append writes
-          into it), holds that table's ids for the block, and sits under its chain hash;
+        * a cached page is a full, committed block in every table naming it (so no
+          append writes into it and no rolled-back token is in it), holds that table's
+          ids for the block, and sits under its chain hash;
         * with a secondary pool: its own invariants
           (:meth:`~pagedkv_lib.offload.SecondaryPool.check_integrity`), and no hash in
           both levels.
@@ -439,6 +503,9 @@ class KVCacheManager:
                     continue
                 h, tokens = cache._entry_of[block]
                 assert (j + 1) * ps <= seq.num_tokens, f"cached page {block} is the partial block {j} of {seq_id!r}"
+                # Only written, accepted tokens may be shared: never a draft that may be rolled back.
+                uncommitted = f"cached page {block} is the uncommitted block {j} of {seq_id!r}"
+                assert (j + 1) * ps <= seq.num_committed, uncommitted
                 assert tokens == tuple(seq.token_ids[j * ps : (j + 1) * ps]), f"cached page {block}: other ids"
                 assert j >= len(seq.block_hashes) or h == seq.block_hashes[j], f"cached page {block}: other hash"
         cached = set(cache._entry_of) if cache else set()

@@ -8,8 +8,11 @@ Everything shares one model load and one set of transformers references.
 
 CI cost (2 cores): the torch path generates 16 tokens per sequence; the Triton path,
 in the interpreter, 3 (each decoded token costs about 0.9 s of interpreted decode
-kernel over 30 layers). The GGUF conversion check is marked ``slow`` and not run by
-``make test`` (``pytest -m slow tests/test_engine.py`` runs it).
+kernel over 30 layers). Speculative decoding (``speculative=4``) serves the standard
+batch on the torch path and the two-request repetitive batch
+(:func:`pagedkv_engine.check.repetitive_batch`, 12 tokens, about 20 s) on the Triton
+one. The GGUF conversion check is marked ``slow`` and not run by ``make test``
+(``pytest -m slow tests/test_engine.py`` runs it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pagedkv_engine.memory import compare_caches, paged_waste_bound, summary_row
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_TOKENS, TRITON_TOKENS, FAULT_TOKENS = 16, 3, 4
+TRITON_SPEC_TOKENS = 12  # the repetitive batch: 2 requests, a few verify steps
 FORK_PROMPT_LEN = 40  # "Tell me a very short story about a cat." in the chat template
 
 try:
@@ -60,9 +64,10 @@ def references():
     return {}
 
 
-def serve(loaded, attention: str, tokens: int, faults=()):
-    engine = Engine(loaded.model, attention, record_logits=True, faults=faults, **oracle.standard_engine_args(tokens))
-    engine.run(oracle.standard_batch(loaded.tokenizer, tokens))
+def serve(loaded, attention: str, tokens: int, faults=(), speculative=0, batch=oracle.standard_batch):
+    settings = oracle.standard_engine_args(tokens) if batch is oracle.standard_batch else {}
+    engine = Engine(loaded.model, attention, record_logits=True, faults=faults, speculative=speculative, **settings)
+    engine.run(batch(loaded.tokenizer, tokens))
     return engine
 
 
@@ -158,6 +163,54 @@ def test_planted_bug_fails_the_check_naming_request_step_and_token(loaded, refer
     assert "engine token" in lines[-1] and "transformers" in lines[-1]
 
 
+# --------------------------------------------------------------------------- speculative decoding
+
+
+def test_standard_batch_with_prompt_lookup_drafts_is_token_identical_to_transformers(loaded, references):
+    # Up to 4 drafts per step: some accepted, some rolled back, on top of the batch's
+    # chunks, prefix hits, fork and preemptions; check_integrity ran after every step.
+    engine = serve(loaded, "torch", TORCH_TOKENS, speculative=4)
+    report = oracle.check_engine(engine, loaded.model, references=references)
+    s = engine.stats
+    print("\n".join(report.lines()), f"\n{s.drafts_accepted}/{s.drafts_proposed} drafts, {s.forwards_per_token:.3f}")
+    assert_standard_batch_was_served_in_full(engine, report, TORCH_TOKENS)
+    runs = [pa for r in engine.history for pa in r.drafts.values()]
+    assert any(a < p for p, a in runs) and any(a > 0 for p, a in runs)
+    assert 0.1 < s.acceptance_rate < 0.6 and s.forwards_per_token < 0.97  # measured: 7 of 23, 0.938
+
+
+def test_prompts_that_are_copied_accept_nearly_every_draft(loaded, references):
+    engine = serve(loaded, "torch", 32, speculative=4, batch=oracle.repetitive_batch)
+    report = oracle.check_engine(engine, loaded.model, references=references)
+    s = engine.stats
+    print("\n".join(report.lines()), f"\n{s.drafts_accepted}/{s.drafts_proposed} drafts, {s.forwards_per_token:.3f}")
+    assert report.ok and report.max_diff < oracle.TOLERANCE / 5
+    assert s.acceptance_rate > 0.9 and s.forwards_per_token < 0.35  # measured: 46 of 47, 0.27
+
+
+def test_speculation_on_the_triton_kernels_is_token_identical_to_transformers(loaded, references):
+    # The verify chunks run in the Triton prefill kernel (in the interpreter: few tokens).
+    engine = serve(loaded, "triton", TRITON_SPEC_TOKENS, speculative=4, batch=oracle.repetitive_batch)
+    report = oracle.check_engine(engine, loaded.model, references=references)
+    print("\n".join(report.lines()))
+    assert report.ok and report.max_diff < oracle.TOLERANCE / 5
+    assert engine.stats.drafts_accepted >= 4
+
+
+def test_planted_rollback_keeps_drafts_fails_the_check_at_the_first_token_after_a_rejection(loaded, references):
+    # r1's first verify step (engine step 4) accepts 3 of 4 drafts (its tokens 3-6, then
+    # 7); the faulty rollback keeps the rejected one, so r1's token of engine step 5 (its
+    # 8th, step 7) attends to the rejected draft's K/V where its 7th token's should be.
+    engine = serve(loaded, "torch", TORCH_TOKENS, faults={"rollback_keeps_drafts"}, speculative=4)
+    report = oracle.check_engine(engine, loaded.model, references=references)
+    lines = report.lines(loaded.tokenizer)
+    print("\n".join(lines))
+    assert engine.history[4].drafts == {"r1": (4, 3)}
+    first = report.first_failure
+    assert not report.ok and (first.seq_id, first.engine_step, first.step) == ("r1", 5, 7)
+    assert lines[-1].startswith("first diverging: r1: MISMATCH at step 7 (engine step 5): engine token")
+
+
 def test_paged_waste_stays_below_one_partial_page_per_sequence(torch_run):
     engine, _ = torch_run
     series = compare_caches(engine)
@@ -184,6 +237,10 @@ def test_paged_waste_stays_below_one_partial_page_per_sequence(torch_run):
         (["--prompt", "hi", "--num-pages", "1", "--max-new-tokens", "16"], "cannot hold 16 new tokens"),
         (["--prompt", "hi", "--num-pages", "3", "--max-new-tokens", "32"], "--num-pages 3 is too small"),
         (["--standard-batch", "--prompt", "hi"], "brings its own prompts"),
+        (["--prompt", "hi", "--speculative", "-1"], "--speculative: -1 must be >= 0"),
+        (["--prompt", "hi", "--speculative", "2", "--temperature", "1"], "verifies drafts against greedy tokens"),
+        (["--standard-batch", "--repetitive"], "not both"),
+        (["--repetitive", "--n", "2"], "--repetitive brings its own prompts"),
     ],
 )
 def test_cli_refuses_bad_input_naming_the_argument(capsys, argv, message):

@@ -318,6 +318,92 @@ def test_temperature_sampling_is_reproducible(tiny):
     assert first == run() and len({tuple(v) for v in first.values()}) > 1
 
 
+# --------------------------------------------------------------------------- speculative decoding
+
+# A prompt on which the tiny model's greedy text falls into runs of repeated tokens after
+# a while (token 121 ten times, from the 42nd token on): prompt lookup then proposes
+# drafts, some accepted and some rejected.
+LOOPING = prompts([8], seed=4)[0]
+
+
+def drafts_of(engine) -> list[tuple[int, str, int, int]]:
+    """``(step, seq_id, proposed, accepted)`` of every verified draft run."""
+    return [(r.step, s, *pa) for r in engine.history for s, pa in r.drafts.items()]
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton", "reference"])
+def test_speculative_decoding_accepts_and_rolls_back_drafts_token_identically(tiny, attention):
+    # One sequence, 60 greedy tokens, up to 4 drafts per step. Every step runs the
+    # manager's check_integrity; after a verify step the table spans exactly the
+    # accepted tokens (its length equals the tokens computed).
+    engine = Engine(tiny, attention, num_pages=32, page_size=8, record_logits=True, speculative=4)
+    engine.add_request(LOOPING, SamplingParams(max_new_tokens=60))
+    engine.run()
+    report = check_engine(engine, tiny, tol=TOL)
+    assert report.ok, "\n".join(report.lines())
+    assert served(engine) == 60 and report.max_diff < TOL / 5
+    runs = drafts_of(engine)
+    s = engine.stats
+    assert (s.drafts_proposed, s.drafts_accepted) == (sum(r[2] for r in runs), sum(r[3] for r in runs)) == (27, 6)
+    assert any(0 < a < p for *_, p, a in runs), "a run partly accepted"
+    assert any(a == 0 for *_, a in runs) and any(a == p for *_, p, a in runs)
+    assert s.forwards_per_token == pytest.approx((60 - 6) / 60)
+    for record in engine.history:
+        for seq_id in record.drafts:
+            if seq_id in record.lens:  # still running
+                assert record.lens[seq_id] == record.computed[seq_id], f"step {record.step}: drafts left in the table"
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_speculation_with_chunks_prefix_hits_preemption_and_a_fork_matches_transformers(tiny, attention):
+    # Page 8, budget 16, 12 pages: r1's 40-token prompt is chunked, r2 shares r0's first
+    # page and forks into two samples (a copy-on-write of its partial page), the pool runs
+    # out (preemptions), and r0 speculates. Drafts never preempt (a verify chunk that does
+    # not fit becomes a plain decode) and never exceed the step's budget.
+    b = prompts([40], seed=2)[0]
+    engine = Engine(
+        tiny, attention, num_pages=12, page_size=8, max_num_batched_tokens=16, max_num_seqs=6, record_logits=True,
+        speculative=4,
+    )  # fmt: skip
+    engine.run(
+        {
+            0: [(LOOPING, SamplingParams(max_new_tokens=50)), (b, SamplingParams(max_new_tokens=10))],
+            2: [(LOOPING + LOOPING[:4], SamplingParams(max_new_tokens=30, n=2))],
+        }
+    )
+    report = check_engine(engine, tiny, tol=TOL)
+    assert report.ok, "\n".join(report.lines())
+    s = engine.stats
+    assert s.preemptions >= 1 and s.copies == 1 and s.prefix_hit_tokens >= 8 and s.drafts_accepted >= 1
+    assert max(r.num_prefill_tokens + r.num_decode_tokens for r in engine.history) <= 16
+
+
+def test_planted_rollback_keeps_drafts_is_caught_at_the_first_token_after_a_rejection(tiny):
+    # The first verify step (engine step 7) rejects all 4 drafts. The faulty rollback
+    # keeps them, so the token of step 8 attends to the first rejected draft's stale K/V
+    # at its own position: generated token 8 (from engine step 8) is the first to differ.
+    engine = Engine(
+        tiny, "torch", num_pages=32, page_size=8, record_logits=True, speculative=4, faults={"rollback_keeps_drafts"}
+    )
+    engine.add_request(LOOPING, SamplingParams(max_new_tokens=20))
+    engine.run()  # check_integrity after every step passes: the manager's books agree with themselves
+    assert drafts_of(engine)[0] == (7, "r0", 4, 0)
+    report = check_engine(engine, tiny, tol=TOL)
+    assert not report.ok
+    first = report.first_failure
+    assert (first.seq_id, first.step, first.engine_step) == ("r0", 8, 8)
+
+
+def test_sampling_sequences_never_speculate_and_bad_draft_counts_are_refused(tiny):
+    engine = Engine(tiny, "torch", num_pages=32, page_size=8, speculative=4)
+    engine.add_request(LOOPING, SamplingParams(max_new_tokens=50, temperature=1.0))
+    engine.run()
+    assert engine.stats.drafts_proposed == 0 and engine.stats.forwards_per_token == 1.0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="speculative"):
+            Engine(tiny, "torch", speculative=bad)
+
+
 # --------------------------------------------------------------------------- set-up files
 
 

@@ -27,6 +27,10 @@ CAUGHT_IN = {
         "test_planted_decode_rope_off_by_one_is_caught_at_the_first_decode",
     ),
     ("engine", "no_copy_on_write"): ("test_engine_units.py", "test_planted_no_copy_on_write_is_caught_at_the_fork"),
+    ("engine", "rollback_keeps_drafts"): (
+        "test_engine_units.py",
+        "test_planted_rollback_keeps_drafts_is_caught_at_the_first_token_after_a_rejection",
+    ),
     ("peer kernel", "no_minus_one_guard"): (
         "test_verify_foreign.py",
         "test_a_missing_minus_one_guard_is_reported_with_the_tensor_and_offset_and_the_run_goes_on",
@@ -41,7 +45,20 @@ CAUGHT_IN = {
         "test_a_kernel_that_reads_the_unwritten_tail_of_a_last_page_is_told_so",
     ),
 }
-STEP_PATH = ("step", "_mark_written", "_prepare", "_record", "_sample", "_pick", "_fork", "_append_token", "run")
+STEP_PATH = (
+    "step",
+    "_forward",
+    "_verify",
+    "_emit",
+    "_mark_written",
+    "_prepare",
+    "_record",
+    "_sample",
+    "_pick",
+    "_fork",
+    "_append_token",
+    "run",
+)
 
 
 def _engine_methods() -> dict[str, str]:

@@ -219,6 +219,14 @@ REGISTRY: tuple[Fault, ...] = (
         parts={"manager": f"{_H}NoCopyOnWriteManager", "attention": f"{_E}LastWriterWins"},
         replaces={**_MANAGER, "attention": "pagedkv_engine.parts:same_backend"},
     ),
+    Fault(
+        "rollback_keeps_drafts",
+        "engine",
+        "speculative decoding's rollback keeps the rejected drafts: the next token is written after them, and "
+        "attention reads the first rejected draft's stale K/V at that token's position (with speculative > 0)",
+        parts={"manager": f"{_E}RollbackKeepsDrafts"},
+        replaces=_MANAGER,
+    ),
     _peer(
         "no_minus_one_guard",
         "store_kvcache_flat",

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_positions_off_by_one", "LastWriterWins"]
+from ..manager import KVCacheManager
+
+__all__ = ["decode_positions_off_by_one", "LastWriterWins", "RollbackKeepsDrafts"]
 
 
 def decode_positions_off_by_one(chunk) -> range:
@@ -51,3 +53,15 @@ class LastWriterWins:
 
     def decode(self, *args, **kwargs):
         return self.inner.decode(*args, **kwargs)
+
+
+class RollbackKeepsDrafts(KVCacheManager):
+    """A manager whose :meth:`~pagedkv_lib.KVCacheManager.rollback` drops nothing: a
+    speculative step's rejected drafts stay in the sequence. Its books still agree with
+    themselves (``check_integrity`` passes), but the engine's next token, at the first
+    rejected draft's position, is written to a slot past the drafts, and attention reads
+    that position's row: the stale K/V of the rejected draft."""
+
+    def rollback(self, seq_id, num_tokens: int) -> list[int]:
+        self._get(seq_id)
+        return []  # the wrong line: return super().rollback(seq_id, num_tokens)
