@@ -369,9 +369,10 @@ assert where == ("r0", 1), f"the bug should be caught at r0's first decoded toke
 # 2. Give the batch more pages: `num_pages=40` in `settings`. Predict how many preemptions
 #    are left; the cell prints each request's, and the preemption assert fails if there
 #    are none.
-# 3. Plant the other engine fault, `faults={"no_copy_on_write"}`, in the planted-bug cell
-#    (`pagedkv_lib.faults.ENGINE_FAULTS` describes both). Which request fails first, and at
-#    which step? The cell's last assert names it.
+# 3. Plant another engine fault, `faults={"no_copy_on_write"}`, in the planted-bug cell
+#    (`pagedkv_lib.faults.ENGINE_FAULTS` describes each; `rollback_keeps_drafts` needs
+#    `speculative=4` in `settings`). Which request fails first, and at which step? The
+#    cell's last assert names it.
 # 4. Tighten the tolerance: `oracle.check_engine(batch, model, tol=1e-5, references=references)`.
 #    Predict whether the batch still passes, given the differences plotted above.
 #
