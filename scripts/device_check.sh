@@ -23,7 +23,9 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 step "kernel tests (compiled)"
 if python -c "import pytest, hypothesis" 2>/dev/null; then
   timeout 150 python -m pytest tests/test_kernel_*.py tests/test_quant_kernels.py tests/test_mla_kernels.py \
-    tests/test_checks_parity.py -q -p no:cacheprovider -x --durations=15 > "$OUT/kernel_tests.txt" 2>&1
+    tests/test_mla_latent.py tests/test_quant_conventions.py tests/test_rotary_positions.py tests/test_lse_merge.py \
+    tests/test_noncausal_prefill.py tests/test_checks_parity.py -q -p no:cacheprovider -x --durations=15 \
+    > "$OUT/kernel_tests.txt" 2>&1
   echo "pytest rc=$?" >> "$OUT/kernel_tests.txt"
   tail -3 "$OUT/kernel_tests.txt" | tee -a "$OUT/summary.txt"
 else
