@@ -63,6 +63,10 @@ class _Sequence:
     num_committed: int = 0  # leading tokens whose K/V the caller has declared written
     # Hash chain of the committed full blocks that have ids, in order (prefix cache only).
     block_hashes: list[int] = field(default_factory=list)
+    # Leading tokens shared with a fork (as its parent or as its child) when it was made:
+    # their pages are shared, so the other side's commit may cache them while this
+    # sequence's own committed count lags.
+    fork_shared: int = 0
 
 
 class KVCacheManager:
@@ -398,6 +402,7 @@ class KVCacheManager:
         parent's token ids and committed count."""
         parent = self._get(parent_id)
         self.add_sequence(child_id)
+        parent.fork_shared = parent.num_tokens
         for block in parent.block_table:
             self.allocator.incref(block)
         self._seqs[child_id] = _Sequence(
@@ -407,6 +412,7 @@ class KVCacheManager:
             tracked=parent.tracked,
             num_committed=parent.num_committed,  # the shared pages hold what the parent wrote
             block_hashes=list(parent.block_hashes),
+            fork_shared=parent.num_tokens,
         )
 
     def rollback(self, seq_id, num_tokens: int) -> list[int]:
@@ -440,6 +446,7 @@ class KVCacheManager:
                 f"({seq.num_tokens} tokens, {seq.num_committed} committed): committed K/V may be shared already"
             )
         seq.num_tokens -= num_tokens
+        seq.fork_shared = min(seq.fork_shared, seq.num_tokens)
         keep = -(-seq.num_tokens // self.page_size)
         released = seq.block_table[keep:]
         del seq.block_table[keep:]
@@ -472,8 +479,9 @@ class KVCacheManager:
         * every table spans exactly the pages its length needs;
         * committed <= tokens; the ids cover the tracked prefix (all tokens while tracked);
           the hash chain covers exactly the committed full blocks that have ids;
-        * a cached page is a full, committed block in every table naming it (so no
-          append writes into it and no rolled-back token is in it), holds that table's
+        * a cached page is a full, committed block in every table naming it (or one shared
+          with a fork, which the other side committed: so no append writes into it and no
+          rolled-back token is in it), holds that table's
           ids for the block, and sits under its chain hash;
         * with a secondary pool: its own invariants
           (:meth:`~pagedkv_lib.offload.SecondaryPool.check_integrity`), and no hash in
@@ -504,8 +512,9 @@ class KVCacheManager:
                 h, tokens = cache._entry_of[block]
                 assert (j + 1) * ps <= seq.num_tokens, f"cached page {block} is the partial block {j} of {seq_id!r}"
                 # Only written, accepted tokens may be shared: never a draft that may be rolled back.
+                # Pages shared with a fork may be cached by the other side's later commit.
                 uncommitted = f"cached page {block} is the uncommitted block {j} of {seq_id!r}"
-                assert (j + 1) * ps <= seq.num_committed, uncommitted
+                assert (j + 1) * ps <= max(seq.num_committed, seq.fork_shared), uncommitted
                 assert tokens == tuple(seq.token_ids[j * ps : (j + 1) * ps]), f"cached page {block}: other ids"
                 assert j >= len(seq.block_hashes) or h == seq.block_hashes[j], f"cached page {block}: other hash"
         cached = set(cache._entry_of) if cache else set()
