@@ -213,16 +213,23 @@ def _run_bf16_prefill() -> None:
 BENCH_SHAPES = {"heads": 8, "group": 4, "head_dim": 128, "page_size": 16, "tokens": 256}
 
 
+def _bench_batch():
+    """The benchmarks' shapes as ``(h, g, d, p, n)`` (:data:`BENCH_SHAPES`), and two full
+    sequences of ``n`` tokens on pages ``0 .. 2n / p - 1``: ``table [2, n / p]`` and
+    ``lens [2]``, int32."""
+    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    table = torch.arange(2 * n // p, dtype=torch.int32).view(2, n // p)
+    return (h, g, d, p, n), table, torch.full((2,), n, dtype=torch.int32)
+
+
 def _run_benchmarks() -> None:
     from pagedkv_lib.quant_pool import QuantizedKVPool
 
     from . import decode, gather, prefill, quant_decode, quant_write, write
 
-    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    (h, g, d, p, n), table, lens = _bench_batch()
     gen = torch.Generator().manual_seed(0)
     pages = 2 * n // p
-    table = torch.arange(pages, dtype=torch.int32).view(2, n // p)
-    lens = torch.full((2,), n, dtype=torch.int32)
     slots = torch.arange(n, dtype=torch.int64)
     for dtype in (torch.bfloat16, torch.float16):  # decode/prefill default bf16, write fp16
         cache = torch.zeros((pages, 2, p, h, d), dtype=dtype)
@@ -250,11 +257,9 @@ def _run_scale_conventions() -> None:
 
     from . import quant_decode, quant_write
 
-    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    (h, g, d, p, n), table, lens = _bench_batch()
     gen = torch.Generator().manual_seed(0)
     pages = 2 * n // p
-    table = torch.arange(pages, dtype=torch.int32).view(2, n // p)
-    lens = torch.full((2,), n, dtype=torch.int32)
     slots = torch.arange(n, dtype=torch.int64)
     modes = (
         {"kv_dtype": "nvfp4", "k_scale_encode": 448.0, "v_scale_encode": 448.0},
@@ -338,10 +343,8 @@ def _run_read_options() -> None:
 
     from . import cascade, decode, prefill
 
-    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    (h, g, d, p, n), table, lens = _bench_batch()
     gen = torch.Generator().manual_seed(0)
-    table = torch.arange(2 * n // p, dtype=torch.int32).view(2, n // p)
-    lens = torch.full((2,), n, dtype=torch.int32)
     indptr, indices, last = block_table_to_csr(table, lens, p)
     qo = torch.tensor([0, 8, 16], dtype=torch.int32)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -361,15 +364,14 @@ def _run_linear_windows() -> None:
     """FlashInfer's sliding-window shapes on the CSR entry points (``window_left``, pages
     of 16, head size 128, 16-bit), recorded dry: the verify grid runs linear windows
     through the padded entries only."""
+    from pagedkv_lib.formats import block_table_to_csr
     from pagedkv_lib.window import LinearWindow
 
     from . import decode, prefill
 
     gen = torch.Generator().manual_seed(0)
-    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
-    kv_indptr = torch.tensor([0, n // p, 2 * n // p], dtype=torch.int32)
-    kv_indices = torch.arange(2 * n // p, dtype=torch.int32)
-    last = torch.full((2,), p, dtype=torch.int32)
+    (h, g, d, p, n), table, lens = _bench_batch()
+    kv_indptr, kv_indices, last = block_table_to_csr(table, lens, p)
     window = LinearWindow(127)
     for dtype in (torch.bfloat16, torch.float16):
         cache = torch.zeros((2 * n // p, 2, p, h, d), dtype=dtype)
@@ -390,10 +392,9 @@ def _run_rotary_positions() -> None:
 
     from . import mla_write, quant_write, write
 
-    h, g, d, p, n = (BENCH_SHAPES[k] for k in ("heads", "group", "head_dim", "page_size", "tokens"))
+    (h, g, d, p, n), table, lens = _bench_batch()
     gen = torch.Generator().manual_seed(0)
-    table = torch.arange(2 * n // p, dtype=torch.int32).view(2, n // p)
-    indptr, indices, _ = block_table_to_csr(table, torch.full((2,), n, dtype=torch.int32), p)
+    indptr, indices, _ = block_table_to_csr(table, lens, p)
     batch = torch.arange(2, dtype=torch.int32).repeat_interleave(n // 2)
     pos = torch.arange(n // 2, n, dtype=torch.int32).repeat(2)
     rope_pos = pos.clone()
