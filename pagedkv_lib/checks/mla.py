@@ -168,6 +168,17 @@ def check_mla_weights(w_uk, w_uv, num_heads: int, qk_nope_head_dim: int, kv_lora
     return w_uv.shape[1]
 
 
+def _check_q_pe(q_pe, q_nope, dims: MLACacheDims) -> None:
+    """``q_pe`` is ``[rows, num_heads, qk_rope_head_dim]`` in ``q_nope``'s rows, heads and dtype."""
+    if tuple(q_pe.shape) != (*q_nope.shape[:2], dims.qk_rope_head_dim):
+        raise ValueError(
+            f"q_pe has shape {tuple(q_pe.shape)}; q_nope and kpe_cache need "
+            f"[{q_nope.shape[0]}, {q_nope.shape[1]}, {dims.qk_rope_head_dim}]"
+        )
+    if q_pe.dtype != q_nope.dtype:
+        raise ValueError(f"q_pe.dtype={q_pe.dtype} differs from q_nope.dtype={q_nope.dtype}")
+
+
 def check_mla_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, w_uk, w_uv, scale=None):
     """Validate an MLA decode call; return ``(block_tables, seq_lens)`` as host int64.
 
@@ -181,13 +192,7 @@ def check_mla_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_
     check_float_tensor("q_pe", q_pe, "[batch, num_heads, qk_rope_head_dim]")
     if q_nope.shape[1] == 0 or q_nope.shape[2] == 0:
         raise ValueError(f"q_nope has shape {tuple(q_nope.shape)}: num_heads and qk_nope_head_dim must be > 0")
-    if tuple(q_pe.shape) != (*q_nope.shape[:2], dims.qk_rope_head_dim):
-        raise ValueError(
-            f"q_pe has shape {tuple(q_pe.shape)}; q_nope and kpe_cache need "
-            f"[{q_nope.shape[0]}, {q_nope.shape[1]}, {dims.qk_rope_head_dim}]"
-        )
-    if q_pe.dtype != q_nope.dtype:
-        raise ValueError(f"q_pe.dtype={q_pe.dtype} differs from q_nope.dtype={q_nope.dtype}")
+    _check_q_pe(q_pe, q_nope, dims)
     check_mla_weights(w_uk, w_uv, q_nope.shape[1], q_nope.shape[2], dims.kv_lora_rank)
     check_scale(scale)
     table, lens = check_block_tables(_mla_page_geometry(dims), block_tables, seq_lens)
@@ -209,13 +214,7 @@ def check_mla_latent_q(q_nope, q_pe, dims: MLACacheDims) -> None:
             f"q_nope is {q_nope.shape[2]} wide but ckv_cache's kv_lora_rank is {dims.kv_lora_rank}: "
             "FlashInfer's convention takes the absorbed query (q_nope @ w_uk), as wide as the latent"
         )
-    if tuple(q_pe.shape) != (*q_nope.shape[:2], dims.qk_rope_head_dim):
-        raise ValueError(
-            f"q_pe has shape {tuple(q_pe.shape)}; q_nope and kpe_cache need "
-            f"[{q_nope.shape[0]}, {q_nope.shape[1]}, {dims.qk_rope_head_dim}]"
-        )
-    if q_pe.dtype != q_nope.dtype:
-        raise ValueError(f"q_pe.dtype={q_pe.dtype} differs from q_nope.dtype={q_nope.dtype}")
+    _check_q_pe(q_pe, q_nope, dims)
 
 
 def _check_required_scale(scale) -> float:
