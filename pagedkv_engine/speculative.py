@@ -13,13 +13,28 @@ The rejected drafts' K/V were written too and must be rolled back
 
 Greedy decoding only: with sampling, accepting a draft needs the draft's probability
 (rejection sampling), which prompt lookup does not have.
+
+The engine's step records the tables after the rollback only; :class:`RecordingManager`
+(a manager part, ``EngineParts(manager=RecordingManager)``) also keeps what the pool
+looked like between the verifying forward and the rollback (notebook 13).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
-__all__ = ["PROMPT_LOOKUP_MAX", "PROMPT_LOOKUP_MIN", "propose_ngram", "num_accepted", "stats_line"]
+from pagedkv_lib import KVCacheManager
+
+__all__ = [
+    "PROMPT_LOOKUP_MAX",
+    "PROMPT_LOOKUP_MIN",
+    "propose_ngram",
+    "num_accepted",
+    "stats_line",
+    "Rollback",
+    "RecordingManager",
+]
 
 #: The longest and shortest suffix matched (tokens); vLLM's ``prompt_lookup_max/min``.
 PROMPT_LOOKUP_MAX = 4
@@ -74,3 +89,77 @@ def stats_line(stats, max_drafts: int) -> str:
         f"{stats.forwards_per_token:.2f} forwards per generated token ({stats.sampled_chunks} sequence-forwards "
         f"for {stats.generated_tokens} tokens)"
     )
+
+
+class Rollback(NamedTuple):
+    """One rollback of a speculative step as :class:`RecordingManager` saw it: the
+    sequence, the tokens it had committed before the step (``start``, the position of its
+    last sampled token), the rejected tokens dropped (``num_tokens``), and before and
+    after: its block table, its length (tokens), the refcount of each page of the table
+    before, and the pool's free pages. ``released``: the pages the rollback gave back."""
+
+    seq_id: str
+    start: int
+    num_tokens: int
+    table_before: list[int]
+    table_after: list[int]
+    len_before: int
+    len_after: int
+    refcounts_before: list[int]
+    refcounts_after: list[int]
+    free_before: int
+    free_after: int
+    released: list[int]
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts the step verified (its tokens after the last sampled one)."""
+        return self.len_before - self.start - 1
+
+    @property
+    def accepted(self) -> int:
+        return self.num_drafts - self.num_tokens
+
+
+class RecordingManager(KVCacheManager):
+    """A :class:`~pagedkv_lib.KVCacheManager` that keeps a :class:`Rollback` of every
+    rollback dropping at least one token in :attr:`rollbacks`, in order, and checks its
+    invariants (:meth:`~pagedkv_lib.KVCacheManager.check_integrity`) just before and
+    just after each: mid-step, with the drafts written but not verified, the books must
+    hold too. The engine's manager part: ``Engine(..., parts=EngineParts(manager=RecordingManager))``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rollbacks: list[Rollback] = []
+
+    def rollback(self, seq_id, num_tokens: int) -> list[int]:
+        if not num_tokens:
+            return super().rollback(seq_id, num_tokens)
+        self.check_integrity()
+        table, length, start, free = (
+            self.block_table(seq_id),
+            self.seq_len(seq_id),
+            self.committed_len(seq_id),
+            self.num_free,
+        )
+        refs = [self.refcount(b) for b in table]
+        released = super().rollback(seq_id, num_tokens)
+        self.check_integrity()
+        after = [self.refcount(b) for b in table]
+        self.rollbacks.append(
+            Rollback(
+                seq_id,
+                start,
+                num_tokens,
+                table_before=table,
+                table_after=self.block_table(seq_id),
+                len_before=length,
+                len_after=self.seq_len(seq_id),
+                refcounts_before=refs,
+                refcounts_after=after,
+                free_before=free,
+                free_after=self.num_free,
+                released=list(released),
+            )
+        )
+        return released

@@ -1,8 +1,9 @@
-"""Prompt-lookup drafts and their acceptance (pagedkv_engine.speculative): pure functions."""
+"""Prompt-lookup drafts and their acceptance (pagedkv_engine.speculative): pure functions, and
+the manager part that records each rollback (no model)."""
 
 import pytest
 
-from pagedkv_engine.speculative import num_accepted, propose_ngram
+from pagedkv_engine.speculative import RecordingManager, num_accepted, propose_ngram
 
 
 def test_the_tokens_after_an_earlier_occurrence_of_the_suffix_are_proposed():
@@ -39,3 +40,19 @@ def test_acceptance_counts_the_leading_drafts_the_model_confirms():
     assert num_accepted([4, 5, 6], [4, 7, 6, 9]) == 1  # 5 rejected: 6 after it does not count
     assert num_accepted([4, 5, 6], [0, 5, 6, 9]) == 0
     assert num_accepted([], [3]) == 0
+
+
+def test_recording_manager_notes_the_pool_just_before_and_after_each_rollback():
+    mgr = RecordingManager(6, 4, prefix_cache=True)
+    mgr.admit("s", list(range(7)))
+    mgr.commit("s", num_tokens=6)  # position 6 is the last sampled token; it and 4 drafts are appended
+    mgr.append_tokens("s", 4, [7, 8, 9, 10])
+    free = mgr.num_free
+    mgr.rollback("s", 0)  # every draft accepted: nothing to note
+    released = mgr.rollback("s", 3)
+    (rb,) = mgr.rollbacks
+    assert (rb.seq_id, rb.start, rb.num_tokens, rb.num_drafts, rb.accepted) == ("s", 6, 3, 4, 1)
+    assert rb.table_before[:2] == rb.table_after and rb.released == released == rb.table_before[2:]
+    assert (rb.len_before, rb.len_after) == (11, 8)
+    assert rb.refcounts_before == [2, 1, 1] and rb.refcounts_after == [2, 1, 0], "page 0 is cached, page 2 freed"
+    assert (rb.free_before, rb.free_after) == (free, free + 1)

@@ -23,6 +23,8 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
 - :mod:`.source`: a fault's wrong line, as a diff of the correct and the faulty part.
 - :mod:`.write_path`: the write path's extras: the bytes an indexer-K scatter wrote in a
   segmented arena, the rows a block copy moved, a two-level pool over an engine run.
+- :mod:`.positions`: positions in the pool: the rotary position of every row written
+  against its cache position, a speculative step before and after its rollback.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ from .kernels import (
     plot_wrong_rows,
     row_status,
     source_code,
+)
+from .positions import (
+    ROTARY_ROWS,
+    SPECULATIVE_ROWS,
+    PoolRows,
+    plot_rotary_rows,
+    plot_speculative_rows,
+    rotary_rows,
+    speculative_rows,
 )
 from .quant import plot_e2m1_grid, plot_error_bars, plot_error_histograms
 from .source import SourceDiff, fault_diff, marked_source, show_fault, source_diff
@@ -137,4 +148,12 @@ __all__ = [
     "pool_levels",
     "plot_pool_levels",
     "plot_offload_cost",
+    # positions in the pool: rotary vs cache position, a speculative step's rollback
+    "PoolRows",
+    "ROTARY_ROWS",
+    "rotary_rows",
+    "plot_rotary_rows",
+    "SPECULATIVE_ROWS",
+    "speculative_rows",
+    "plot_speculative_rows",
 ]
