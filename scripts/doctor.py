@@ -152,7 +152,7 @@ def groups(specs: dict[str, str]) -> list[tuple[str, list[Result]]]:
     return [
         ("notebooks 01-05, exercises 01-05", base),
         ("notebooks 06-11, exercises 06-08 (Triton)", kernels),
-        ("notebooks 12, 14 (a real model)", engine),
+        ("notebooks 12-14 (a real model)", engine),
     ]
 
 
