@@ -388,6 +388,7 @@ assert where == ("r0", 1), f"the bug should be caught at r0's first decoded toke
 # * Hugging Face transformers: `GenerationMixin.generate` (the oracle here), which keeps
 #   its own contiguous cache per request.
 #
-# **Next:** [14 · The indexer-K cache, a two-level pool and the block copy](14_indexer_offload_copy.ipynb),
-# where this model's shared system prompt is evicted, offloaded and restored; or the index
-# in [README.md](README.md).
+# **Next:** [13 · Rotary positions and speculative decoding](13_rotary_positions_speculative.ipynb),
+# where this model drafts, verifies and rolls back; [14 · The indexer-K cache, a two-level
+# pool and the block copy](14_indexer_offload_copy.ipynb), where its shared system prompt is
+# evicted, offloaded and restored; or the index in [README.md](README.md).

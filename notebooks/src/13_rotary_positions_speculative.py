@@ -28,6 +28,8 @@
 # * check a CSR write kernel that rotates at those positions against the reference, see
 #   the keys a kernel rotating at the cache position would store instead, and check that
 #   an inactive Helix rank leaves the pool untouched;
+# * build a draft tree's attention mask, and check the prefill kernel's tree attention
+#   against the float64 reference and against each path verified alone;
 # * follow one speculative step of a real model through the pool: drafts written,
 #   verified, rolled back, and their pages and reference counts returned;
 # * measure the acceptance rate and the tokens a forward yields, and hold every token
@@ -61,9 +63,13 @@ runtime.require_triton()  # without Triton (macOS, Windows) this stops here, wit
 import torch
 
 import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
+from IPython.display import display
+
+from kernels.prefill import prefill_kernel
 from pagedkv_lib import PagedKVPool, reference, viz
 from pagedkv_lib.compare import TOLERANCES, bits, compare
 from pagedkv_lib.formats import csr_slot_mapping, get_batch_indices_positions
+from pagedkv_lib.draft_tree import batch_tree_mask, tree_mask
 from pagedkv_lib.rotary_positions import as_padding, draft_tree_offsets, inactive_tokens, rotary_positions
 
 print(runtime.backend_line())
@@ -262,7 +268,98 @@ assert q_rotated, "an inactive rank's Q must still be rotated, at its Helix posi
 # %% [markdown]
 # ## 2. A draft tree's mask
 #
-# <!-- section 2: draft tree mask, added after the tree_mask kernel lands -->
+# The tree of section 1 holds three candidate continuations of the text: nodes 0-1-3,
+# 0-1-4 and 0-2-5. One forward verifies all of them, so each node must attend as if
+# its own path were the only one: to every cached key (the prompt and the accepted
+# tokens) and, among the new tokens, to **itself and its ancestors only**. Plain causal
+# attention would let node 2 see node 1, an alternative for the same position, and its
+# verdict would depend on a draft that is not in its text.
+#
+# `pagedkv_lib.draft_tree.tree_mask(parents)` is that rule as a `[nodes, nodes]` bool
+# matrix: row `i` is True at `j` when `j` is `i` or an ancestor. A chain
+# (`parents = [-1, 0, 1, ...]`) gives the full lower triangle, plain causal attention.
+# Every row counts its node's depth + 1 entries, the rotary offset of section 1 plus one.
+
+# %%
+mask = tree_mask(TREE)
+print(mask.int())
+assert mask[5].nonzero().flatten().tolist() == [0, 2, 5], "node 5 should see its grandparent 0, its parent 2, itself"
+assert not mask[2, 1], "node 2 must not see node 1: they are alternatives for the same position"
+assert torch.equal(mask.sum(1) - 1, depth), "a node sees as many ancestors as its depth"
+
+# %% [markdown]
+# Over the whole sequence (5 cached tokens, then the 6 drafts at cache positions 5-10),
+# against the causal mask a chain would get. Red cells are pairs that causal attention
+# would wrongly let through: a draft seeing a sibling or a cousin.
+
+# %%
+PAST = 5
+context = torch.ones(len(TREE), PAST, dtype=torch.bool)
+tree_full = torch.cat([context, mask], 1)
+causal_full = torch.cat([context, torch.ones_like(mask).tril()], 1)
+wrongly_seen = int((causal_full & ~tree_full).sum())
+print(f"(draft, key) pairs causal attention lets through that the tree forbids: {wrongly_seen}")
+assert wrongly_seen == 7, "nodes 2-5 would see 1 + 1 + 2 + 3 other branches' drafts under causal attention"
+fig = viz.plot_chunk_masks(
+    {"causal (a chain)": causal_full, "the draft tree": tree_full},
+    PAST,
+    correct=tree_full,
+    title="the tree's 6 drafts after 5 cached tokens (red: seen, should not be)",
+)
+plt.show()
+
+# %% [markdown]
+# ### The mask in the prefill kernel
+#
+# The prefill kernel of notebook 10 takes it as `tree_mask [total_q, max_q_len]`
+# (`batch_tree_mask` stacks one tree per request; `None` for a request that is a plain
+# chunk). The plan packs each row into int32 words, one bit per new token (the form of
+# TensorRT-LLM's `spec_decoding_packed_mask`), and the kernel ANDs one bit into the
+# causal mask of every key among the new tokens; the context keys have no bit and are
+# always seen. The tiles and key ranges stay the causal ones: a tree never sees further
+# than a chain.
+
+# %%
+display(viz.lesson_lines(prefill_kernel, ["if TREE:  # new token", "seen = (new < 0)", "see = see & seen"]))
+
+# %% [markdown]
+# The tree after its 5 cached tokens, on a pool of pages of 4 (fp32, 1 KV head, 2 query
+# heads), against the float64 reference; then each node against the meaning of the
+# mask: attention over the context and its own path alone, as if that path had been
+# the only draft. Last, the kernel without the mask (plain causal): right only for the
+# nodes whose ancestors are all the drafts before them (0 and 1).
+
+# %%
+seq_len = PAST + len(TREE)
+tree_pool = PagedKVPool(3, PAGE_SIZE, HEADS, HEAD_DIM, torch.float32)
+tree_pool.cache.copy_(torch.randn(tree_pool.cache.shape, generator=gen))
+q_tree = torch.randn(len(TREE), Q_HEADS, HEAD_DIM, generator=gen)
+qo_indptr, tables, lens = torch.tensor([0, len(TREE)]), torch.tensor([[2, 0, 1]]), torch.tensor([seq_len])
+tree_rows = batch_tree_mask([TREE], qo_indptr)
+args = [x.to(DEV) for x in (q_tree, tree_pool.cache, qo_indptr, tables, lens)]
+got = kernels.paged_prefill_attention(*args, tree_mask=tree_rows.to(DEV)).cpu()
+want = reference.paged_prefill_attention(
+    q_tree, tree_pool.cache, qo_indptr, tables, lens, precision="fp64", tree_mask=tree_rows
+)
+check = compare(got, want, atol, rtol)
+print(f"tree prefill vs float64 reference: max |error| {check.max_abs:.1e}")
+assert check.passed, "the kernel's tree attention differs from the float64 reference beyond fp32 tolerance"
+
+keys = tree_pool.cache[tables[0], :].transpose(0, 1).reshape(2, -1, HEADS, HEAD_DIM).double()  # [K/V, rows, heads, d]
+alone = torch.empty_like(want)
+for i in range(len(TREE)):
+    path = [PAST + j for j in mask[i].nonzero().flatten().tolist()]  # its ancestors' rows, then its own
+    k, v = (x[list(range(PAST)) + path].repeat_interleave(Q_HEADS // HEADS, 1) for x in keys)
+    scores = torch.einsum("hd,nhd->hn", q_tree[i].double(), k) / HEAD_DIM**0.5
+    alone[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+check = compare(got, alone, atol, rtol)
+print(f"every node vs attention over the context and its own path alone: max |error| {check.max_abs:.1e}")
+assert check.passed, "a node's output is not attention over the context and its own path"
+
+causal = kernels.paged_prefill_attention(*args).cpu()
+wrong = [i for i in range(len(TREE)) if not compare(causal[i : i + 1], want[i : i + 1], atol, rtol).passed]
+print(f"plain causal attention is wrong for nodes {wrong}")
+assert wrong == [2, 3, 4, 5], "without the mask, exactly the nodes that see another branch should be wrong"
 
 # %% [markdown]
 # ## 3. A speculative step on the real model
@@ -494,6 +591,8 @@ for name, engine in runs.items():
 # | the CSR write with `rope_positions` equals the reference (K, Q to fp32 tolerance; V bit for bit) | `compare`, bits |
 # | rotating at the cache position changes K exactly where the two positions differ | bit assert per token |
 # | an inactive Helix rank leaves its request's pages untouched and still rotates its Q | bits, `compare` |
+# | a draft sees itself and its ancestors only; plain causal attention lets 7 wrong pairs through | mask asserts |
+# | the prefill kernel's `tree_mask` equals the float64 reference and each path's attention alone; without it nodes 2-5 are wrong | `compare` |
 # | speculative decoding on SmolLM2 equals transformers' `generate`, token and logit | `check_engine` |
 # | a rollback keeps the accepted tokens and frees the tail page (refcount 1 -> 0) | asserts, `check_integrity` |
 # | the next step overwrites a rejected draft's row before anything reads it | table assert |
