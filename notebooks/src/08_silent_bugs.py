@@ -536,20 +536,32 @@ assert diff.new_failures and not diff.fixed, "the missing scale should show as n
 # the reverse). Declare `dtypes=("fp32", "fp16")` in its contract when checking it on a
 # CPU, and check bf16 on a GPU.
 #
-# ### Where the suite's conventions match other engines', and where they differ
+# ### Other engines' arguments, and the suite's equivalent
 #
-# | what | pagedkv | others |
+# A kernel written for another engine takes that engine's arguments. For each one, what
+# the suite's kernels (and the harness) take instead; most carry over by name.
+#
+# | their argument | engine | pagedkv |
 # |---|---|---|
-# | pool | one tensor, K and V per page | vLLM: `key_cache`, `value_cache`; FlashInfer: a tuple or one tensor |
-# | head layout | NHD or HND | vLLM: NHD, or x-packed keys; FlashInfer: NHD or HND; TRT-LLM: HND |
-# | padding token | slot `-1`; batch or position `-1` | vLLM: slot `-1`; FlashInfer: batch `-1`, position 0 |
-# | K/V rows beyond the tokens | allowed, not written | vLLM: the same (CUDA-graph padding) |
-# | CSR append | cache is the 3rd argument | FlashInfer: cache is the 5th |
-# | V tail of a last page | zeroed only with `zero_v_tail=` | FlashInfer takes `kv_last_page_len` but never zeroes |
-# | request without pages | length 0, `kv_last_page_len` 0 | FlashInfer: length 0 |
-# | ring window | sinks, bubble, cyclic length | TRT-LLM: the same (`KVBlockArray`); vLLM: no ring |
+# | `slot_mapping`, `-1` for padding | vLLM | `append_paged_kv(k, v, cache, slot_mapping)`: the same, `-1` skipped |
+# | `key_cache`, `value_cache` `[blocks, block_size, heads, dim]` | vLLM (flash), FlashInfer's tuple | `cache=(k_cache, v_cache)` in `layout` (harness: `"kv_tuple"`); the suite's own pool is one `[pages, 2, ...]` tensor |
+# | x-packed `k_cache [blocks, heads, dim // x, block, x]`, `v_cache [blocks, heads, dim, block]` | vLLM (paged attention, prefix prefill) | prefill: `cache=(k_cache, v_cache)`, read in place (harness: `"vllm_x"`) |
+# | `k`, `v` of `context_attention_fwd` (the new tokens, not in the cache) | vLLM | `k_new=`, `v_new=`; `kernels.context_attention_fwd` takes all of vLLM's names (`b_loc`, `b_start_loc`, `b_seq_len`) |
+# | `sliding_window = w` (`w` keys) | vLLM | `window=LinearWindow.from_sliding_window(w)`, i.e. `window_left = w - 1` |
+# | `kv_indptr`, `kv_indices`, `kv_last_page_len` | FlashInfer | the `_csr` entry points, same names and meaning |
+# | `append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, ...)` | FlashInfer | `append_paged_kv_csr(k, v, cache, batch_indices, positions, kv_indices, kv_indptr)`: the cache is the 3rd argument, not the 5th; padding is batch `-1` or position `-1` |
+# | `kv_last_page_len` on append | FlashInfer | not used for writing there; here `zero_v_tail=` zeroes a last page's unwritten V rows when asked |
+# | `window_left = w` (`w + 1` keys; `-1`: none) | FlashInfer | `window=LinearWindow(w)`; `-1` is `window=None` |
+# | `causal=False` | FlashInfer | `causal=False` (prefill) |
+# | `return_lse=True` (base 2), `merge_state`, `merge_states`, cascade | FlashInfer | `return_lse=True` (base 2), `kernels.merge_state(s)`, `kernels.cascade_attention` |
+# | `custom_mask` / `spec_decoding_packed_mask` (draft trees) | FlashInfer / TensorRT-LLM | prefill `tree_mask=` (`pagedkv_lib.draft_tree.batch_tree_mask(parents, qo_indptr)`; notebook 13) |
+# | `BatchMLAPagedAttentionWrapper` (absorbed `q_nope`, `q_pe`; latent output) | FlashInfer | `kernels.mla_latent_attention[_csr]` (notebook 11) |
+# | NVFP4 global scale as the encode scale `448 * 6 / amax` | FlashInfer, TensorRT-LLM | `k_scale_encode=`, `v_scale_encode=` (scale mode `"block_encode"`; notebook 09) |
+# | FP8 `k_scale [num_kv_heads]`; per-token FP8 | vLLM | `scale_mode="head"`; `scale_mode="token_all_heads"` |
+# | ring window: sinks, bubble, cyclic length (`KVBlockArray`) | TensorRT-LLM | `window=RingWindow(...)` (notebook 04) |
+# | `spec_decoding_position_offsets`, `mrope_position_deltas`, `helix_position_offsets`, `helix_is_inactive_rank` | TensorRT-LLM | `rotary_positions(...)` then `rope_positions=`; `as_padding` for the inactive rank (notebook 13) |
 #
-# The README has the same table with a column per engine.
+# The README's conventions table says the same with a column per engine.
 
 # %% [markdown]
 # ## What was verified
