@@ -12,7 +12,9 @@ a ring window, the sinks and the last ``window - sinks`` of them, or, with a lin
 window (FlashInfer's ``window_left``), keys ``position - window_left .. position``.
 Speculative verification of draft trees (``tree_mask``, :mod:`pagedkv_lib.draft_tree`)
 narrows the causal mask over the request's new tokens to each draft's ancestors: the
-``TREE`` branch ANDs one mask byte per (row, new key); the tiles and key ranges stay the
+``TREE`` branch ANDs each (row, new key) with one bit of the row's mask, packed in int32
+words by the plan (:func:`pagedkv_lib.draft_tree.pack_tree_mask`: a few word loads per
+row and key tile, no ``[BLOCK_M, BLOCK_N]`` gather); the tiles and key ranges stay the
 causal ones.
 
 Tiles. One program owns a tile of ``BLOCK_M`` *rows* of one request and one KV head,
@@ -87,6 +89,7 @@ import triton
 import triton.language as tl
 
 from pagedkv_lib import checks
+from pagedkv_lib.draft_tree import pack_tree_mask
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import Window
 
@@ -148,8 +151,8 @@ def prefill_kernel(
     # strides: the output [total_q, heads, dim] and its lse [total_q, heads]
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    # the draft tree's mask [total_q, max_q_len] (uint8) and its strides (TREE)
-    tree_ptr, stride_tree_t, stride_tree_j,
+    # the draft tree's mask, bits packed in int32 words [total_q, tree_words] (TREE)
+    tree_ptr, stride_tree_t, tree_words,
     # sizes
     qk_scale, group, head_dim, page_size,
     # window (kernels.attention_core.window_args)
@@ -208,6 +211,8 @@ def prefill_kernel(
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
+    if TREE:
+        tree_rows = tree_ptr + (q_start + qi).to(tl.int64) * stride_tree_t  # each row's packed mask
     m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     tile = 0
     while tile < num_key_tiles:
@@ -233,11 +238,16 @@ def prefill_kernel(
             see = valid[None, :] & m_valid[:, None]
         if WINDOW:  # a linear window has no sinks (sink_tokens 0): its left edge alone
             see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
-        if TREE:  # new token j = pos - past: its bit in the row's mask; older keys load 1 (seen)
+        if TREE:  # new token j = pos - past is bit j % 32 of word j // 32 of the row's mask
             new = pos - past
-            bits = tree_ptr + (q_start + qi).to(tl.int64)[:, None] * stride_tree_t + new[None, :] * stride_tree_j
-            bit = tl.load(bits, mask=m_valid[:, None] & (valid & (new >= 0))[None, :], other=1)
-            see = see & (bit != 0)
+            seen = (new < 0)[None, :]  # the context: no bit, always seen
+            w0 = tl.min(new, axis=0) >> 5  # the tile's keys are contiguous: a few words per row
+            for k in tl.static_range((BLOCK_N - 1) // 32 + 2):
+                w = w0 + k + tl.zeros_like(qi)  # word w0 + k of every row
+                words = tl.load(tree_rows + w, mask=m_valid & (w >= 0) & (w < tree_words), other=0)
+                hit = ((words[:, None] >> (new & 31)[None, :]) & 1) != 0
+                seen = seen | (hit & ((new >> 5) == w0 + k)[None, :])
+            see = see & seen
         m_i, l_i, acc, p = online_softmax_step(s, see, m_i, l_i, acc, v, DOT == 0)
         if DOT == 1:
             acc += tl.dot(p, v, input_precision="ieee")
@@ -291,7 +301,7 @@ class PrefillPlan(ReadPlan):
     tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
     qo_indptr: torch.Tensor  # [batch + 1]
     causal: bool = True  # False: every query sees all its request's keys
-    tree_mask: torch.Tensor | None = None  # [total_q, max_q_len] uint8 copy of the draft-tree mask
+    tree_mask: torch.Tensor | None = None  # [total_q, words] int32: the draft-tree mask, packed (pack_tree_mask)
 
 
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
@@ -356,7 +366,7 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, caus
         tile_row=int32_on_device(tile_row, q.device, min_len=1),
         qo_indptr=int32_on_device(qo, q.device),
         causal=causal,
-        tree_mask=None if tree is None else tree.to(torch.uint8),  # a copy: the plan holds what was checked
+        tree_mask=None if tree is None else pack_tree_mask(tree),  # a copy: the plan holds what was checked
         **fields,
     )
 
@@ -438,7 +448,7 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
         plan.table.stride,
         *out.stride(),
         *(lse.stride() if return_lse else (0, 0)),
-        *((plan.tree_mask, *plan.tree_mask.stride()) if tree else (out, 0, 0)),
+        *((plan.tree_mask, plan.tree_mask.stride(0), plan.tree_mask.shape[1]) if tree else (out, 0, 0)),
         # sizes
         plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
         # window

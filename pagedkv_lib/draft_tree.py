@@ -31,7 +31,7 @@ import torch
 
 from .formats import index_tensor
 
-__all__ = ["check_parents", "tree_mask", "batch_tree_mask"]
+__all__ = ["check_parents", "tree_mask", "batch_tree_mask", "pack_tree_mask"]
 
 
 def check_parents(parents) -> torch.Tensor:
@@ -90,3 +90,17 @@ def batch_tree_mask(parents, qo_indptr) -> torch.Tensor:
             raise ValueError(f"parents[{b}] has {mask.shape[0]} nodes but request {b} has {n} new tokens (q_len)")
         out[rows, :n] = mask
     return out
+
+
+def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask [rows, cols]`` (torch.bool) packed into int32 words ``[rows, max(1,
+    ceil(cols / 32)))]`` on ``mask``'s device: column ``j`` is bit ``j % 32`` (least
+    significant first) of word ``j // 32``; unused high bits are 0. The prefill plan
+    packs ``tree_mask`` so, as FlashInfer's ``plan`` packs ``custom_mask`` (into bytes)
+    and TensorRT-LLM takes ``spec_decoding_packed_mask`` (int32 words)."""
+    rows, cols = mask.shape
+    words = max(1, -(-cols // 32))
+    bits = torch.zeros((rows, words * 32), dtype=torch.int64, device=mask.device)
+    bits[:, :cols] = mask
+    packed = (bits.view(rows, words, 32) << torch.arange(32, device=mask.device)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # bit 31 is the sign bit

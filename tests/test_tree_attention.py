@@ -16,7 +16,7 @@ import torch
 import pagedkv_lib  # noqa: F401  (before triton)
 from pagedkv_lib import LinearWindow, RingWindow, faults, reference, runtime
 from pagedkv_lib.compare import DTYPES, TOLERANCES, compare
-from pagedkv_lib.draft_tree import batch_tree_mask, check_parents, tree_mask
+from pagedkv_lib.draft_tree import batch_tree_mask, check_parents, pack_tree_mask, tree_mask
 from pagedkv_lib.formats import block_table_to_csr
 from pagedkv_lib.rotary_positions import draft_tree_offsets
 from pagedkv_lib.verify.prefill_checks import prefill_case, prefill_inputs, tree_prefill_cases
@@ -92,6 +92,16 @@ def test_the_batch_mask_holds_each_requests_rows_and_causal_for_plain_requests()
         batch_tree_mask([None, None, None], [0, 1, 2])
 
 
+def test_the_plan_packs_the_mask_in_int32_words_least_significant_bit_first():
+    mask = torch.zeros((2, 40), dtype=torch.bool)
+    mask[0, [0, 3, 31]] = True  # bit 31: the word's sign bit
+    mask[1, [32, 39]] = True
+    words = pack_tree_mask(mask)
+    assert words.dtype == torch.int32 and words.shape == (2, 2)
+    assert words.tolist() == [[1 + 8 - 2**31, 0], [0, 1 + 2**7]]
+    assert pack_tree_mask(torch.zeros((0, 0), dtype=torch.bool)).shape == (0, 1)
+
+
 def test_the_parents_rule_has_one_home_and_names_the_entry():
     assert check_parents([-1, 0, -1, 2]).tolist() == [-1, 0, -1, 2]
     with pytest.raises(ValueError, match=r"parents\[2\] = 2 must be -1 \(a root\) or name an earlier node"):
@@ -144,16 +154,21 @@ def test_a_wide_tree_draft_sees_only_the_context_and_itself():
 
 
 def test_a_deep_branchy_tree_over_several_query_and_key_tiles(monkeypatch):
-    """Tiles of 16 rows and 16 keys: 21 drafts x GQA 2 span three query tiles, 60 keys
-    four key tiles, and the drafts start inside a key tile (past = 39)."""
+    """Tiles of 16 rows and 16 keys: 45 drafts x GQA 2 span six query tiles, 84 keys six
+    key tiles; the drafts start inside a key tile (past = 39), and their mask spans two
+    packed words, with a key tile across the boundary (drafts 25..40)."""
     monkeypatch.setattr(prefill, "prefill_tiles", lambda group, head_dim, *a: (16, 16, max(16, head_dim), 4))
-    parents = [-1, 0, 1, 2, 0, 4, 5, 6, 3, 8, 8, 10, 11, 7, 13, 13, 15, -1, 17, 18, 14]
-    q, cache, qo, tables, lens = inputs(((60, 21), (30, 30), (0, 0)))
+    gen = torch.Generator().manual_seed(0)
+    parents = [-1] + [int(torch.randint(-1, j, (), generator=gen)) for j in range(1, 45)]
+    q, cache, qo, tables, lens = inputs(((84, 45), (30, 30), (0, 0)))
     mask = batch_tree_mask([parents, None, []], qo)
     plan = prefill.plan_prefill(*on_dev(q, cache, qo, tables, lens), tree_mask=mask.to(DEV))
-    assert (plan.block_m, plan.block_n) == (16, 16) and plan.num_tiles == 3 + 4
+    assert (plan.block_m, plan.block_n) == (16, 16) and plan.num_tiles == 6 + 4
+    assert tuple(plan.tree_mask.shape) == (75, 2)  # 45 columns: two int32 words per row
     out = prefill.run_prefill(plan, *on_dev(q, cache))
     assert_within_tolerance(out, oracle(q, cache, qo, tables, lens, tree_mask=mask), "fp32")
+    causal = oracle(q, cache, qo, tables, lens)
+    assert not compare(out.cpu(), causal, 1e-3).passed  # the tree made a difference
 
 
 def test_csr_entry_equals_the_padded_one_on_a_mixed_batch():
