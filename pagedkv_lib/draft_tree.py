@@ -22,7 +22,9 @@ max_q_len]`` (torch.bool; :func:`batch_tree_mask` builds it): row ``r``, the ``i
 new token of its request, holds True at column ``j`` when it sees the request's
 ``j``-th new token. The mask must be lower-triangular with a true diagonal within each
 request (a draft never sees a later token; it always sees itself), and False past a
-request's own tokens (:func:`pagedkv_lib.checks.check_tree_mask`).
+request's own tokens (:func:`pagedkv_lib.checks.check_tree_mask`). The kernel's plan
+packs it into int32 words, one bit per column (:func:`pack_tree_mask`), so that a key
+tile costs a few word loads per row rather than a byte per (row, key).
 """
 
 from __future__ import annotations
