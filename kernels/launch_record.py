@@ -17,9 +17,10 @@ The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``,
   sequences (the tiles stop growing at 64 keys, so longer ones add no specialization),
   the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes, MLA
   in FlashInfer's convention, the read options the grid leaves out (CSR tables, LSE
-  outputs, non-causal prefill, merge_states, cascade attention), the quantized append
-  and decode under the peers' scale conventions (NVFP4 encode scales, FP8 per head, FP8
-  per token across heads) and the CSR decode and prefill with FlashInfer's ``window_left``;
+  outputs, non-causal and draft-tree prefill, merge_states, cascade attention), the
+  quantized append and decode under the peers' scale conventions (NVFP4 encode scales,
+  FP8 per head, FP8 per token across heads) and the CSR decode and prefill with
+  FlashInfer's ``window_left``;
 * ``foreign``: the kernels written to vLLM's and nano-vllm's conventions
   (:mod:`kernels.peer_conventions`), in fp32, fp16 and bf16.
 
@@ -337,8 +338,10 @@ def _run_mla_latent() -> None:
 def _run_read_options() -> None:
     """The read options the verify grid leaves out, at the benchmarks' shapes, recorded dry:
     FlashInfer's CSR tables for decode and prefill, the base-2 LSE outputs
-    (``return_lse``), non-causal prefill, the states' merge with its LSE
-    (``merge_states``) and cascade attention over a shared prefix."""
+    (``return_lse``), non-causal prefill, draft-tree prefill (``tree_mask``, padded and
+    CSR), the states' merge with its LSE (``merge_states``) and cascade attention over a
+    shared prefix."""
+    from pagedkv_lib.draft_tree import batch_tree_mask
     from pagedkv_lib.formats import block_table_to_csr
 
     from . import cascade, decode, prefill
@@ -347,6 +350,7 @@ def _run_read_options() -> None:
     gen = torch.Generator().manual_seed(0)
     indptr, indices, last = block_table_to_csr(table, lens, p)
     qo = torch.tensor([0, 8, 16], dtype=torch.int32)
+    tree = batch_tree_mask([(-1, 0, 0, 1, 1, 2, 2, -1)] * 2, qo)  # 8 drafts per request
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         cache = torch.randn((2 * n // p, 2, p, h, d), generator=gen).to(dtype)
         q = torch.randn((2, h * g, d), generator=gen).to(dtype)
@@ -355,6 +359,8 @@ def _run_read_options() -> None:
         decode.paged_decode_attention(q, cache, table, lens, num_splits=4, return_lse=True)
         prefill.paged_prefill_attention_csr(qp, cache, qo, indptr, indices, last, return_lse=True)
         prefill.paged_prefill_attention(qp, cache, qo, table, lens, causal=False, return_lse=True)
+        prefill.paged_prefill_attention(qp, cache, qo, table, lens, tree_mask=tree)
+        prefill.paged_prefill_attention_csr(qp, cache, qo, indptr, indices, last, return_lse=True, tree_mask=tree)
         states = torch.randn((16, 3, h * g, d), generator=gen).to(dtype)
         cascade.merge_states(states, torch.randn((16, 3, h * g), generator=gen))
         cascade.cascade_attention(qp, cache, qo, table[0, :2], 2 * p, table[:, 2:], lens - 2 * p)
@@ -429,7 +435,7 @@ RUNNERS = {  # (label, runner, dry)
         ("benchmark shapes (dry)", _run_benchmarks, True),
         ("indexer and block-copy shapes (dry)", _run_production_shapes, True),
         ("FlashInfer-convention MLA shapes (dry)", _run_mla_latent, True),
-        ("read options: CSR, LSE, non-causal, merge, cascade (dry)", _run_read_options, True),
+        ("read options: CSR, LSE, non-causal, draft trees, merge, cascade (dry)", _run_read_options, True),
         ("peer scale conventions (dry)", _run_scale_conventions, True),
         ("linear-window CSR shapes (dry)", _run_linear_windows, True),
         ("rotary positions apart from cache positions (dry)", _run_rotary_positions, True),

@@ -10,6 +10,12 @@ the call), so query ``i`` sits at absolute position ``seq_lens[b] - q_len[b] + i
 and sees keys ``0 .. that position`` (the causal mask aligned bottom-right), or, with
 a ring window, the sinks and the last ``window - sinks`` of them, or, with a linear
 window (FlashInfer's ``window_left``), keys ``position - window_left .. position``.
+Speculative verification of draft trees (``tree_mask``, :mod:`pagedkv_lib.draft_tree`)
+narrows the causal mask over the request's new tokens to each draft's ancestors: the
+``TREE`` branch ANDs each (row, new key) with one bit of the row's mask, packed in int32
+words by the plan (:func:`pagedkv_lib.draft_tree.pack_tree_mask`: a few word loads per
+row and key tile, no ``[BLOCK_M, BLOCK_N]`` gather); the tiles and key ranges stay the
+causal ones.
 
 Tiles. One program owns a tile of ``BLOCK_M`` *rows* of one request and one KV head,
 a row being a (query, GQA head) pair: row ``r`` is query ``r // group``, query head
@@ -83,6 +89,7 @@ import triton
 import triton.language as tl
 
 from pagedkv_lib import checks
+from pagedkv_lib.draft_tree import pack_tree_mask
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import Window
 
@@ -104,6 +111,7 @@ from .rounding import round_to
 from .tiles import prefill_tiles
 from .validate import (
     INT32_MAX,
+    check_device,
     check_planned,
     check_read_launch,
     check_same_layout,
@@ -143,6 +151,8 @@ def prefill_kernel(
     # strides: the output [total_q, heads, dim] and its lse [total_q, heads]
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
+    # the draft tree's mask, bits packed in int32 words [total_q, tree_words] (TREE)
+    tree_ptr, stride_tree_t, tree_words,
     # sizes
     qk_scale, group, head_dim, page_size,
     # window (kernels.attention_core.window_args)
@@ -150,13 +160,14 @@ def prefill_kernel(
     # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
-    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False,
+    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False, TREE: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
     head) rows of one request; with ``WRITE_LSE`` also their base-2 log-sum-exp
     (:func:`kernels.attention_core.row_lse`). ``CAUSAL=False`` (never with a ring):
     every row sees all ``seq_len`` keys of its request (with a linear window, those from
-    its position ``- window_left`` on)."""
+    its position ``- window_left`` on). ``TREE`` (causal only): a key among the request's
+    new tokens is seen only where the row's draft-tree mask says so."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(tile_request_ptr + tile_id)
@@ -200,6 +211,8 @@ def prefill_kernel(
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
+    if TREE:
+        tree_rows = tree_ptr + (q_start + qi).to(tl.int64) * stride_tree_t  # each row's packed mask
     m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     tile = 0
     while tile < num_key_tiles:
@@ -225,6 +238,16 @@ def prefill_kernel(
             see = valid[None, :] & m_valid[:, None]
         if WINDOW:  # a linear window has no sinks (sink_tokens 0): its left edge alone
             see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
+        if TREE:  # new token j = pos - past is bit j % 32 of word j // 32 of the row's mask
+            new = pos - past
+            seen = (new < 0)[None, :]  # the context: no bit, always seen
+            w0 = tl.min(new, axis=0) >> 5  # the tile's keys are contiguous: a few words per row
+            for k in tl.static_range((BLOCK_N - 1) // 32 + 2):
+                w = w0 + k + tl.zeros_like(qi)  # word w0 + k of every row
+                words = tl.load(tree_rows + w, mask=m_valid & (w >= 0) & (w < tree_words), other=0)
+                hit = ((words[:, None] >> (new & 31)[None, :]) & 1) != 0
+                seen = seen | (hit & ((new >> 5) == w0 + k)[None, :])
+            see = see & seen
         m_i, l_i, acc, p = online_softmax_step(s, see, m_i, l_i, acc, v, DOT == 0)
         if DOT == 1:
             acc += tl.dot(p, v, input_precision="ieee")
@@ -278,6 +301,7 @@ class PrefillPlan(ReadPlan):
     tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
     qo_indptr: torch.Tensor  # [batch + 1]
     causal: bool = True  # False: every query sees all its request's keys
+    tree_mask: torch.Tensor | None = None  # [total_q, words] int32: the draft-tree mask, packed (pack_tree_mask)
 
 
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
@@ -315,7 +339,7 @@ def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m
     return request[order], row0[order], int((keys * live_rows).sum())
 
 
-def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, causal: bool) -> PrefillPlan:
+def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, causal: bool, tree) -> PrefillPlan:
     dims = cache_dims(cache, layout)
     fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, table)
     group = fields["group"]
@@ -342,6 +366,7 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, caus
         tile_row=int32_on_device(tile_row, q.device, min_len=1),
         qo_indptr=int32_on_device(qo, q.device),
         causal=causal,
+        tree_mask=None if tree is None else pack_tree_mask(tree),  # a copy: the plan holds what was checked
         **fields,
     )
 
@@ -356,15 +381,18 @@ def plan_prefill(
     window: Window | None = None,
     scale: float | None = None,
     causal: bool = True,
+    tree_mask: torch.Tensor | None = None,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention` call and fix its tiles and tile list;
     nothing is launched. Arguments and errors as :func:`paged_prefill_attention`."""
     host = (host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens))
-    qo, _, lens = checks.check_prefill_args(q, cache, *host, layout, window, scale, causal)
+    qo, _, lens = checks.check_prefill_args(q, cache, *host, layout, window, scale, causal, tree_mask)
     index = {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens}
     check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    if tree_mask is not None:
+        check_device("tree_mask", tree_mask)
     table = PageTable.padded(block_tables, seq_lens, q.device)
-    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal)
+    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal, tree_mask)
 
 
 def plan_prefill_csr(
@@ -378,16 +406,19 @@ def plan_prefill_csr(
     scale: float | None = None,
     causal: bool = True,
     window: Window | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention_csr` call and fix its tiles and tile
     list; nothing is launched. Arguments and errors as :func:`paged_prefill_attention_csr`."""
     host = (host_copy(qo_indptr), host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
-    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale, causal, window)
+    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale, causal, window, tree_mask)
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
     check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    if tree_mask is not None:
+        check_device("tree_mask", tree_mask)
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
-    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal)
+    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal, tree_mask)
 
 
 def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_lse: bool = False):
@@ -398,6 +429,7 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
     check_same_layout("cache", cache, plan.cache)
     check_planned("q", q, (plan.total_q, plan.num_q_heads, plan.head_dim), plan.q_dtype)
     checks.check_flag("return_lse", return_lse)
+    tree = plan.tree_mask is not None
     # Every row belongs to one request, whose tiles cover all its (query, head) rows.
     out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((plan.total_q, plan.num_q_heads), dtype=torch.float32, device=q.device) if return_lse else out
@@ -416,6 +448,7 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
         plan.table.stride,
         *out.stride(),
         *(lse.stride() if return_lse else (0, 0)),
+        *((plan.tree_mask, plan.tree_mask.stride(0), plan.tree_mask.shape[1]) if tree else (out, 0, 0)),
         # sizes
         plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
         # window
@@ -423,7 +456,7 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
         # constexprs
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
-        CAUSAL=plan.causal, WRITE_LSE=return_lse,
+        CAUSAL=plan.causal, WRITE_LSE=return_lse, TREE=tree,
         num_warps=plan.num_warps,
     )
     # fmt: on
@@ -444,6 +477,7 @@ def paged_prefill_attention(
     scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    tree_mask: torch.Tensor | None = None,
 ):
     """Attention of ``q_len >= 0`` new queries per sequence over the paged KV pool.
 
@@ -475,6 +509,12 @@ def paged_prefill_attention(
             with a ring window, whose slots of older keys hold newer tokens; with a
             linear window the query sees keys from ``position - window_left`` on.
         return_lse: also return each row's log-sum-exp (below).
+        tree_mask: None, or speculative verification of draft trees
+            (:mod:`pagedkv_lib.draft_tree`; ``batch_tree_mask`` builds it):
+            ``[total_q, max_q_len]`` torch.bool on the kernels' device, row ``r`` True
+            at column ``j`` where it sees its request's ``j``-th new token (keys before
+            the new tokens stay visible). Lower-triangular with a true diagonal within
+            each request; causal only, no ring window (a linear window masks on top).
 
     Each query sees the keys at positions up to its own (causal, bottom-right aligned),
     through the window when given (a ring's sinks and last ``window - sinks``
@@ -496,7 +536,7 @@ def paged_prefill_attention(
         ``qo_indptr``, ``scale``, ``window``, chunk length through a ring) before
         anything is allocated or launched.
     """
-    plan = plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal)
+    plan = plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal, tree_mask)
     return run_prefill(plan, q, cache, return_lse)
 
 
@@ -512,6 +552,7 @@ def paged_prefill_attention_csr(
     causal: bool = True,
     return_lse: bool = False,
     window: Window | None = None,
+    tree_mask: torch.Tensor | None = None,
 ):
     """Prefill attention with a CSR page table (FlashInfer's format), walked in-kernel.
 
@@ -522,8 +563,10 @@ def paged_prefill_attention_csr(
     device. ``window``: a :class:`~pagedkv_lib.window.LinearWindow` (FlashInfer's
     ``window_left``, as its ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
     window_left=w)``) or None; no ring (a ring's pages do not give the length; use the
-    padded entry). Other arguments (``causal``, ``return_lse`` included), result and
-    errors as :func:`paged_prefill_attention`.
+    padded entry). Other arguments (``causal``, ``return_lse``, ``tree_mask`` included),
+    result and errors as :func:`paged_prefill_attention`.
     """
-    plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window)
+    plan = plan_prefill_csr(
+        q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window, tree_mask
+    )
     return run_prefill(plan, q, cache, return_lse)

@@ -295,6 +295,7 @@ def paged_prefill_attention(
     precision: str = "fp32",
     causal: bool = True,
     return_lse: bool = False,
+    tree_mask=None,
 ):
     """Attention of several new query tokens per sequence over the paged KV.
 
@@ -311,9 +312,18 @@ def paged_prefill_attention(
     returned in float64; else in ``q.dtype``). ``return_lse=True`` returns ``(out,
     lse)``, ``lse [total_q, num_q_heads]`` float64 the base-2 log-sum-exp of each row's
     scaled scores (:func:`base2_lse`; ``-inf`` for a row without keys).
+
+    ``tree_mask [total_q, max_q_len]`` torch.bool (speculative verification of a draft
+    tree, :mod:`pagedkv_lib.draft_tree`; causal only, no ring window): the keys before
+    a request's new tokens stay visible to all its queries, and its ``j``-th new token
+    is visible to row ``r`` only where ``tree_mask[r, j]`` (lower-triangular with a
+    true diagonal, :func:`pagedkv_lib.checks.check_tree_mask`); a linear window masks
+    on top of it.
     """
     dtype = _compute_dtype(precision)
-    indptr, table, lens = check_prefill_args(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal)
+    indptr, table, lens = check_prefill_args(
+        q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal, tree_mask
+    )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.zeros(q.shape, dtype=dtype)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
@@ -324,6 +334,8 @@ def paged_prefill_attention(
         k, v = _sequence_kv(cache, layout, table[b], n, window)
         qpos = torch.arange(n - (hi - lo), n)
         mask = window_mask(qpos, torch.arange(n), window, causal)
+        if tree_mask is not None:  # a new token is seen by the rows the tree says
+            mask[:, n - (hi - lo) :] &= tree_mask[lo:hi, : hi - lo].cpu()
         out[lo:hi], lse[lo:hi] = _attend(q[lo:hi], k, v, mask, scale, dtype)
     out = out if precision == "fp64" else out.to(q.dtype)
     return (out, lse) if return_lse else out
@@ -554,18 +566,21 @@ def paged_prefill_attention_csr(
     causal: bool = True,
     return_lse: bool = False,
     window=None,
+    tree_mask=None,
 ):
     """:func:`paged_prefill_attention` over a CSR page table (FlashInfer's format):
     request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` and fills
     ``kv_last_page_len[b]`` rows of the last one, so its KV length (new tokens
     included) is ``(pages - 1) * page_size + last``. ``window``: a
     :class:`~pagedkv_lib.window.LinearWindow` or None (no ring). Arguments as
-    ``kernels.paged_prefill_attention_csr``; same result as the padded form (``causal``
-    and ``return_lse`` as there)."""
-    check_csr_prefill_args(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window)
+    ``kernels.paged_prefill_attention_csr``; same result as the padded form (``causal``,
+    ``return_lse`` and ``tree_mask`` as there)."""
+    check_csr_prefill_args(
+        q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window, tree_mask
+    )
     table, lens = csr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, cache_dims(cache, layout).page_size)
     return paged_prefill_attention(
-        q, cache, qo_indptr, table, lens, scale, layout, window, precision, causal, return_lse
+        q, cache, qo_indptr, table, lens, scale, layout, window, precision, causal, return_lse, tree_mask
     )
 
 

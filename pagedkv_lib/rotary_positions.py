@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from .draft_tree import check_parents
 from .formats import get_batch_indices_positions, index_tensor
 
 __all__ = ["draft_tree_offsets", "rotary_positions", "inactive_tokens", "as_padding"]
@@ -65,26 +66,22 @@ def _appended(append_indptr, past_lens) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def draft_tree_offsets(parents) -> torch.Tensor:
     """Position offsets ``[num_nodes]`` (int64) of a speculative-decoding draft tree: each
-    node's depth below the root.
+    node's depth below the last cached token, counted from 0.
 
-    ``parents [num_nodes]``: the parent node of each node, ``-1`` for the root (node 0,
-    the token after the last accepted one), parents listed before their children. Node
-    ``j`` is then verified at position ``past_len + depth[j]``: siblings are alternative
-    drafts for the same position and share a rotary position, each in its own cache row.
-    A chain of drafts (``parents = [-1, 0, 1, ...]``) gives ``0, 1, 2, ...``.
+    ``parents [num_nodes]``: the parent node of each node, ``-1`` for a root (node 0, the
+    token after the last accepted one, or several alternatives for it), parents listed
+    before their children (:func:`pagedkv_lib.draft_tree.check_parents`, the one home of
+    the rule). Node ``j`` is then verified at position ``past_len + depth[j]``: siblings
+    are alternative drafts for the same position and share a rotary position, each in
+    its own cache row. A chain of drafts (``parents = [-1, 0, 1, ...]``) gives ``0, 1,
+    2, ...``. Which earlier nodes each one attends to: :func:`pagedkv_lib.draft_tree.tree_mask`.
     """
-    par = index_tensor("parents", parents, 1)
-    if par.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if int(par[0]) != -1:
-        raise ValueError(f"parents[0] = {int(par[0])}: node 0 is the root, its parent must be -1")
-    depth = torch.zeros(par.numel(), dtype=torch.int64)
-    for j in range(1, par.numel()):
-        p = int(par[j])
-        if not 0 <= p < j:
-            raise ValueError(f"parents[{j}] = {p} must name an earlier node (0..{j - 1})")
-        depth[j] = depth[p] + 1
-    return depth
+    par = check_parents(parents).tolist()
+    depth = [0] * len(par)
+    for j, p in enumerate(par):
+        if p >= 0:
+            depth[j] = depth[p] + 1
+    return torch.tensor(depth, dtype=torch.int64)
 
 
 def rotary_positions(

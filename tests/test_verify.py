@@ -18,6 +18,7 @@ CAUGHT_BY = {
     "stale_block_table": "reused_page",
     "int32_offset": "int64_offsets",
     "chunk_local_mask": "prefill",
+    "tree_mask_ignored": "prefill",
     "rotary_at_cache_position": "rotary_append",
 }
 IMPLEMENTATIONS = {  # (append_fn, decode_fn, prefill_fn)

@@ -38,6 +38,7 @@ from .mha import (
     check_rope_args,
     check_state_pair,
     check_states_args,
+    check_tree_mask,
     check_v_tail_args,
 )
 from .mla import (
@@ -113,6 +114,7 @@ __all__ = [
     "check_csr_decode_args",
     "check_prefill_args",
     "check_csr_prefill_args",
+    "check_tree_mask",
     "check_merge_args",
     "check_causal",
     "check_states_args",

@@ -229,6 +229,54 @@ def check_causal(causal, window) -> None:
         )
 
 
+def check_tree_mask(tree_mask, qo_indptr: torch.Tensor, causal: bool = True, window: Window | None = None) -> None:
+    """A draft tree's attention mask (:mod:`pagedkv_lib.draft_tree`), or None.
+
+    ``tree_mask [total_q, max_q_len]`` torch.bool, at least as wide as the longest
+    request's ``q_len`` (rows delimited by the host int64 ``qo_indptr``): row ``r``, the
+    ``i``-th new token of its request, is True at column ``j`` when it sees the request's
+    ``j``-th new token. Within each request the mask must be lower-triangular (False for
+    ``j > i``, which includes every column past the request's ``q_len``: the causal limit
+    still holds) with a true diagonal (a draft sees itself). Only with ``causal=True``,
+    and not through a ring window (drafts written into a ring overwrite older keys, lost
+    if the drafts are rejected); a linear window masks on top of it."""
+    if tree_mask is None:
+        return
+    if not causal:
+        raise ValueError("tree_mask needs causal=True: a draft sees the context and its ancestors, never a later token")
+    if isinstance(window, RingWindow):
+        raise ValueError(
+            "tree_mask with a ring window: drafts written into a ring overwrite older keys that are lost if the "
+            "drafts are rejected; verify draft trees over a linear cache (no window, or a LinearWindow)"
+        )
+    q_lens = qo_indptr[1:] - qo_indptr[:-1]
+    total, widest = int(qo_indptr[-1]), int(q_lens.max()) if q_lens.numel() else 0
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool or tree_mask.dim() != 2:
+        is_tensor = isinstance(tree_mask, torch.Tensor)
+        got = f"{tree_mask.dtype} of shape {tuple(tree_mask.shape)}" if is_tensor else type(tree_mask).__name__
+        raise ValueError(f"tree_mask must be a 2-D torch.bool tensor [total_q, max_q_len], got {got}")
+    if tree_mask.shape[0] != total or tree_mask.shape[1] < widest:
+        raise ValueError(
+            f"tree_mask has shape {tuple(tree_mask.shape)}; expected [{total}, max_q_len >= {widest}] "
+            "(a row per query, a column per new token of the longest request)"
+        )
+    if tree_mask.device.type == "meta":
+        raise ValueError("tree_mask is on the meta device and holds no values")
+    mask = tree_mask.cpu()
+    within = torch.arange(total) - torch.repeat_interleave(qo_indptr[:-1], q_lens)  # each row's query index
+    later = mask & (torch.arange(mask.shape[1])[None, :] > within[:, None])
+    if later.any():
+        r, j = (int(x) for x in torch.nonzero(later)[0])
+        raise ValueError(
+            f"tree_mask[{r}, {j}] is True but row {r} is new token {int(within[r])} of its request: a draft sees "
+            "no later token (tree_mask must be lower-triangular within each request)"
+        )
+    own = mask[torch.arange(total), within] if total else mask.new_ones(0)
+    if not own.all():
+        r = int(torch.nonzero(~own)[0])
+        raise ValueError(f"tree_mask[{r}, {int(within[r])}] is False: every draft sees itself (a true diagonal)")
+
+
 def check_prefill_args(
     q,
     cache,
@@ -239,6 +287,7 @@ def check_prefill_args(
     window: Window | None = None,
     scale=None,
     causal: bool = True,
+    tree_mask=None,
 ):
     """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
     host int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most
@@ -246,7 +295,8 @@ def check_prefill_args(
     a slot one of its own queries still sees (:meth:`RingWindow.lost_key
     <pagedkv_lib.window.RingWindow.lost_key>`); a linear window (a mask) caps nothing.
     With ``causal=False`` (no ring, :func:`check_causal`) a request may have more
-    queries than keys, since no query has a position to align."""
+    queries than keys, since no query has a position to align. ``tree_mask``: a draft
+    tree's mask or None (:func:`check_tree_mask`)."""
     dims = check_q(q, cache, layout)
     check_scale(scale)
     check_causal(causal, window)
@@ -262,6 +312,7 @@ def check_prefill_args(
     if bad.any():
         b = int(torch.nonzero(bad)[0])
         raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
+    check_tree_mask(tree_mask, indptr, causal, window)
     if isinstance(window, RingWindow):
         lost = window.lost_key(lens, q_lens)
         if (lost >= 0).any():
@@ -334,7 +385,7 @@ def check_state_pair(v_a, s_a, v_b, s_b) -> None:
 
 def check_csr_prefill_args(
     q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None, causal: bool = True,
-    window=None,
+    window=None, tree_mask=None,
 ):  # fmt: skip
     """Validate a prefill over a CSR page table; return ``(qo_indptr, kv_indptr,
     kv_indices, kv_last_page_len, seq_lens)`` as host int64.
@@ -343,7 +394,7 @@ def check_csr_prefill_args(
     the pool; the KV lengths it implies (:func:`pagedkv_lib.formats.csr_seq_lens`) then
     obey :func:`check_prefill_args`'s rules. ``window``: a
     :class:`~pagedkv_lib.window.LinearWindow` or None (no ring: a ring's pages do not
-    give the sequence length, :func:`check_read_window`).
+    give the sequence length, :func:`check_read_window`); ``tree_mask`` as there.
     """
     dims = check_q(q, cache, layout)
     check_scale(scale)
@@ -355,4 +406,5 @@ def check_csr_prefill_args(
         qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, window, scale, causal)
     except ValueError as err:
         raise ValueError(f"{err} (seq_lens: the KV lengths kv_indptr and kv_last_page_len give)") from None
+    check_tree_mask(tree_mask, qo, causal, window)
     return qo, indptr, indices, last, lens

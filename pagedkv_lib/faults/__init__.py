@@ -41,6 +41,7 @@ from .harness import (
     element_offset_int32,
     minus_one_as_index,
     rotary_at_cache_position,
+    tree_mask_ignored,
     whole_page_decode,
 )
 from .quantized import nvfp4_quantize_unrounded_scale, shared_kv_scale, unrounded_block_scale
@@ -66,6 +67,7 @@ __all__ = [
     "whole_page_decode",
     "chunk_local_mask",
     "rotary_at_cache_position",
+    "tree_mask_ignored",
     # quantized pools
     "nvfp4_quantize_unrounded_scale",
     "unrounded_block_scale",
@@ -180,6 +182,13 @@ REGISTRY: tuple[Fault, ...] = (
         "harness",
         "prefill's causal mask compares keys with the query's index in its chunk, not its position",
         parts={"prefill_fn": f"{_H}chunk_local_mask"},
+    ),
+    Fault(
+        "tree_mask_ignored",
+        "harness",
+        "prefill ignores the draft tree's mask (speculative verification): every draft sees all earlier drafts, "
+        "its siblings and cousins included, as plain causal attention does",
+        parts={"prefill_fn": f"{_H}tree_mask_ignored"},
     ),
     Fault(
         "rotary_at_cache_position",

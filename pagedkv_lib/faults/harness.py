@@ -28,6 +28,7 @@ __all__ = [
     "whole_page_decode",
     "chunk_local_mask",
     "rotary_at_cache_position",
+    "tree_mask_ignored",
 ]
 
 
@@ -128,6 +129,19 @@ def chunk_local_mask(prefill_fn):
         indptr = torch.as_tensor(qo_indptr)
         q_lens = (indptr[1:] - indptr[:-1]).to(device=seq_lens.device, dtype=seq_lens.dtype)
         return prefill_fn(q, cache, qo_indptr, block_tables, q_lens, *args, **kwargs)
+
+    return prefill
+
+
+def tree_mask_ignored(prefill_fn):
+    """Wrap a prefill callable (the signature of ``kernels.paged_prefill_attention``) so
+    that the draft tree's ``tree_mask`` is dropped: every new token of a request then sees
+    all earlier new tokens (plain causal), its siblings and cousins included, as in a
+    kernel that verifies a draft tree like a chain. Right for chains and plain prefill
+    chunks, which is why tests without branching trees miss it."""
+
+    def prefill(*args, tree_mask=None, **kwargs):
+        return prefill_fn(*args, **kwargs)  # the fault: tree_mask dropped
 
     return prefill
 

@@ -146,6 +146,9 @@ class Contract:
         if self.min_seq_len and "requests" in out:
             kept = tuple(r for r in out["requests"] if r[0] >= self.min_seq_len) or ((self.min_seq_len,) * 2,)
             if kept != tuple(out["requests"]):
+                if out.get("tree") is not None:  # each request's draft tree goes with it
+                    trees = tuple(t for t, r in zip(out["tree"], out["requests"]) if r[0] >= self.min_seq_len)
+                    out["tree"] = trees or None
                 change("requests", kept)
         if changes:
             out["substituted"] = ", ".join(filter(None, [case.get("substituted", ""), *changes]))

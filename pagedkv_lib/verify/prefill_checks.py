@@ -14,7 +14,9 @@ over chunks far longer than a page, as narrow as one key and wider than the sequ
 and long requests over several query tiles and key tiles. A kernel whose causal mask
 compares keys with the query's index inside its chunk instead of its absolute position
 (fault ``chunk_local_mask``) is right on the single-chunk batches only, and fails the
-others.
+others. Draft trees of speculative verification (a case's ``"tree"``: parents per
+request, passed as ``tree_mask`` to a kernel that takes it) catch a kernel that ignores
+the tree's mask (fault ``tree_mask_ignored``: siblings see each other).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from .. import reference, runtime
 from ..compare import DTYPES, TOLERANCES, compare
+from ..draft_tree import batch_tree_mask
 from ..formats import pad_block_tables, scatter_pages
 from ..pool import PagedKVPool
 from ..window import RingWindow
@@ -41,6 +44,7 @@ __all__ = [
     "window_prefill_cases",
     "linear_window_prefill_cases",
     "noncausal_prefill_cases",
+    "tree_prefill_cases",
     "prefill_inputs",
     "prefill_case",
     "locate_row",
@@ -106,10 +110,26 @@ def noncausal_prefill_cases() -> list[dict]:
     ]
 
 
+def tree_prefill_cases() -> list[dict]:
+    """Speculative verification of draft trees (``"tree"``: the parents of each request's
+    new tokens, :mod:`pagedkv_lib.draft_tree`; None for a plain causal request): a
+    branchy tree after 33 cached tokens next to a whole prompt, an empty request and a
+    wide forest (four alternatives for one position, each seeing the context and itself);
+    a deeper tree through a linear window with GQA 5 next to a decode step. A kernel
+    that ignores the mask (plain causal: siblings see each other) fails both."""
+    base = {"head_dim": 64, "group": 2, "num_kv_heads": 2}
+    return [
+        {**base, "layout": "NHD", "dtype": "fp32", "page_size": 16, "requests": ((40, 7), (25, 25), (0, 0), (18, 4)),
+         "tree": ((-1, 0, 0, 1, 1, 2, -1), None, None, (-1, -1, -1, -1))},
+        {**base, "layout": "HND", "dtype": "fp16", "page_size": 5, "group": 5, "num_kv_heads": 1, "window_left": 12,
+         "requests": ((30, 9), (12, 1)), "tree": ((-1, 0, 1, 0, 3, 0, 5, 6, 6), (-1,))},
+    ]  # fmt: skip
+
+
 def prefill_grid(full: bool = False) -> list[dict]:
     """Prefill cases: layouts x dtypes, cycling head dims, page sizes, GQA groups and the
     :data:`BATCHES`; a pool of finite stale values; a NaN in a query; then ring windows,
-    long requests and linear windows."""
+    long requests, linear windows and draft trees."""
     values = {
         "layout": ["NHD", "HND"],
         "dtype": ["fp32", "fp16", "bf16"],
@@ -127,6 +147,7 @@ def prefill_grid(full: bool = False) -> list[dict]:
         *window_prefill_cases(),
         *long_prefill_cases(),
         *linear_window_prefill_cases(),
+        *tree_prefill_cases(),
     ]  # fmt: skip
     return cover(values, extra, outer=3 if full else 2)
 
@@ -183,19 +204,27 @@ def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> Ca
     causal = case.get("causal", True)
     if not causal and not accepts(prefill_fn, "causal"):
         return CaseResult("prefill", case, None, outside="the kernel takes no causal option")
+    if case.get("tree") is not None and not accepts(prefill_fn, "tree_mask"):
+        return CaseResult("prefill", case, None, outside="the kernel takes no tree_mask option")
+    tree_mask = None if case.get("tree") is None else batch_tree_mask(case["tree"], qo_indptr)
     expected = reference.paged_prefill_attention(
-        q, cache, qo_indptr, tables, lens, layout=layout, window=window, precision="fp64", causal=causal
-    )
+        q, cache, qo_indptr, tables, lens, layout=layout, window=window, precision="fp64", causal=causal,
+        tree_mask=tree_mask,
+    )  # fmt: skip
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
     dev, guards = runtime.device(), Guards()
     native = guards.place_pool(cache, contract.cache_layout, layout, dev)
     originals = {"q": q, "qo_indptr": qo_indptr, "block_tables": tables, "seq_lens": lens}
+    if tree_mask is not None:
+        originals["tree_mask"] = tree_mask
     inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
     kwargs = {"layout": layout} if accepts(prefill_fn, "layout") else {}
     if window is not None:
         kwargs["window"] = window
     if not causal:
         kwargs["causal"] = False
+    if tree_mask is not None:
+        kwargs["tree_mask"] = inputs["tree_mask"]
     try:
         out = prefill_fn(inputs["q"], native, *(inputs[n] for n in ("qo_indptr", "block_tables", "seq_lens")), **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it

@@ -94,6 +94,7 @@ CHECKS = (*FAMILIES, *ALL_SCENARIOS)
 FAULT_WRAPPERS = {
     "minus_one_as_index": ("append_fn", F.minus_one_as_index),
     "chunk_local_mask": ("prefill_fn", F.chunk_local_mask),
+    "tree_mask_ignored": ("prefill_fn", F.tree_mask_ignored),
     "nvfp4_unrounded_scale": ("quant_append_fn", F.unrounded_block_scale),
     "rotary_at_cache_position": ("rotary_append_fn", F.rotary_at_cache_position),
 }
