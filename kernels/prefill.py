@@ -66,6 +66,13 @@ tile loads are all written positions, so ``0 * v`` of a key masked for one row o
 is exactly 0. A bf16 output is rounded to nearest in fp32 bits before the cast
 (:func:`kernels.rounding.round_to`), because the interpreter's cast truncates.
 
+Layouts: K and V are read in place through their own bases and strides
+(:func:`kernels.attention_core.load_kv_tile`), so ``cache`` is the suite's 5-D pool,
+FlashInfer's ``(k_cache, v_cache)`` tuple or vLLM's x-packed pair
+(:func:`pagedkv_lib.cache_layouts.kv_cache_view`), never copied. With ``k_new``/``v_new``
+(vLLM's ``context_attention_fwd`` form, :mod:`kernels.prefix_prefill`) the new tokens'
+keys come from those (constexpr ``NEW_KV``) and the cache holds the context only.
+
 The key loop is a ``while`` loop: Triton 3.6's interpreter cannot ``range()`` over a
 runtime bound.
 """
@@ -83,12 +90,13 @@ import triton
 import triton.language as tl
 
 from pagedkv_lib import checks
-from pagedkv_lib.pool import cache_dims, cache_strides
+from pagedkv_lib.cache_layouts import KVCacheView, kv_cache_view
 from pagedkv_lib.window import Window
 
 from .attention_core import (
     ReadPlan,
     load_kv_tile,
+    new_kv_rows,
     online_softmax_step,
     read_plan_fields,
     row_lse,
@@ -99,16 +107,10 @@ from .attention_core import (
     window_args,
     window_kind,
 )
-from .launch import PageTable, fingerprint, int32_on_device
+from .launch import PageTable, cache_fingerprint, int32_on_device
 from .rounding import round_to
 from .tiles import prefill_tiles
-from .validate import (
-    INT32_MAX,
-    check_planned,
-    check_read_launch,
-    check_same_layout,
-    host_copy,
-)
+from .validate import INT32_MAX, check_cache_launch, check_planned_read, host_copy
 
 __all__ = [
     "prefill_kernel",
@@ -130,33 +132,41 @@ DOT_MODES = ("sum", "fp32", "fp16", "bf16")  # index = the kernel's DOT constexp
 
 @triton.jit
 def prefill_kernel(
-    # pointers: the queries, the pool, the page table (padded or CSR), the ragged query
-    # index, the tile list, the output
-    q_ptr, cache_ptr,
+    # pointers: the queries; K and V (the pool's two halves, FlashInfer's tuple or vLLM's
+    # pair); the new tokens' K and V when given apart; the page table (padded or CSR), the
+    # ragged query index, the tile list, the output
+    q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr,
     block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
     qo_indptr_ptr, tile_request_ptr, tile_row_ptr,
     out_ptr, lse_ptr,
-    # strides (elements): q [total_q, heads, dim]; the pool's page, K/V, row, head, feature
+    # strides (elements): q [total_q, heads, dim]; K's page, row, head, feature (group of
+    # key_x) and feature within the group; V's page, row, head, feature; k_new, v_new
+    # [total_q, kv_heads, dim]
     stride_qt, stride_qh, stride_qd,
-    stride_page, stride_kv, stride_n, stride_h, stride_d,
+    stride_kp, stride_kn, stride_kh, stride_kd, stride_kx,
+    stride_vp, stride_vn, stride_vh, stride_vd,
+    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
     stride_table,
     # strides: the output [total_q, heads, dim] and its lse [total_q, heads]
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    # sizes
-    qk_scale, group, head_dim, page_size,
+    # sizes (key_x: vLLM's x, 1 for the other layouts)
+    qk_scale, group, head_dim, page_size, key_x,
     # window (kernels.attention_core.window_args)
     sink_tokens, bubble_len, cyclic_cache_len, window_recent,
     # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
-    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False,
+    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False, NEW_KV: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
     head) rows of one request; with ``WRITE_LSE`` also their base-2 log-sum-exp
     (:func:`kernels.attention_core.row_lse`). ``CAUSAL=False`` (never with a ring):
     every row sees all ``seq_len`` keys of its request (with a linear window, those from
-    its position ``- window_left`` on)."""
+    its position ``- window_left`` on). ``NEW_KV`` (never with a ring): the keys at
+    positions ``>= seq_len - q_len`` come from ``k_new``/``v_new`` (row ``q_start + pos -
+    (seq_len - q_len)``), the older ones from the cache; a CSR table then holds the
+    context only, and ``seq_len`` is its length plus ``q_len``."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(tile_request_ptr + tile_id)
@@ -167,6 +177,8 @@ def prefill_kernel(
         b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
         page_size, IS_CSR,
     )  # fmt: skip
+    if NEW_KV and IS_CSR:
+        seq_len += q_len
     past = seq_len - q_len  # absolute position of the request's query 0
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -199,15 +211,26 @@ def prefill_kernel(
     n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, WINDOW)
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
-    head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
+    # Per-feature offsets, once per program; vLLM's key packs features in groups of key_x.
+    kh = kv_head.to(tl.int64)
+    d64 = offs_d.to(tl.int64)
+    k_off = kh * stride_kh + (d64 // key_x) * stride_kd + (d64 % key_x) * stride_kx
+    v_off = kh * stride_vh + d64 * stride_vd
     m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     tile = 0
     while tile < num_key_tiles:
         pos, row, valid = visible_keys(
             tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, WINDOW
         )
-        k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
-                            stride_n, False)  # fmt: skip
+        if NEW_KV:
+            k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid & (pos < past), k_off, v_off, d_mask,
+                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, False)  # fmt: skip
+            k, v = new_kv_rows(k, v, k_new_ptr, v_new_ptr, q_start + pos - past, valid & (pos >= past),
+                               kh, d64, d_mask,
+                               stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd)  # fmt: skip
+        else:
+            k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid, k_off, v_off, d_mask,
+                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, False)  # fmt: skip
         if DOT <= 1:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -260,12 +283,14 @@ class PrefillPlan(ReadPlan):
     :func:`plan_prefill_csr` and launched by :func:`run_prefill`: the tiles, the dot
     mode, the tile list and the index tensors (int32, contiguous, on the device).
 
-    ``q`` and ``cache`` given to :func:`run_prefill` must have the planned shapes,
-    dtypes and device (``cache`` also its strides: page ids were checked against it).
+    ``q``, ``cache`` (and ``k_new``, ``v_new`` when planned with them) given to
+    :func:`run_prefill` must have the planned shapes, dtypes and device (``cache`` also
+    its strides: page ids were checked against it).
     """
 
     layout: str
-    cache: tuple  # (shape, strides, dtype, device) of the pool
+    cache: tuple  # (shape, strides, dtype, device) of the pool, or one per tensor of a pair
+    cache_layout: str  # "paged", "kv_tuple" or "vllm_x" (pagedkv_lib.cache_layouts.kv_cache_view)
     total_q: int
     block_m: int  # (query, head) rows per tile
     block_n: int  # keys per loop iteration
@@ -278,6 +303,7 @@ class PrefillPlan(ReadPlan):
     tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
     qo_indptr: torch.Tensor  # [batch + 1]
     causal: bool = True  # False: every query sees all its request's keys
+    new_kv: bool = False  # the new tokens' K/V come apart (k_new, v_new), the cache holds the context
 
 
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
@@ -315,8 +341,8 @@ def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m
     return request[order], row0[order], int((keys * live_rows).sum())
 
 
-def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, causal: bool) -> PrefillPlan:
-    dims = cache_dims(cache, layout)
+def _make_plan(q, view: KVCacheView, cache, layout, scale, window, qo, lens, table: PageTable, causal, new_kv):
+    dims = view.dims
     fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, table)
     group = fields["group"]
     q_lens = qo[1:] - qo[:-1]
@@ -324,12 +350,13 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, caus
     if max_rows > INT32_MAX - 2**20:  # the kernel numbers a request's (query, head) rows in int32
         raise ValueError(f"a request has {max_rows} (query, head) rows; the kernel indexes them with int32")
     max_keys = int(lens.max()) if lens.numel() else 0
-    mode = dot_mode(q.dtype, cache.dtype)
+    mode = dot_mode(q.dtype, view.key.dtype)
     block_m, block_n, block_d, num_warps = prefill_tiles(group, fields["head_dim"], max_rows, max_keys, mode)
     tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window, causal)
     return PrefillPlan(
         layout=layout,
-        cache=fingerprint(cache),
+        cache=cache_fingerprint(cache),
+        cache_layout=view.cache_layout,
         total_q=q.shape[0],
         block_m=block_m,
         block_n=block_n,
@@ -342,13 +369,14 @@ def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, caus
         tile_row=int32_on_device(tile_row, q.device, min_len=1),
         qo_indptr=int32_on_device(qo, q.device),
         causal=causal,
+        new_kv=new_kv,
         **fields,
     )
 
 
 def plan_prefill(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -356,20 +384,23 @@ def plan_prefill(
     window: Window | None = None,
     scale: float | None = None,
     causal: bool = True,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention` call and fix its tiles and tile list;
     nothing is launched. Arguments and errors as :func:`paged_prefill_attention`."""
+    view, new_tokens = kv_cache_view(cache, layout), checks.new_tokens_of(k_new, v_new)
     host = (host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens))
-    qo, _, lens = checks.check_prefill_args(q, cache, *host, layout, window, scale, causal)
+    qo, _, lens = checks.check_prefill_args(q, view.geometry(layout), *host, layout, window, scale, causal, new_tokens)
     index = {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens}
-    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    check_cache_launch(q, view, k_new, v_new, index)
     table = PageTable.padded(block_tables, seq_lens, q.device)
-    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal)
+    return _make_plan(q, view, cache, layout, scale, window, qo, lens, table, causal, new_tokens == "separate")
 
 
 def plan_prefill_csr(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -378,52 +409,60 @@ def plan_prefill_csr(
     scale: float | None = None,
     causal: bool = True,
     window: Window | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention_csr` call and fix its tiles and tile
     list; nothing is launched. Arguments and errors as :func:`paged_prefill_attention_csr`."""
+    view, new_tokens = kv_cache_view(cache, layout), checks.new_tokens_of(k_new, v_new)
     host = (host_copy(qo_indptr), host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
-    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale, causal, window)
+    qo, *_, lens = checks.check_csr_prefill_args(q, view.geometry(layout), *host, layout, scale, causal, window,
+                                                 new_tokens)  # fmt: skip
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
-    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    check_cache_launch(q, view, k_new, v_new, index)
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
-    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal)
+    return _make_plan(q, view, cache, layout, scale, window, qo, lens, table, causal, new_tokens == "separate")
 
 
-def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_lse: bool = False):
+def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache, return_lse: bool = False, k_new=None, v_new=None, out=None):
     """Launch a planned prefill; returns ``[total_q, num_q_heads, head_dim]`` in
-    ``q.dtype``, with ``return_lse=True`` ``(out, lse)`` (``lse [total_q, num_q_heads]``
-    fp32, base 2, see :func:`paged_prefill_attention`). ``q`` and ``cache`` must match
+    ``q.dtype`` (``out`` itself when given: written in place, vLLM's ``o``), with
+    ``return_lse=True`` ``(out, lse)`` (``lse [total_q, num_q_heads]`` fp32, base 2, see
+    :func:`paged_prefill_attention`). ``q``, ``cache``, ``k_new``, ``v_new`` must match
     the plan (ValueError otherwise)."""
-    check_same_layout("cache", cache, plan.cache)
-    check_planned("q", q, (plan.total_q, plan.num_q_heads, plan.head_dim), plan.q_dtype)
     checks.check_flag("return_lse", return_lse)
+    view = check_planned_read(plan, q, cache, k_new, v_new, out)
     # Every row belongs to one request, whose tiles cover all its (query, head) rows.
-    out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((plan.total_q, plan.num_q_heads), dtype=torch.float32, device=q.device) if return_lse else out
     if plan.num_tiles == 0:  # no queries at all
         return (out, lse) if return_lse else out
+    new_k, new_v = (k_new, v_new) if plan.new_kv else (q, q)  # unread without NEW_KV
     # fmt: off
     prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
         # pointers
-        q, cache,
+        q, view.key, view.value, new_k, new_v,
         *plan.table.pointers(),
         plan.qo_indptr, plan.tile_request, plan.tile_row,
         out, lse,
         # strides
         *q.stride(),
-        *cache_strides(cache, plan.layout),
+        *view.key_strides,
+        *view.value_strides,
+        *(new_k.stride() if plan.new_kv else (0, 0, 0)), *(new_v.stride() if plan.new_kv else (0, 0, 0)),
         plan.table.stride,
         *out.stride(),
         *(lse.stride() if return_lse else (0, 0)),
         # sizes
-        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
+        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size, view.key_x,
         # window
         *window_args(plan.window),
         # constexprs
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
-        CAUSAL=plan.causal, WRITE_LSE=return_lse,
+        CAUSAL=plan.causal, WRITE_LSE=return_lse, NEW_KV=plan.new_kv,
         num_warps=plan.num_warps,
     )
     # fmt: on
@@ -435,7 +474,7 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
 
 def paged_prefill_attention(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -444,6 +483,8 @@ def paged_prefill_attention(
     scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ):
     """Attention of ``q_len >= 0`` new queries per sequence over the paged KV pool.
 
@@ -452,8 +493,11 @@ def paged_prefill_attention(
             ``qo_indptr``: request ``b`` owns rows ``qo_indptr[b] .. qo_indptr[b+1] - 1``.
         cache: the raw 5-D pool, NHD ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
             or HND ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (index 0 of
-            dim 1 is K, 1 is V), fp32/fp16/bf16, any strides. The new tokens' K/V must
-            already be written.
+            dim 1 is K, 1 is V), or a pair ``(key_cache, value_cache)``: FlashInfer's
+            tuple (4-D, ``"kv_tuple"`` in ``layout``) or vLLM's x-packed pair (a 5-D key,
+            ``"vllm_x"``), see :func:`pagedkv_lib.cache_layouts.kv_cache_view`.
+            fp32/fp16/bf16, any strides, read in place. The new tokens' K/V must already
+            be written, unless given apart (``k_new``/``v_new``).
         qo_indptr: ``[batch + 1]`` int32/int64, starting at 0, ending at ``total_q``,
             with ``q_len[b] = qo_indptr[b+1] - qo_indptr[b]`` in ``[0, seq_lens[b]]``.
         block_tables: ``[batch, max_blocks]`` int32/int64 page ids, ``-1`` padded; the
@@ -475,6 +519,13 @@ def paged_prefill_attention(
             with a ring window, whose slots of older keys hold newer tokens; with a
             linear window the query sees keys from ``position - window_left`` on.
         return_lse: also return each row's log-sum-exp (below).
+        k_new, v_new: the new tokens' K and V given apart (vLLM's ``k``, ``v`` of
+            ``context_attention_fwd``): ``[total_q, num_kv_heads, head_dim]`` in the
+            cache's dtype, ragged by ``qo_indptr`` like ``q``. The key at position ``pos
+            >= seq_lens[b] - q_len[b]`` is then row ``qo_indptr[b] + pos - (seq_lens[b] -
+            q_len[b])`` of them and the cache holds the context only: ``block_tables``
+            must cover ``seq_lens[b] - q_len[b]`` rows, and ``q_len[b] <= seq_lens[b]``
+            even with ``causal=False``. Both or neither; no ring window.
 
     Each query sees the keys at positions up to its own (causal, bottom-right aligned),
     through the window when given (a ring's sinks and last ``window - sinks``
@@ -493,16 +544,19 @@ def paged_prefill_attention(
 
     Raises:
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
-        ``qo_indptr``, ``scale``, ``window``, chunk length through a ring) before
-        anything is allocated or launched.
+        ``qo_indptr``, ``scale``, ``window``, chunk length through a ring; a pair whose
+        key and value disagree, a wrong ``x``; ``k_new``/``v_new`` of another shape or
+        dtype) before anything is allocated or launched.
     """
-    plan = plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal)
-    return run_prefill(plan, q, cache, return_lse)
+    return run_prefill(
+        plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal, k_new, v_new),
+        q, cache, return_lse, k_new, v_new,
+    )  # fmt: skip
 
 
 def paged_prefill_attention_csr(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -512,6 +566,8 @@ def paged_prefill_attention_csr(
     causal: bool = True,
     return_lse: bool = False,
     window: Window | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ):
     """Prefill attention with a CSR page table (FlashInfer's format), walked in-kernel.
 
@@ -522,8 +578,13 @@ def paged_prefill_attention_csr(
     device. ``window``: a :class:`~pagedkv_lib.window.LinearWindow` (FlashInfer's
     ``window_left``, as its ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
     window_left=w)``) or None; no ring (a ring's pages do not give the length; use the
-    padded entry). Other arguments (``causal``, ``return_lse`` included), result and
-    errors as :func:`paged_prefill_attention`.
+    padded entry). With ``k_new``/``v_new`` the table holds the context only and request
+    ``b``'s KV length is its table's plus ``q_len[b]``. Other arguments (``cache``,
+    ``causal``, ``return_lse``, ``k_new``, ``v_new`` included), result and errors as
+    :func:`paged_prefill_attention`.
     """
-    plan = plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window)
-    return run_prefill(plan, q, cache, return_lse)
+    return run_prefill(
+        plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window,
+                         k_new, v_new),
+        q, cache, return_lse, k_new, v_new,
+    )  # fmt: skip
