@@ -25,6 +25,7 @@ Callers use the package (``checks.check_decode_args(...)``); its modules, by fam
 from __future__ import annotations
 
 from .mha import (
+    NEW_TOKENS,
     check_append_args,
     check_block_tables,
     check_causal,
@@ -115,6 +116,7 @@ __all__ = [
     "check_decode_args",
     "check_csr_decode_args",
     "check_prefill_args",
+    "NEW_TOKENS",
     "check_new_tokens",
     "check_new_kv",
     "new_tokens_of",
