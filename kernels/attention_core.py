@@ -207,8 +207,8 @@ def load_scaled_queries(
 @triton.jit
 def load_kv_tile(
     k_ptr, v_ptr, table_row, row, valid, k_off, v_off, d_mask,
-    page_size, stride_kpage, stride_kn, stride_vpage, stride_vn,
-    AS_FP32: tl.constexpr,
+    page_size, stride_kpage, stride_kn, stride_vpage, stride_vn, kv_step,
+    AS_FP32: tl.constexpr, V_AFTER_K: tl.constexpr,
 ):  # fmt: skip
     """``(k, v)`` ``[BLOCK_N, BLOCK_D]``: one KV head's K and V at the sequence's logical
     rows ``row``, both through one page-table lookup (page ``table_row[row // page_size]``,
@@ -217,20 +217,26 @@ def load_kv_tile(
     more), else in the cache's dtype. Masked lanes load 0, so a NaN in an unused slot
     never enters a product.
 
-    K and V are addressed apart, each from its own base with its own page and row strides
-    and its own per-feature offsets ``k_off``, ``v_off [BLOCK_D]`` (int64, the KV head's
-    offset included), so one helper reads every layout: the suite's pool (``k_ptr`` the
-    pool, ``v_ptr`` the pool plus ``stride_kv``, equal strides and offsets, which the
-    compiler then computes once), FlashInfer's ``(k_cache, v_cache)`` tuple and vLLM's
-    x-packed key cache, whose feature ``d`` lies at ``(d // x) * stride + (d % x) *
-    stride_x`` (the caller folds that into ``k_off`` once per program)."""
+    K is read from ``k_ptr`` with its page and row strides and its per-feature offsets
+    ``k_off [BLOCK_D]`` (int64, the KV head's offset included), so vLLM's x-packed key,
+    whose feature ``d`` lies at ``(d // x) * stride + (d % x) * stride_x``, is read in
+    place (the caller folds that into ``k_off`` once per program). V is read either
+    ``kv_step`` elements after each K element (``V_AFTER_K``: the suite's pool, whose two
+    halves share every stride, ``kv_step`` its ``stride_kv``; ``v_ptr``, ``v_off`` and V's
+    strides are then not read) or apart, from ``v_ptr`` with its own strides and
+    ``v_off`` (FlashInfer's ``(k_cache, v_cache)`` tuple, vLLM's pair). The first form is
+    not a special case of the second for the compiler: equal runtime strides are not
+    known equal, and the second address computation cost the compiled prefill a spill."""
     page, slot = table_page(table_row, row, page_size, valid)
     kv_mask = valid[:, None] & d_mask[None, :]
     k_ptrs = k_ptr + row_offset(page, slot, stride_kpage, stride_kn)[:, None] + k_off[None, :]
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     if AS_FP32:
         k = k.to(tl.float32)
-    v_ptrs = v_ptr + row_offset(page, slot, stride_vpage, stride_vn)[:, None] + v_off[None, :]
+    if V_AFTER_K:
+        v_ptrs = k_ptrs + kv_step
+    else:
+        v_ptrs = v_ptr + row_offset(page, slot, stride_vpage, stride_vn)[:, None] + v_off[None, :]
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     if AS_FP32:
         v = v.to(tl.float32)

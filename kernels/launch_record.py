@@ -301,9 +301,9 @@ def _run_vllm_layouts() -> None:
     """The prefill over vLLM's and FlashInfer's cache pairs at the benchmarks' shapes,
     recorded dry (the verify grid runs the suite's 5-D pool only): vLLM's
     ``context_attention_fwd`` (the x-packed pair, the new tokens apart: ``NEW_KV``) with
-    and without its ``sliding_window``, FlashInfer's ``(k_cache, v_cache)`` tuple in NHD
-    with the new tokens in the cache, and in HND through a CSR table of the context with
-    the new tokens apart."""
+    and without its ``sliding_window``, the same pair and FlashInfer's ``(k_cache,
+    v_cache)`` tuple in NHD with the new tokens in the cache, and the tuple in HND through
+    a CSR table of the context with the new tokens apart."""
     from pagedkv_lib.cache_layouts import to_native
     from pagedkv_lib.formats import block_table_to_csr
 
@@ -323,6 +323,7 @@ def _run_vllm_layouts() -> None:
             prefix_prefill.context_attention_fwd(q, k, k, torch.empty_like(q), "auto", k_cache, v_cache, table, qo,
                                                  lens, n // 2, 1.0, 1.0, sliding_window=window)  # fmt: skip
         prefill.paged_prefill_attention(q, to_native(pool, "kv_tuple"), qo, table, lens)
+        prefill.paged_prefill_attention(q, (k_cache, v_cache), qo, table, lens)  # the new tokens in the cache
         pair = to_native(pool.transpose(2, 3).contiguous(), "kv_tuple", "HND")
         prefill.paged_prefill_attention_csr(q, pair, qo, indptr, indices, last, "HND", k_new=k, v_new=k)
 

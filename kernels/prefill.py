@@ -140,24 +140,26 @@ def prefill_kernel(
     qo_indptr_ptr, tile_request_ptr, tile_row_ptr,
     out_ptr, lse_ptr,
     # strides (elements): q [total_q, heads, dim]; K's page, row, head, feature (group of
-    # key_x) and feature within the group; V's page, row, head, feature; k_new, v_new
-    # [total_q, kv_heads, dim]
+    # KEY_X) and feature within the group; V's page, row, head, feature, and with
+    # V_AFTER_K (the pool) V's step from K; k_new, v_new [total_q, kv_heads, dim]
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_kn, stride_kh, stride_kd, stride_kx,
-    stride_vp, stride_vn, stride_vh, stride_vd,
+    stride_vp, stride_vn, stride_vh, stride_vd, stride_kv,
     stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
     stride_table,
     # strides: the output [total_q, heads, dim] and its lse [total_q, heads]
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    # sizes (key_x: vLLM's x, 1 for the other layouts)
-    qk_scale, group, head_dim, page_size, key_x,
+    # sizes
+    qk_scale, group, head_dim, page_size,
     # window (kernels.attention_core.window_args)
     sink_tokens, bubble_len, cyclic_cache_len, window_recent,
-    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind)
+    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind;
+    # KEY_X: vLLM's x, 1 for the other layouts; V_AFTER_K: the pool, V stride_kv after K)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
     CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False, NEW_KV: tl.constexpr = False,
+    KEY_X: tl.constexpr = 1, V_AFTER_K: tl.constexpr = True,
 ):  # fmt: skip
     """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
     head) rows of one request; with ``WRITE_LSE`` also their base-2 log-sum-exp
@@ -211,10 +213,11 @@ def prefill_kernel(
     n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, WINDOW)
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
-    # Per-feature offsets, once per program; vLLM's key packs features in groups of key_x.
+    # Per-feature offsets, once per program. vLLM's key packs features in groups of KEY_X
+    # (16 bytes); a constexpr, so that each group is known contiguous and loads as a vector.
     kh = kv_head.to(tl.int64)
     d64 = offs_d.to(tl.int64)
-    k_off = kh * stride_kh + (d64 // key_x) * stride_kd + (d64 % key_x) * stride_kx
+    k_off = kh * stride_kh + (d64 // KEY_X) * stride_kd + (d64 % KEY_X) * stride_kx
     v_off = kh * stride_vh + d64 * stride_vd
     m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     tile = 0
@@ -222,15 +225,17 @@ def prefill_kernel(
         pos, row, valid = visible_keys(
             tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, WINDOW
         )
-        if NEW_KV:
+        if NEW_KV:  # the cache holds the context; the new tokens' keys come from k_new/v_new
             k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid & (pos < past), k_off, v_off, d_mask,
-                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, False)  # fmt: skip
+                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, stride_kv,
+                                False, V_AFTER_K)  # fmt: skip
             k, v = new_kv_rows(k, v, k_new_ptr, v_new_ptr, q_start + pos - past, valid & (pos >= past),
                                kh, d64, d_mask,
                                stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd)  # fmt: skip
         else:
             k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid, k_off, v_off, d_mask,
-                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, False)  # fmt: skip
+                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, stride_kv,
+                                False, V_AFTER_K)  # fmt: skip
         if DOT <= 1:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -351,7 +356,8 @@ def _make_plan(q, view: KVCacheView, cache, layout, scale, window, qo, lens, tab
         raise ValueError(f"a request has {max_rows} (query, head) rows; the kernel indexes them with int32")
     max_keys = int(lens.max()) if lens.numel() else 0
     mode = dot_mode(q.dtype, view.key.dtype)
-    block_m, block_n, block_d, num_warps = prefill_tiles(group, fields["head_dim"], max_rows, max_keys, mode)
+    gathered = view.cache_layout == "vllm_x" or new_kv
+    block_m, block_n, block_d, num_warps = prefill_tiles(group, fields["head_dim"], max_rows, max_keys, mode, gathered)
     tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window, causal)
     return PrefillPlan(
         layout=layout,
@@ -450,19 +456,20 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache, return_lse: bool = Fa
         # strides
         *q.stride(),
         *view.key_strides,
-        *view.value_strides,
+        *view.value_strides, view.kv_step,
         *(new_k.stride() if plan.new_kv else (0, 0, 0)), *(new_v.stride() if plan.new_kv else (0, 0, 0)),
         plan.table.stride,
         *out.stride(),
         *(lse.stride() if return_lse else (0, 0)),
         # sizes
-        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size, view.key_x,
+        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
         # window
         *window_args(plan.window),
         # constexprs
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
-        CAUSAL=plan.causal, WRITE_LSE=return_lse, NEW_KV=plan.new_kv,
+        CAUSAL=plan.causal, WRITE_LSE=return_lse, NEW_KV=plan.new_kv, KEY_X=view.key_x,
+        V_AFTER_K=view.cache_layout == "paged",
         num_warps=plan.num_warps,
     )
     # fmt: on

@@ -140,7 +140,8 @@ class KVCacheView(NamedTuple):
     ``key_strides = (page, row, head, feature, feature_in_group)``, feature ``d`` of a key
     row lying at ``(d // key_x) * feature + (d % key_x) * feature_in_group`` (vLLM's x
     packing; ``key_x`` 1 and ``feature_in_group`` 0 elsewhere); ``value_strides = (page,
-    row, head, feature)``."""
+    row, head, feature)``; ``kv_step``: for the pool, V's offset from K (its
+    ``stride_kv``: every V element lies that far after its K element), 0 for a pair."""
 
     cache_layout: str  # "paged", "kv_tuple" or "vllm_x"
     dims: CacheDims
@@ -149,6 +150,7 @@ class KVCacheView(NamedTuple):
     key_strides: tuple[int, int, int, int, int]
     key_x: int
     value_strides: tuple[int, int, int, int]
+    kv_step: int = 0
 
     def geometry(self, layout: str = "NHD") -> torch.Tensor:
         """A ``meta`` tensor (no memory) of the suite pool's shape in ``layout`` and the
@@ -171,8 +173,8 @@ def kv_cache_view(cache, layout: str = "NHD") -> KVCacheView:
     check_layout(layout)
     if isinstance(cache, torch.Tensor):
         dims = cache_dims(cache, layout)
-        sp, _, sn, sh, sd = cache_strides(cache, layout)
-        return KVCacheView("paged", dims, cache[:, 0], cache[:, 1], (sp, sn, sh, sd, 0), 1, (sp, sn, sh, sd))
+        sp, skv, sn, sh, sd = cache_strides(cache, layout)
+        return KVCacheView("paged", dims, cache[:, 0], cache[:, 1], (sp, sn, sh, sd, 0), 1, (sp, sn, sh, sd), skv)
     if not (isinstance(cache, (tuple, list)) and len(cache) == 2 and all(isinstance(t, torch.Tensor) for t in cache)):
         raise ValueError(
             f"cache must be the suite's 5-D pool or a (key_cache, value_cache) pair of tensors, got {_describe(cache)}"
