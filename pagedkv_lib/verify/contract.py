@@ -6,7 +6,9 @@ window. A :class:`Contract` says so; the harness then reports the cases outside 
 *outside the declared contract* (listed apart, neither passed nor failed), skips a
 scenario that needs an undeclared feature with that reason, and draws generated cases
 only inside the contract. It also says which cache layout the kernel takes (see
-:mod:`pagedkv_lib.cache_layouts`), so each case's pool is built in that layout.
+:mod:`pagedkv_lib.cache_layouts`), so each case's pool is built in that layout, and for
+a prefill whether the new tokens' K/V are read from the pool or given apart
+(``new_tokens``, vLLM's ``context_attention_fwd`` form).
 
 Before a grid case is judged outside, :meth:`Contract.project` moves it inside where an
 equivalent case exists: an excluded page size, head dim, GQA group, dtype or layout
