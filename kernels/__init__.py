@@ -10,7 +10,10 @@ points that are exactly ``run_x(plan_x(...), ...)``):
   linear-cache windows, FlashInfer's ``window_left``);
   :mod:`kernels.merge`: the merge of attention states (split-KV stage 2, merge_state(s));
 * :mod:`kernels.prefill`: paged prefill attention, many queries per sequence (ring and
-  linear-cache windows);
+  linear-cache windows; the pool, FlashInfer's K/V tuple or vLLM's x-packed pair, the new
+  tokens in the cache or given apart; draft-tree masks), its launch plan in
+  :mod:`kernels.prefill_plan`; :mod:`kernels.prefix_prefill`: the same under vLLM's
+  ``context_attention_fwd`` name and arguments;
   :mod:`kernels.cascade`: attention states' merge (``merge_state(s)``) and cascade attention;
 * :mod:`kernels.quant_write`, :mod:`kernels.quant_decode`: the same on FP8 / NVFP4 pools;
   :mod:`kernels.quant_codes`: their device-side encoders and decoders;
@@ -93,6 +96,7 @@ from .prefill import (
     plan_prefill_csr,
     run_prefill,
 )
+from .prefix_prefill import context_attention_fwd, plan_context_attention
 from .quant_decode import (
     QuantDecodePlan,
     paged_decode_attention_quant,
@@ -142,7 +146,7 @@ __all__ = [
     "run_mla_latent", "MLALatentPlan",
     # read: prefill (many queries per sequence)
     "paged_prefill_attention", "paged_prefill_attention_csr", "plan_prefill", "plan_prefill_csr",
-    "run_prefill", "PrefillPlan",
+    "run_prefill", "PrefillPlan", "context_attention_fwd", "plan_context_attention",
     # read: attention states (out, base-2 lse) merged, and cascade attention
     "merge_state", "merge_states", "cascade_attention",
     # move blocks and rows

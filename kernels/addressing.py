@@ -7,8 +7,9 @@ gather kernels (and the kernels added later) can never disagree:
   ``page * stride_page + row * stride_n``, in int64;
 * :func:`cache_offset`: the full ``cache[page, kv, row, head, feat]`` offset, the
   device twin of :func:`pagedkv_lib.indexing.element_offset`;
-* :func:`table_row_offset`: a logical cache row of one sequence through its page
-  table (``page = table[row // page_size]``, ``row % page_size``);
+* :func:`table_page`: a logical cache row of one sequence through its page table
+  (``page = table[row // page_size]``, ``row % page_size``), and
+  :func:`table_row_offset`: the same row's element offset;
 * :func:`kv_token_idx`: the ring window's row of a token position, the device twin of
   :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`;
 * :func:`token_rows`: ``(page, row, valid)`` of a tile of tokens being written, from
@@ -36,6 +37,7 @@ __all__ = [
     "ring_params",
     "row_offset",
     "cache_offset",
+    "table_page",
     "table_row_offset",
     "kv_token_idx",
     "token_rows",
@@ -71,13 +73,23 @@ def cache_offset(page, kv, row, head, feat, stride_page, stride_kv, stride_n, st
 
 
 @triton.jit
+def table_page(table_row_ptr, row, page_size, valid):
+    """``(page, slot)`` ``[N]`` of logical cache rows ``row [N]`` of one sequence whose page
+    ids start at ``table_row_ptr``: page ``table_row_ptr[row // page_size]``, row ``row %
+    page_size`` in it. Lanes that are not ``valid`` read no table entry (it may lie past
+    the table's end) and get page 0. Caches that share one page table (K and V as two
+    tensors) look the page up once and take :func:`row_offset` with each one's strides."""
+    page = tl.load(table_row_ptr + row // page_size, mask=valid, other=0)
+    return page, row % page_size
+
+
+@triton.jit
 def table_row_offset(table_row_ptr, row, page_size, valid, stride_page, stride_n):
     """Element offsets ``[N]`` (int64) of logical cache rows ``row [N]`` of one sequence
-    whose page ids start at ``table_row_ptr``: page ``table_row_ptr[row // page_size]``,
-    row ``row % page_size`` in it. Lanes that are not ``valid`` read no table entry (it
-    may lie past the table's end) and get offset 0."""
-    page = tl.load(table_row_ptr + row // page_size, mask=valid, other=0)
-    return row_offset(page, row % page_size, stride_page, stride_n)
+    (:func:`table_page`, then :func:`row_offset`); lanes that are not ``valid`` get
+    offset 0."""
+    page, slot = table_page(table_row_ptr, row, page_size, valid)
+    return row_offset(page, slot, stride_page, stride_n)
 
 
 @triton.jit

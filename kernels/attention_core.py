@@ -15,7 +15,9 @@ share are the ``@triton.jit`` helpers below, each kernel keeping only what is it
    linear window, which has no sinks);
 3. :func:`split_tiles`: the tiles of one split-KV split;
 4. :func:`load_scaled_queries` and :func:`load_kv_tile`: a head group's queries in
-   fp32 times ``scale * log2(e)``, and one K/V tile of the MHA pool;
+   fp32 times ``scale * log2(e)``, and one K/V tile, K and V each from its own base and
+   strides (the suite's pool, FlashInfer's K/V tuple, vLLM's x-packed pair), and
+   :func:`new_kv_rows`: the new tokens' rows of a tile when given apart from the cache;
 5. :func:`softmax_state` and :func:`online_softmax_step`: the running max, sum and
    accumulator, and one tile's update of them, with the guard for rows that have seen
    no key yet;
@@ -51,7 +53,7 @@ import triton.language as tl
 
 from pagedkv_lib.window import LinearWindow, Window
 
-from .addressing import kv_token_idx, ring_params, table_row_offset
+from .addressing import kv_token_idx, ring_params, row_offset, table_page
 from .launch import PageTable
 from .merge import launch_merge
 
@@ -63,6 +65,7 @@ __all__ = [
     "split_tiles",
     "load_scaled_queries",
     "load_kv_tile",
+    "new_kv_rows",
     "online_softmax_step",
     "softmax_state",
     "row_lse",
@@ -203,25 +206,57 @@ def load_scaled_queries(
 
 @triton.jit
 def load_kv_tile(
-    cache_ptr, table_row, row, valid, head_off, d_mask,
-    page_size, stride_page, stride_kv, stride_n,
-    AS_FP32: tl.constexpr,
+    k_ptr, v_ptr, table_row, row, valid, k_off, v_off, d_mask,
+    page_size, stride_kpage, stride_kn, stride_vpage, stride_vn, kv_step,
+    AS_FP32: tl.constexpr, V_AFTER_K: tl.constexpr,
 ):  # fmt: skip
     """``(k, v)`` ``[BLOCK_N, BLOCK_D]``: one KV head's K and V at the sequence's logical
-    rows ``row`` (page ``table_row[row // page_size]``, element offsets by the pool's
-    strides; ``head_off [BLOCK_D]`` is the head's and features' offset), in fp32 with
-    ``AS_FP32`` (each converted as it is loaded: converting after both loads costs the
-    compiled decode up to 4 registers more), else in the pool's dtype. Masked lanes load
-    0, so a NaN in an unused slot never enters a product."""
-    tok_off = table_row_offset(table_row, row, page_size, valid, stride_page, stride_n)
-    kv_ptrs = cache_ptr + tok_off[:, None] + head_off[None, :]
+    rows ``row``, both through one page-table lookup (page ``table_row[row // page_size]``,
+    :func:`kernels.addressing.table_page`), in fp32 with ``AS_FP32`` (each converted as it
+    is loaded: converting after both loads costs the compiled decode up to 4 registers
+    more), else in the cache's dtype. Masked lanes load 0, so a NaN in an unused slot
+    never enters a product.
+
+    K is read from ``k_ptr`` with its page and row strides and its per-feature offsets
+    ``k_off [BLOCK_D]`` (int64, the KV head's offset included), so vLLM's x-packed key,
+    whose feature ``d`` lies at ``(d // x) * stride + (d % x) * stride_x``, is read in
+    place (the caller folds that into ``k_off`` once per program). V is read either
+    ``kv_step`` elements after each K element (``V_AFTER_K``: the suite's pool, whose two
+    halves share every stride, ``kv_step`` its ``stride_kv``; ``v_ptr``, ``v_off`` and V's
+    strides are then not read) or apart, from ``v_ptr`` with its own strides and
+    ``v_off`` (FlashInfer's ``(k_cache, v_cache)`` tuple, vLLM's pair). The first form is
+    not a special case of the second for the compiler: equal runtime strides are not
+    known equal, and the second address computation cost the compiled prefill a spill."""
+    page, slot = table_page(table_row, row, page_size, valid)
     kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+    k_ptrs = k_ptr + row_offset(page, slot, stride_kpage, stride_kn)[:, None] + k_off[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     if AS_FP32:
         k = k.to(tl.float32)
-    v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0)
+    if V_AFTER_K:
+        v_ptrs = k_ptrs + kv_step
+    else:
+        v_ptrs = v_ptr + row_offset(page, slot, stride_vpage, stride_vn)[:, None] + v_off[None, :]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     if AS_FP32:
         v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def new_kv_rows(
+    k, v, k_new_ptr, v_new_ptr, rows, fresh, kv_head, d64, d_mask,
+    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
+):  # fmt: skip
+    """``(k, v)`` ``[BLOCK_N, BLOCK_D]`` of :func:`load_kv_tile` with the lanes ``fresh``
+    (the new tokens' keys, when a prefill is given them apart from the cache, vLLM's
+    ``context_attention_fwd`` form) replaced by rows ``rows`` of ``k_new``, ``v_new
+    [total_q, kv_heads, dim]`` at KV head ``kv_head`` (int64) and features ``d64``; the
+    other lanes keep what the cache gave (``other=``: no second tile, no select)."""
+    mask = fresh[:, None] & d_mask[None, :]
+    r = rows.to(tl.int64)[:, None]
+    k = tl.load(k_new_ptr + r * stride_knt + (kv_head * stride_knh + d64 * stride_knd)[None, :], mask=mask, other=k)
+    v = tl.load(v_new_ptr + r * stride_vnt + (kv_head * stride_vnh + d64 * stride_vnd)[None, :], mask=mask, other=v)
     return k, v
 
 

@@ -149,8 +149,8 @@ def decode_split_kernel(
         _, row, valid = visible_keys(
             tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, WINDOW
         )
-        k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
-                            stride_n, True)  # fmt: skip
+        k, v = load_kv_tile(cache_ptr, cache_ptr, table_row, row, valid, head_off, head_off, d_mask,
+                            page_size, stride_page, stride_n, stride_page, stride_n, stride_kv, True, True)  # fmt: skip
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
         m_i, l_i, acc, _ = online_softmax_step(s, valid[None, :], m_i, l_i, acc, v, True)
         tile += 1

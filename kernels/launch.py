@@ -67,6 +67,15 @@ def fingerprint(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+def cache_fingerprint(cache) -> tuple:
+    """What a read plan records of ``cache``: the pool's :func:`fingerprint`, or for a
+    ``(key, value)`` pair (:func:`pagedkv_lib.cache_layouts.kv_cache_view`) a tuple of
+    both tensors' fingerprints."""
+    if isinstance(cache, torch.Tensor):
+        return fingerprint(cache)
+    return tuple(fingerprint(t) if isinstance(t, torch.Tensor) else None for t in cache)
+
+
 def memory_key(*tensors) -> tuple:
     """``(data_ptr, shape, strides, dtype, device)`` of each tensor (None stays None).
 

@@ -22,7 +22,9 @@ The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``,
   FP8 per head, FP8 per token across heads) and the CSR decode and prefill with
   FlashInfer's ``window_left``;
 * ``foreign``: the kernels written to vLLM's and nano-vllm's conventions
-  (:mod:`kernels.peer_conventions`), in fp32, fp16 and bf16.
+  (:mod:`kernels.peer_conventions`), in fp32, fp16 and bf16, and the suite's prefill
+  over vLLM's x-packed pair and FlashInfer's K/V tuple, the new tokens in the cache or
+  apart (:mod:`kernels.prefix_prefill`).
 
 Kernels defined outside ``kernels/`` (a notebook's or an exercise's) are recorded with
 the text of their file, so that the compile step can rebuild them without running it.
@@ -296,6 +298,37 @@ def _run_foreign() -> None:
         peer_conventions.prefill_kv_tuple(qp, kc, vc, torch.tensor([0, n], dtype=torch.int32), table, lens)
 
 
+def _run_vllm_layouts() -> None:
+    """The prefill over vLLM's and FlashInfer's cache pairs at the benchmarks' shapes,
+    recorded dry (the verify grid runs the suite's 5-D pool only): vLLM's
+    ``context_attention_fwd`` (the x-packed pair, the new tokens apart: ``NEW_KV``) with
+    and without its ``sliding_window``, the same pair and FlashInfer's ``(k_cache,
+    v_cache)`` tuple in NHD with the new tokens in the cache, and the tuple in HND through
+    a CSR table of the context with the new tokens apart."""
+    from pagedkv_lib.cache_layouts import to_native
+    from pagedkv_lib.formats import block_table_to_csr
+
+    from . import prefill, prefix_prefill
+
+    (h, g, d, p, n), table, lens = _bench_batch()
+    gen = torch.Generator().manual_seed(0)
+    qo = torch.tensor([0, n // 2, n], dtype=torch.int32)  # half of each sequence is new
+    context = lens - n // 2
+    indptr, indices, last = block_table_to_csr(table, context, p)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        pool = torch.zeros((2 * n // p, 2, p, h, d), dtype=dtype)
+        q = torch.randn((n, h * g, d), generator=gen).to(dtype)
+        k = torch.randn((n, h, d), generator=gen).to(dtype)
+        k_cache, v_cache = to_native(pool, "vllm_x")
+        for window in (None, 1024):
+            prefix_prefill.context_attention_fwd(q, k, k, torch.empty_like(q), "auto", k_cache, v_cache, table, qo,
+                                                 lens, n // 2, 1.0, 1.0, sliding_window=window)  # fmt: skip
+        prefill.paged_prefill_attention(q, to_native(pool, "kv_tuple"), qo, table, lens)
+        prefill.paged_prefill_attention(q, (k_cache, v_cache), qo, table, lens)  # the new tokens in the cache
+        pair = to_native(pool.transpose(2, 3).contiguous(), "kv_tuple", "HND")
+        prefill.paged_prefill_attention_csr(q, pair, qo, indptr, indices, last, "HND", k_new=k, v_new=k)
+
+
 def _run_production_shapes() -> None:
     """The indexer-K scatter at DeepSeek-V3.2's shapes (indexer head 128, blocks of 64) and
     an offload-sized block copy per dtype and layout, recorded dry (the verify grid runs
@@ -440,7 +473,10 @@ RUNNERS = {  # (label, runner, dry)
         ("linear-window CSR shapes (dry)", _run_linear_windows, True),
         ("rotary positions apart from cache positions (dry)", _run_rotary_positions, True),
     ],
-    "foreign": [("engine-convention kernels (dry)", _run_foreign, True)],
+    "foreign": [
+        ("engine-convention kernels (dry)", _run_foreign, True),
+        ("prefill over vLLM's and FlashInfer's cache pairs (dry)", _run_vllm_layouts, True),
+    ],
 }
 
 

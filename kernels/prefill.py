@@ -72,6 +72,13 @@ tile loads are all written positions, so ``0 * v`` of a key masked for one row o
 is exactly 0. A bf16 output is rounded to nearest in fp32 bits before the cast
 (:func:`kernels.rounding.round_to`), because the interpreter's cast truncates.
 
+Layouts: K and V are read in place through their own bases and strides
+(:func:`kernels.attention_core.load_kv_tile`), so ``cache`` is the suite's 5-D pool,
+FlashInfer's ``(k_cache, v_cache)`` tuple or vLLM's x-packed pair
+(:func:`pagedkv_lib.cache_layouts.kv_cache_view`), never copied. With ``k_new``/``v_new``
+(vLLM's ``context_attention_fwd`` form, :mod:`kernels.prefix_prefill`) the new tokens'
+keys come from those (constexpr ``NEW_KV``) and the cache holds the context only.
+
 The key loop is a ``while`` loop: Triton 3.6's interpreter cannot ``range()`` over a
 runtime bound.
 """
@@ -82,22 +89,19 @@ from pagedkv_lib import runtime  # noqa: F401  (must run before triton is import
 
 # isort: split
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from pagedkv_lib import checks
-from pagedkv_lib.draft_tree import pack_tree_mask
-from pagedkv_lib.pool import cache_dims, cache_strides
+from pagedkv_lib.cache_layouts import kv_cache_view
 from pagedkv_lib.window import Window
 
 from .attention_core import (
-    ReadPlan,
     load_kv_tile,
+    new_kv_rows,
     online_softmax_step,
-    read_plan_fields,
     row_lse,
     sequence_span,
     softmax_state,
@@ -106,17 +110,10 @@ from .attention_core import (
     window_args,
     window_kind,
 )
-from .launch import PageTable, fingerprint, int32_on_device
+from .launch import PageTable
+from .prefill_plan import DOT_MODES, PrefillPlan, dot_mode, make_prefill_plan
 from .rounding import round_to
-from .tiles import prefill_tiles
-from .validate import (
-    INT32_MAX,
-    check_device,
-    check_planned,
-    check_read_launch,
-    check_same_layout,
-    host_copy,
-)
+from .validate import check_cache_launch, check_device, check_planned_read, host_copy
 
 __all__ = [
     "prefill_kernel",
@@ -130,23 +127,25 @@ __all__ = [
     "paged_prefill_attention_csr",
 ]
 
-DOT_MODES = ("sum", "fp32", "fp16", "bf16")  # index = the kernel's DOT constexpr
-
-
 # --------------------------------------------------------------------------- device code
 
 
 @triton.jit
 def prefill_kernel(
-    # pointers: the queries, the pool, the page table (padded or CSR), the ragged query
-    # index, the tile list, the output
-    q_ptr, cache_ptr,
+    # pointers: the queries; K and V (the pool's two halves, FlashInfer's tuple or vLLM's
+    # pair); the new tokens' K and V when given apart; the page table (padded or CSR), the
+    # ragged query index, the tile list, the output
+    q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr,
     block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
     qo_indptr_ptr, tile_request_ptr, tile_row_ptr,
     out_ptr, lse_ptr,
-    # strides (elements): q [total_q, heads, dim]; the pool's page, K/V, row, head, feature
+    # strides (elements): q [total_q, heads, dim]; K's page, row, head, feature (group of
+    # KEY_X) and feature within the group; V's page, row, head, feature, and with
+    # V_AFTER_K (the pool) V's step from K; k_new, v_new [total_q, kv_heads, dim]
     stride_qt, stride_qh, stride_qd,
-    stride_page, stride_kv, stride_n, stride_h, stride_d,
+    stride_kp, stride_kn, stride_kh, stride_kd, stride_kx,
+    stride_vp, stride_vn, stride_vh, stride_vd, stride_kv,
+    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
     stride_table,
     # strides: the output [total_q, heads, dim] and its lse [total_q, heads]
     stride_ot, stride_oh, stride_od,
@@ -157,17 +156,23 @@ def prefill_kernel(
     qk_scale, group, head_dim, page_size,
     # window (kernels.attention_core.window_args)
     sink_tokens, bubble_len, cyclic_cache_len, window_recent,
-    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind)
+    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; kernels.attention_core.window_kind;
+    # KEY_X: vLLM's x, 1 for the other layouts; V_AFTER_K: the pool, V stride_kv after K)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
-    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False, TREE: tl.constexpr = False,
+    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False, NEW_KV: tl.constexpr = False,
+    KEY_X: tl.constexpr = 1, V_AFTER_K: tl.constexpr = True, TREE: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
     head) rows of one request; with ``WRITE_LSE`` also their base-2 log-sum-exp
     (:func:`kernels.attention_core.row_lse`). ``CAUSAL=False`` (never with a ring):
     every row sees all ``seq_len`` keys of its request (with a linear window, those from
-    its position ``- window_left`` on). ``TREE`` (causal only): a key among the request's
-    new tokens is seen only where the row's draft-tree mask says so."""
+    its position ``- window_left`` on). ``NEW_KV`` (never with a ring): the keys at
+    positions ``>= seq_len - q_len`` come from ``k_new``/``v_new`` (row ``q_start + pos -
+    (seq_len - q_len)``), the older ones from the cache; a CSR table then holds the
+    context only, and ``seq_len`` is its length plus ``q_len``. ``TREE`` (causal only): a
+    key among the request's new tokens is seen only where the row's draft-tree mask says
+    so."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(tile_request_ptr + tile_id)
@@ -178,6 +183,8 @@ def prefill_kernel(
         b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
         page_size, IS_CSR,
     )  # fmt: skip
+    if NEW_KV and IS_CSR:
+        seq_len += q_len
     past = seq_len - q_len  # absolute position of the request's query 0
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -210,7 +217,12 @@ def prefill_kernel(
     n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, WINDOW)
     num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
 
-    head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
+    # Per-feature offsets, once per program. vLLM's key packs features in groups of KEY_X
+    # (16 bytes); a constexpr, so that each group is known contiguous and loads as a vector.
+    kh = kv_head.to(tl.int64)
+    d64 = offs_d.to(tl.int64)
+    k_off = kh * stride_kh + (d64 // KEY_X) * stride_kd + (d64 % KEY_X) * stride_kx
+    v_off = kh * stride_vh + d64 * stride_vd
     if TREE:
         tree_rows = tree_ptr + (q_start + qi).to(tl.int64) * stride_tree_t  # each row's packed mask
     m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
@@ -219,8 +231,17 @@ def prefill_kernel(
         pos, row, valid = visible_keys(
             tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, WINDOW
         )
-        k, v = load_kv_tile(cache_ptr, table_row, row, valid, head_off, d_mask, page_size, stride_page, stride_kv,
-                            stride_n, False)  # fmt: skip
+        if NEW_KV:  # the cache holds the context; the new tokens' keys come from k_new/v_new
+            k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid & (pos < past), k_off, v_off, d_mask,
+                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, stride_kv,
+                                False, V_AFTER_K)  # fmt: skip
+            k, v = new_kv_rows(k, v, k_new_ptr, v_new_ptr, q_start + pos - past, valid & (pos >= past),
+                               kh, d64, d_mask,
+                               stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd)  # fmt: skip
+        else:
+            k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid, k_off, v_off, d_mask,
+                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, stride_kv,
+                                False, V_AFTER_K)  # fmt: skip
         if DOT <= 1:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -277,103 +298,9 @@ def prefill_kernel(
 # --------------------------------------------------------------------------- planning
 
 
-@dataclass(frozen=True)
-class PrefillPlan(ReadPlan):
-    """A validated prefill launch, fixed once by :func:`plan_prefill` or
-    :func:`plan_prefill_csr` and launched by :func:`run_prefill`: the tiles, the dot
-    mode, the tile list and the index tensors (int32, contiguous, on the device).
-
-    ``q`` and ``cache`` given to :func:`run_prefill` must have the planned shapes,
-    dtypes and device (``cache`` also its strides: page ids were checked against it).
-    """
-
-    layout: str
-    cache: tuple  # (shape, strides, dtype, device) of the pool
-    total_q: int
-    block_m: int  # (query, head) rows per tile
-    block_n: int  # keys per loop iteration
-    block_d: int
-    num_warps: int
-    dot_mode: str  # one of DOT_MODES
-    num_tiles: int  # programs along grid axis 0
-    visited_pairs: int  # (query row, key) pairs inside the tiles' key ranges, all KV heads
-    tile_request: torch.Tensor  # [num_tiles] request of each tile
-    tile_row: torch.Tensor  # [num_tiles] first (query, head) row of each tile in its request
-    qo_indptr: torch.Tensor  # [batch + 1]
-    causal: bool = True  # False: every query sees all its request's keys
-    tree_mask: torch.Tensor | None = None  # [total_q, words] int32: the draft-tree mask, packed (pack_tree_mask)
-
-
-def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
-    """The kernel's product mode (one of :data:`DOT_MODES`): ``"sum"`` in the
-    interpreter; compiled, ``"fp32"`` for fp32 pools and for a ``q`` whose dtype differs
-    from the pool's, else the 16-bit dtype. See the module docstring for what each mode
-    computes and costs in precision."""
-    if not runtime.gpu_plans():
-        return "sum"
-    if cache_dtype == torch.float32 or q_dtype != cache_dtype:
-        return "fp32"
-    return "fp16" if cache_dtype == torch.float16 else "bf16"
-
-
-def _tile_list(q_lens: torch.Tensor, seq_lens: torch.Tensor, group: int, block_m: int, window, causal: bool = True):
-    """``(tile_request, tile_row, visited_pairs)``: one tile per ``block_m`` (query, head)
-    rows of every request, longest key range first; ``visited_pairs`` counts the
-    (row, key) pairs of every tile's key range (what the kernel computes scores for)."""
-    rows = q_lens * group
-    per = torch.div(rows + block_m - 1, block_m, rounding_mode="floor")
-    request = torch.repeat_interleave(torch.arange(q_lens.numel()), per)
-    first = torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
-    row0 = (torch.arange(int(per.sum())) - first) * block_m
-    past = (seq_lens - q_lens)[request]
-    p_lo = past + torch.div(row0, group, rounding_mode="floor")
-    p_hi = past + torch.minimum(torch.div(row0 + block_m - 1, group, rounding_mode="floor"), q_lens[request] - 1)
-    end = p_hi + 1 if causal else seq_lens[request]  # the kernel's key range ends here
-    keys = end
-    if window is not None:
-        sinks, recent = window.sink_tokens, window.recent_tokens
-        start = torch.clamp(p_lo - recent + 1, min=sinks)
-        keys = torch.clamp(end, max=sinks) + torch.clamp(end - start, min=0)
-    order = torch.argsort(-keys, stable=True)
-    live_rows = torch.clamp(rows[request] - row0, max=block_m)
-    return request[order], row0[order], int((keys * live_rows).sum())
-
-
-def _make_plan(q, cache, layout, scale, window, qo, lens, table: PageTable, causal: bool, tree) -> PrefillPlan:
-    dims = cache_dims(cache, layout)
-    fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, table)
-    group = fields["group"]
-    q_lens = qo[1:] - qo[:-1]
-    max_rows = int(q_lens.max()) * group if q_lens.numel() else 0
-    if max_rows > INT32_MAX - 2**20:  # the kernel numbers a request's (query, head) rows in int32
-        raise ValueError(f"a request has {max_rows} (query, head) rows; the kernel indexes them with int32")
-    max_keys = int(lens.max()) if lens.numel() else 0
-    mode = dot_mode(q.dtype, cache.dtype)
-    block_m, block_n, block_d, num_warps = prefill_tiles(group, fields["head_dim"], max_rows, max_keys, mode)
-    tile_request, tile_row, pairs = _tile_list(q_lens, lens, group, block_m, window, causal)
-    return PrefillPlan(
-        layout=layout,
-        cache=fingerprint(cache),
-        total_q=q.shape[0],
-        block_m=block_m,
-        block_n=block_n,
-        block_d=block_d,
-        num_warps=num_warps,
-        dot_mode=mode,
-        num_tiles=int(tile_request.numel()),
-        visited_pairs=pairs * dims.num_kv_heads,
-        tile_request=int32_on_device(tile_request, q.device, min_len=1),
-        tile_row=int32_on_device(tile_row, q.device, min_len=1),
-        qo_indptr=int32_on_device(qo, q.device),
-        causal=causal,
-        tree_mask=None if tree is None else pack_tree_mask(tree),  # a copy: the plan holds what was checked
-        **fields,
-    )
-
-
 def plan_prefill(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -381,23 +308,28 @@ def plan_prefill(
     window: Window | None = None,
     scale: float | None = None,
     causal: bool = True,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     tree_mask: torch.Tensor | None = None,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention` call and fix its tiles and tile list;
     nothing is launched. Arguments and errors as :func:`paged_prefill_attention`."""
+    view, new_tokens = kv_cache_view(cache, layout), checks.new_tokens_of(k_new, v_new)
     host = (host_copy(qo_indptr), host_copy(block_tables), host_copy(seq_lens))
-    qo, _, lens = checks.check_prefill_args(q, cache, *host, layout, window, scale, causal, tree_mask)
+    qo, _, lens = checks.check_prefill_args(q, view.geometry(layout), *host, layout, window, scale, causal, tree_mask,
+                                            new_tokens)  # fmt: skip
     index = {"qo_indptr": qo_indptr, "block_tables": block_tables, "seq_lens": seq_lens}
-    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    check_cache_launch(q, view, k_new, v_new, index)
     if tree_mask is not None:
         check_device("tree_mask", tree_mask)
     table = PageTable.padded(block_tables, seq_lens, q.device)
-    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal, tree_mask)
+    new_kv = new_tokens == "separate"
+    return make_prefill_plan(q, view, cache, layout, scale, window, qo, lens, table, causal, new_kv, tree_mask)
 
 
 def plan_prefill_csr(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -406,45 +338,54 @@ def plan_prefill_csr(
     scale: float | None = None,
     causal: bool = True,
     window: Window | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     tree_mask: torch.Tensor | None = None,
 ) -> PrefillPlan:
     """Validate a :func:`paged_prefill_attention_csr` call and fix its tiles and tile
     list; nothing is launched. Arguments and errors as :func:`paged_prefill_attention_csr`."""
+    view, new_tokens = kv_cache_view(cache, layout), checks.new_tokens_of(k_new, v_new)
     host = (host_copy(qo_indptr), host_copy(kv_indptr), host_copy(kv_indices), host_copy(kv_last_page_len))
-    qo, *_, lens = checks.check_csr_prefill_args(q, cache, *host, layout, scale, causal, window, tree_mask)
+    qo, *_, lens = checks.check_csr_prefill_args(q, view.geometry(layout), *host, layout, scale, causal, window,
+                                                 tree_mask, new_tokens)  # fmt: skip
     index = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
              "kv_last_page_len": kv_last_page_len}  # fmt: skip
-    check_read_launch({"q": q, "cache": cache}, index, q.shape[2])
+    check_cache_launch(q, view, k_new, v_new, index)
     if tree_mask is not None:
         check_device("tree_mask", tree_mask)
     table = PageTable.csr(kv_indptr, kv_indices, kv_last_page_len, q.device)
-    return _make_plan(q, cache, layout, scale, window, qo, lens, table, causal, tree_mask)
+    new_kv = new_tokens == "separate"
+    return make_prefill_plan(q, view, cache, layout, scale, window, qo, lens, table, causal, new_kv, tree_mask)
 
 
-def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_lse: bool = False):
+def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache, return_lse: bool = False, k_new=None, v_new=None, out=None):
     """Launch a planned prefill; returns ``[total_q, num_q_heads, head_dim]`` in
-    ``q.dtype``, with ``return_lse=True`` ``(out, lse)`` (``lse [total_q, num_q_heads]``
-    fp32, base 2, see :func:`paged_prefill_attention`). ``q`` and ``cache`` must match
+    ``q.dtype`` (``out`` itself when given: written in place, vLLM's ``o``), with
+    ``return_lse=True`` ``(out, lse)`` (``lse [total_q, num_q_heads]`` fp32, base 2, see
+    :func:`paged_prefill_attention`). ``q``, ``cache``, ``k_new``, ``v_new`` must match
     the plan (ValueError otherwise)."""
-    check_same_layout("cache", cache, plan.cache)
-    check_planned("q", q, (plan.total_q, plan.num_q_heads, plan.head_dim), plan.q_dtype)
     checks.check_flag("return_lse", return_lse)
-    tree = plan.tree_mask is not None
+    view = check_planned_read(plan, q, cache, k_new, v_new, out)
     # Every row belongs to one request, whose tiles cover all its (query, head) rows.
-    out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((plan.total_q, plan.num_q_heads, plan.head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((plan.total_q, plan.num_q_heads), dtype=torch.float32, device=q.device) if return_lse else out
     if plan.num_tiles == 0:  # no queries at all
         return (out, lse) if return_lse else out
+    new_k, new_v = (k_new, v_new) if plan.new_kv else (q, q)  # unread without NEW_KV
+    tree = plan.tree_mask is not None
     # fmt: off
     prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
         # pointers
-        q, cache,
+        q, view.key, view.value, new_k, new_v,
         *plan.table.pointers(),
         plan.qo_indptr, plan.tile_request, plan.tile_row,
         out, lse,
         # strides
         *q.stride(),
-        *cache_strides(cache, plan.layout),
+        *view.key_strides,
+        *view.value_strides, view.kv_step,
+        *(new_k.stride() if plan.new_kv else (0, 0, 0)), *(new_v.stride() if plan.new_kv else (0, 0, 0)),
         plan.table.stride,
         *out.stride(),
         *(lse.stride() if return_lse else (0, 0)),
@@ -456,7 +397,8 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
         # constexprs
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
-        CAUSAL=plan.causal, WRITE_LSE=return_lse, TREE=tree,
+        CAUSAL=plan.causal, WRITE_LSE=return_lse, NEW_KV=plan.new_kv, KEY_X=view.key_x,
+        V_AFTER_K=view.cache_layout == "paged", TREE=tree,
         num_warps=plan.num_warps,
     )
     # fmt: on
@@ -468,7 +410,7 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache: torch.Tensor, return_
 
 def paged_prefill_attention(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -477,6 +419,8 @@ def paged_prefill_attention(
     scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     tree_mask: torch.Tensor | None = None,
 ):
     """Attention of ``q_len >= 0`` new queries per sequence over the paged KV pool.
@@ -486,8 +430,11 @@ def paged_prefill_attention(
             ``qo_indptr``: request ``b`` owns rows ``qo_indptr[b] .. qo_indptr[b+1] - 1``.
         cache: the raw 5-D pool, NHD ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
             or HND ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (index 0 of
-            dim 1 is K, 1 is V), fp32/fp16/bf16, any strides. The new tokens' K/V must
-            already be written.
+            dim 1 is K, 1 is V), or a pair ``(key_cache, value_cache)``: FlashInfer's
+            tuple (4-D, ``"kv_tuple"`` in ``layout``) or vLLM's x-packed pair (a 5-D key,
+            ``"vllm_x"``), see :func:`pagedkv_lib.cache_layouts.kv_cache_view`.
+            fp32/fp16/bf16, any strides, read in place. The new tokens' K/V must already
+            be written, unless given apart (``k_new``/``v_new``).
         qo_indptr: ``[batch + 1]`` int32/int64, starting at 0, ending at ``total_q``,
             with ``q_len[b] = qo_indptr[b+1] - qo_indptr[b]`` in ``[0, seq_lens[b]]``.
         block_tables: ``[batch, max_blocks]`` int32/int64 page ids, ``-1`` padded; the
@@ -509,12 +456,14 @@ def paged_prefill_attention(
             with a ring window, whose slots of older keys hold newer tokens; with a
             linear window the query sees keys from ``position - window_left`` on.
         return_lse: also return each row's log-sum-exp (below).
-        tree_mask: None, or speculative verification of draft trees
-            (:mod:`pagedkv_lib.draft_tree`; ``batch_tree_mask`` builds it):
-            ``[total_q, max_q_len]`` torch.bool on the kernels' device, row ``r`` True
-            at column ``j`` where it sees its request's ``j``-th new token (keys before
-            the new tokens stay visible). Lower-triangular with a true diagonal within
-            each request; causal only, no ring window (a linear window masks on top).
+        k_new, v_new: the new tokens' K and V given apart (vLLM's ``k``, ``v``),
+            ``[total_q, num_kv_heads, head_dim]`` in the cache's dtype, rows as ``q``'s:
+            the key at position ``p >= past = seq_lens[b] - q_len[b]`` is their row
+            ``qo_indptr[b] + p - past``; ``block_tables`` then covers the context only
+            (``past`` rows). Both or neither; no ring window.
+        tree_mask: draft trees' mask (:func:`pagedkv_lib.draft_tree.batch_tree_mask`),
+            ``[total_q, max_q_len]`` torch.bool: row ``r`` sees its request's ``j``-th
+            new token where True (older keys always). Causal only, no ring.
 
     Each query sees the keys at positions up to its own (causal, bottom-right aligned),
     through the window when given (a ring's sinks and last ``window - sinks``
@@ -532,17 +481,18 @@ def paged_prefill_attention(
         no keys. :func:`kernels.cascade.merge_state` merges such ``(out, lse)`` pairs.
 
     Raises:
-        ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,
-        ``qo_indptr``, ``scale``, ``window``, chunk length through a ring) before
-        anything is allocated or launched.
+        ValueError naming the argument (shapes, dtypes, devices, page ids, lengths, a
+        ring's chunk, a pair's key and value, vLLM's ``x``, ``tree_mask``) first.
     """
-    plan = plan_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal, tree_mask)
-    return run_prefill(plan, q, cache, return_lse)
+    plan = plan_prefill(
+        q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal, k_new, v_new, tree_mask
+    )
+    return run_prefill(plan, q, cache, return_lse, k_new, v_new)
 
 
 def paged_prefill_attention_csr(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -552,6 +502,8 @@ def paged_prefill_attention_csr(
     causal: bool = True,
     return_lse: bool = False,
     window: Window | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     tree_mask: torch.Tensor | None = None,
 ):
     """Prefill attention with a CSR page table (FlashInfer's format), walked in-kernel.
@@ -563,10 +515,13 @@ def paged_prefill_attention_csr(
     device. ``window``: a :class:`~pagedkv_lib.window.LinearWindow` (FlashInfer's
     ``window_left``, as its ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
     window_left=w)``) or None; no ring (a ring's pages do not give the length; use the
-    padded entry). Other arguments (``causal``, ``return_lse``, ``tree_mask`` included),
-    result and errors as :func:`paged_prefill_attention`.
+    padded entry). With ``k_new``/``v_new`` the table holds the context only and request
+    ``b``'s KV length is its table's plus ``q_len[b]``. Other arguments (``cache``,
+    ``causal``, ``return_lse``, ``k_new``, ``v_new``, ``tree_mask`` included), result and errors as
+    :func:`paged_prefill_attention`.
     """
-    plan = plan_prefill_csr(
-        q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window, tree_mask
-    )
-    return run_prefill(plan, q, cache, return_lse)
+    return run_prefill(
+        plan_prefill_csr(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout, scale, causal, window,
+                         k_new, v_new, tree_mask),
+        q, cache, return_lse, k_new, v_new,
+    )  # fmt: skip

@@ -173,7 +173,7 @@ _PREFILL_TILES = {
 
 
 def prefill_tiles(
-    group: int, head_dim: int, max_rows: int, max_keys: int, dot_mode: str = "sum"
+    group: int, head_dim: int, max_rows: int, max_keys: int, dot_mode: str = "sum", gathered: bool = False
 ) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps)`` of a prefill launch.
 
@@ -183,7 +183,10 @@ def prefill_tiles(
     Every block is at least 16, the smallest ``tl.dot`` a GPU takes. ``max_rows`` is
     the longest request's ``q_len * group``, ``max_keys`` its longest ``seq_len``: no
     tile is made much larger than the work. ``dot_mode`` is the kernel's product mode
-    (:func:`kernels.prefill.dot_mode`).
+    (:func:`kernels.prefill.dot_mode`). ``gathered``: each key tile is gathered from
+    vLLM's x-packed key or merged from the cache and the new tokens given apart; compiled,
+    such a launch takes at least 8 warps (at 4, the 16-bit 32 x 32 tile of head dim 128
+    needed 255 registers and spilled up to 20 B on sm_80 and sm_90; at 8 about 215).
 
     GPU plans: the table ``_PREFILL_TILES`` above, per mode (``"fp32"`` or the 16-bit
     ``tl.dot`` modes) and head size. Interpreted: up to 128 rows, and as many keys as
@@ -199,6 +202,7 @@ def prefill_tiles(
     else:
         table = _PREFILL_TILES["fp32" if dot_mode in ("fp32", "sum") else "16-bit"]
         block_m, block_n, num_warps = table[min(block_d, 256)]
+        num_warps = max(num_warps, 8) if gathered else num_warps
     block_m = max(16, min(block_m, pow2(max_rows)))
     block_n = max(16, min(block_n, pow2(max_keys)))
     return block_m, block_n, block_d, num_warps

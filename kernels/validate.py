@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv_lib import runtime
+from pagedkv_lib import checks, runtime
+from pagedkv_lib.cache_layouts import KVCacheView, kv_cache_view
 
-from .launch import fingerprint
+from .launch import cache_fingerprint, fingerprint
 
 __all__ = [
     "INT32_MAX",
@@ -34,7 +35,10 @@ __all__ = [
     "check_disjoint",
     "check_in_storage",
     "check_same_layout",
+    "check_same_cache",
     "check_read_launch",
+    "check_cache_launch",
+    "check_planned_read",
     "check_planned",
     "MAX_KV_LORA_RANK",
     "check_width",
@@ -186,6 +190,23 @@ def check_same_layout(name: str, t: torch.Tensor, planned: tuple) -> None:
         )
 
 
+def check_same_cache(cache, planned: tuple) -> None:
+    """``cache`` (the pool, or a ``(key_cache, value_cache)`` pair) must be the one a plan
+    recorded (:func:`kernels.launch.cache_fingerprint`): :func:`check_same_layout` on each
+    of its tensors, named ``cache``, ``cache[0]``, ``cache[1]``."""
+    if cache_fingerprint(cache) == planned:
+        return
+    pool_planned = len(planned) == 4  # a pair records two fingerprints
+    if isinstance(cache, torch.Tensor) and pool_planned:
+        check_same_layout("cache", cache, planned)
+    if isinstance(cache, (tuple, list)) and len(cache) == 2 and not pool_planned:
+        for i, (t, want) in enumerate(zip(cache, planned)):
+            if isinstance(t, torch.Tensor):
+                check_same_layout(f"cache[{i}]", t, want)
+    what = "the 5-D pool" if pool_planned else "a (key_cache, value_cache) pair"
+    raise ValueError(f"cache is not what the plan was made for: {what} of the planned shapes, strides and dtype")
+
+
 def check_read_launch(tensors: dict, index_tensors: dict, head_dim: int | None = None, num_splits=None) -> None:
     """The launch checks of a read kernel: every tensor of ``tensors`` (name -> tensor) on
     the kernels' device in a kernel dtype, ``head_dim`` (unless None) one register tile,
@@ -199,6 +220,43 @@ def check_read_launch(tensors: dict, index_tensors: dict, head_dim: int | None =
     check_num_splits(num_splits)
     for name, t in index_tensors.items():
         check_index_tensor(name, t)
+
+
+def check_cache_launch(q, view: KVCacheView, k_new, v_new, index_tensors: dict) -> None:
+    """The launch checks of a read over a cache given as the pool or a pair
+    (:func:`pagedkv_lib.cache_layouts.kv_cache_view`), with the new tokens' ``k_new`` and
+    ``v_new`` given apart or None (:func:`pagedkv_lib.checks.check_new_kv`): every tensor
+    on the device in a kernel dtype (named ``cache``, or ``cache[0]`` and ``cache[1]``),
+    the index tensors as :func:`check_read_launch` wants them."""
+    checks.check_new_kv(k_new, v_new, q, view.dims, view.key.dtype)
+    tensors = {"q": q}
+    if view.cache_layout == "paged":
+        tensors["cache"] = view.key
+    else:
+        tensors |= {"cache[0]": view.key, "cache[1]": view.value}
+    if k_new is not None:
+        tensors |= {"k_new": k_new, "v_new": v_new}
+    check_read_launch(tensors, index_tensors, q.shape[2])
+
+
+def check_planned_read(plan, q, cache, k_new, v_new, out) -> KVCacheView:
+    """What a ``run_*`` of a read plan (:class:`kernels.prefill.PrefillPlan`) is given must
+    be what was planned: ``cache`` (:func:`check_same_cache`), ``q``, ``k_new``/``v_new``
+    exactly when the plan has ``new_kv``, and ``out`` (None, or the output's shape in
+    ``q``'s dtype, sharing no memory with an input). Returns the cache's view."""
+    check_same_cache(cache, plan.cache)
+    check_planned("q", q, (plan.total_q, plan.num_q_heads, plan.head_dim), plan.q_dtype)
+    view = kv_cache_view(cache, plan.layout)
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if plan.new_kv:
+            check_planned(name, t, (plan.total_q, plan.num_kv_heads, plan.head_dim), view.key.dtype)
+        elif t is not None:
+            raise ValueError(f"{name} is given but the plan was made without the new tokens apart")
+    if out is not None:
+        check_planned("out", out, (plan.total_q, plan.num_q_heads, plan.head_dim), q.dtype)
+        read = [("q", q), ("cache[0]", view.key), ("cache[1]", view.value), ("k_new", k_new), ("v_new", v_new)]
+        check_disjoint([("out", out)], read)
+    return view
 
 
 def check_planned(name: str, t, shape: tuple, dtype: torch.dtype) -> None:

@@ -22,16 +22,29 @@ conformance harness builds each case's pool directly in the layout a kernel decl
 
 :func:`to_native` and :func:`to_paged` are exact copies (bit for bit, NaN payloads
 included), so a comparison in the suite's layout is a comparison of what the kernel
-wrote.
+wrote. :func:`kv_cache_view` goes the other way without a copy: it tells the suite's pool,
+a ``"kv_tuple"`` pair and a ``"vllm_x"`` pair apart by type and shape and gives the
+strides a read kernel addresses K and V with in place.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .pool import cache_dims
+from .pool import CacheDims, cache_dims, cache_strides, check_layout
 
-__all__ = ["CACHE_LAYOUTS", "check_cache_layout", "native_shapes", "to_native", "to_paged", "native_tensors"]
+__all__ = [
+    "CACHE_LAYOUTS",
+    "check_cache_layout",
+    "native_shapes",
+    "to_native",
+    "to_paged",
+    "native_tensors",
+    "KVCacheView",
+    "kv_cache_view",
+]
 
 CACHE_LAYOUTS = ("paged", "kv_tuple", "vllm_x", "flat")
 
@@ -117,3 +130,115 @@ def native_tensors(native) -> dict[str, torch.Tensor]:
     if isinstance(native, torch.Tensor):
         return {"cache": native}
     return {"k_cache": native[0], "v_cache": native[1]}
+
+
+class KVCacheView(NamedTuple):
+    """A K/V cache as a read kernel addresses it in place (:func:`kv_cache_view`).
+
+    ``key`` and ``value`` are the tensors K and V are read from (for the suite's pool, its
+    halves ``cache[:, 0]`` and ``cache[:, 1]``: views, no copy). Strides are in elements:
+    ``key_strides = (page, row, head, feature, feature_in_group)``, feature ``d`` of a key
+    row lying at ``(d // key_x) * feature + (d % key_x) * feature_in_group`` (vLLM's x
+    packing; ``key_x`` 1 and ``feature_in_group`` 0 elsewhere); ``value_strides = (page,
+    row, head, feature)``; ``kv_step``: for the pool, V's offset from K (its
+    ``stride_kv``: every V element lies that far after its K element), 0 for a pair."""
+
+    cache_layout: str  # "paged", "kv_tuple" or "vllm_x"
+    dims: CacheDims
+    key: torch.Tensor
+    value: torch.Tensor
+    key_strides: tuple[int, int, int, int, int]
+    key_x: int
+    value_strides: tuple[int, int, int, int]
+    kv_step: int = 0
+
+    def geometry(self, layout: str = "NHD") -> torch.Tensor:
+        """A ``meta`` tensor (no memory) of the suite pool's shape in ``layout`` and the
+        cache's dtype: what the argument rules of :mod:`pagedkv_lib.checks`, written for
+        the pool, read (its dims) when the cache is a pair."""
+        return torch.empty(native_shapes("paged", *self.dims, layout, self.key.dtype), dtype=self.key.dtype,
+                           device="meta")  # fmt: skip
+
+
+def kv_cache_view(cache, layout: str = "NHD") -> KVCacheView:
+    """The :class:`KVCacheView` of ``cache``: the suite's 5-D pool in ``layout``, or a pair
+    ``(key_cache, value_cache)``: ``"kv_tuple"`` when the key is 4-D (two tensors of one
+    shape in ``layout``), ``"vllm_x"`` when it is 5-D (``[num_blocks, num_kv_heads,
+    head_dim // x, block_size, x]`` with ``x = 16 // element_size``, and the value
+    ``[num_blocks, num_kv_heads, head_dim, block_size]``; ``layout`` does not apply).
+
+    Raises ValueError naming ``cache`` (``cache[0]`` the key, ``cache[1]`` the value) for
+    anything else: another object, tensors of different dtypes or devices, shapes that
+    do not match each other, a wrong ``x``, an empty dimension."""
+    check_layout(layout)
+    if isinstance(cache, torch.Tensor):
+        dims = cache_dims(cache, layout)
+        sp, skv, sn, sh, sd = cache_strides(cache, layout)
+        return KVCacheView("paged", dims, cache[:, 0], cache[:, 1], (sp, sn, sh, sd, 0), 1, (sp, sn, sh, sd), skv)
+    if not (isinstance(cache, (tuple, list)) and len(cache) == 2 and all(isinstance(t, torch.Tensor) for t in cache)):
+        raise ValueError(
+            f"cache must be the suite's 5-D pool or a (key_cache, value_cache) pair of tensors, got {_describe(cache)}"
+        )
+    key, value = cache
+    if key.dtype != value.dtype or key.device != value.device:
+        raise ValueError(
+            f"cache[1] (value_cache) is {value.dtype} on {value.device} but cache[0] (key_cache) is {key.dtype} on "
+            f"{key.device}; K and V must share dtype and device"
+        )
+    if key.dim() == 4:
+        view = _kv_tuple_view(key, value, layout)
+    elif key.dim() == 5:
+        view = _vllm_x_view(key, value)
+    else:
+        raise ValueError(
+            f"cache[0] (key_cache) has shape {tuple(key.shape)}: a kv_tuple key is 4-D, a vllm_x key 5-D "
+            "[num_blocks, num_kv_heads, head_dim // x, block_size, x]"
+        )
+    empty = [name for name, size in view.dims._asdict().items() if size == 0]
+    if empty:
+        raise ValueError(f"cache ({view.cache_layout}) has {', '.join(empty)} 0: it holds no row")
+    return view
+
+
+def _describe(x) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}: " + ", ".join(_describe(t) for t in x)
+    return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _kv_tuple_view(key: torch.Tensor, value: torch.Tensor, layout: str) -> KVCacheView:
+    """FlashInfer's ``(k_cache, v_cache)``: ``[pages, page_size, heads, dim]`` (NHD) or
+    ``[pages, heads, page_size, dim]`` (HND), one shape for both."""
+    if key.shape != value.shape:
+        raise ValueError(
+            f"cache[1] (value_cache) has shape {tuple(value.shape)} but cache[0] (key_cache) {tuple(key.shape)}; "
+            "a kv_tuple pair has one shape"
+        )
+    p, a, b, d = key.shape
+    dims = CacheDims(p, a, b, d) if layout == "NHD" else CacheDims(p, b, a, d)
+
+    def strides(t):
+        sp, s1, s2, sd = t.stride()
+        return (sp, s1, s2, sd) if layout == "NHD" else (sp, s2, s1, sd)
+
+    return KVCacheView("kv_tuple", dims, key, value, (*strides(key), 0), 1, strides(value))
+
+
+def _vllm_x_view(key: torch.Tensor, value: torch.Tensor) -> KVCacheView:
+    """vLLM's ``key_cache [blocks, heads, dim // x, block_size, x]`` and ``value_cache
+    [blocks, heads, dim, block_size]``."""
+    p, h, groups, n, x = key.shape
+    want_x = _x(key.dtype)
+    if x != want_x:
+        raise ValueError(
+            f"cache[0] (key_cache) has shape {tuple(key.shape)}: its last dim x={x}, but vLLM packs "
+            f"x = 16 // element_size = {want_x} {key.dtype} elements"
+        )
+    if tuple(value.shape) != (p, h, groups * x, n):
+        raise ValueError(
+            f"cache[1] (value_cache) has shape {tuple(value.shape)}; the key_cache {tuple(key.shape)} needs "
+            f"[num_blocks, num_kv_heads, head_dim, block_size] = {(p, h, groups * x, n)}"
+        )
+    sp, sh, sg, sn, sx = key.stride()
+    vp, vh, vd, vn = value.stride()
+    return KVCacheView("vllm_x", CacheDims(p, n, h, groups * x), key, value, (sp, sn, sh, sg, sx), x, (vp, vn, vh, vd))

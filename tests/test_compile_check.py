@@ -109,20 +109,22 @@ def _compile_in_child(record: dict, files: dict, arch: int) -> dict:
 
 INDEX_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "kv_indptr_ptr", "kv_indices_ptr", "kv_last_page_len_ptr")
 INDEX_POINTERS += ("qo_indptr_ptr", "tile_request_ptr", "tile_row_ptr")
-INT_ARGS = ("stride_qt", "stride_qh", "stride_page", "stride_kv", "stride_n", "stride_h", "stride_table")
+INT_ARGS = ("stride_qt", "stride_qh", "stride_kp", "stride_kn", "stride_kh", "stride_kd", "stride_kx", "stride_vp")
+INT_ARGS += ("stride_vn", "stride_vh", "stride_vd", "stride_kv", "stride_knt", "stride_knh", "stride_knd")
+INT_ARGS += ("stride_vnt", "stride_vnh", "stride_vnd", "stride_table")
 INT_ARGS += ("stride_ot", "stride_oh", "group", "head_dim", "page_size", "sink_tokens", "bubble_len")
-INT_ARGS += ("cyclic_cache_len", "window_recent", "stride_lt", "stride_lh")
+INT_ARGS += ("cyclic_cache_len", "window_recent", "stride_lt", "stride_lh", "stride_tree_t", "tree_words")
 
 
 def _bf16_prefill_record(path: Path) -> dict:
     """A record of one bf16 tl.dot prefill launch (as launch_record writes them)."""
-    args = {name: ["t", "int32", True] for name in INDEX_POINTERS}
-    args |= {name: ["t", "bfloat16", True] for name in ("q_ptr", "cache_ptr", "out_ptr")}
+    args = {name: ["t", "int32", True] for name in (*INDEX_POINTERS, "tree_ptr")}
+    args |= {name: ["t", "bfloat16", True] for name in ("q_ptr", "k_ptr", "v_ptr", "k_new_ptr", "v_new_ptr", "out_ptr")}
     args["lse_ptr"] = ["t", "float32", True]
     args |= {name: ["i", "i32"] for name in INT_ARGS}
-    args |= {name: ["i", "1"] for name in ("stride_qd", "stride_d", "stride_od")} | {"qk_scale": ["f"]}
+    args |= {name: ["i", "1"] for name in ("stride_qd", "stride_od")} | {"qk_scale": ["f"]}
     consts = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 64, "WINDOW": 0, "IS_CSR": False, "DOT": 3}
-    consts |= {"CAUSAL": True, "WRITE_LSE": False}
+    consts |= {"CAUSAL": True, "WRITE_LSE": False, "NEW_KV": False, "KEY_X": 1, "V_AFTER_K": True, "TREE": False}
     args |= {k: ["c", v] for k, v in consts.items()}
     return {"kernel": "prefill_kernel", "module": None, "file": str(path), "args": args, "options": {"num_warps": 4}}
 

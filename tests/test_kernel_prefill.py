@@ -24,6 +24,7 @@ from gpu_plans import skip_interpreted_bf16_dot
 import kernels
 import kernels.prefill as prefill
 from kernels import paged_decode_attention, paged_prefill_attention, paged_prefill_attention_csr
+from kernels.prefill_plan import tile_list
 
 DEV = runtime.device()
 
@@ -260,7 +261,7 @@ def test_dot_mode_choice():
 
 def test_tile_list_covers_every_row_once_longest_first():
     q_lens, seq_lens = torch.tensor([5, 0, 40, 1]), torch.tensor([5, 9, 100, 30])
-    request, row, pairs = prefill._tile_list(q_lens, seq_lens, group=3, block_m=16, window=None)
+    request, row, pairs = tile_list(q_lens, seq_lens, group=3, block_m=16, window=None)
     covered = sorted((int(b), int(r) + i) for b, r in zip(request, row) for i in range(16) if r + i < q_lens[b] * 3)
     assert covered == [(b, r) for b in range(4) for r in range(int(q_lens[b]) * 3)]
     last = seq_lens[request] - q_lens[request] + torch.minimum((row + 15) // 3, q_lens[request] - 1)

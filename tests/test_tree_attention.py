@@ -23,6 +23,7 @@ from pagedkv_lib.verify.prefill_checks import prefill_case, prefill_inputs, tree
 
 # isort: split
 import kernels.prefill as prefill
+import kernels.prefill_plan as prefill_plan
 from kernels import paged_prefill_attention, paged_prefill_attention_csr
 
 DEV = runtime.device()
@@ -157,7 +158,7 @@ def test_a_deep_branchy_tree_over_several_query_and_key_tiles(monkeypatch):
     """Tiles of 16 rows and 16 keys: 45 drafts x GQA 2 span six query tiles, 84 keys six
     key tiles; the drafts start inside a key tile (past = 39), and their mask spans two
     packed words, with a key tile across the boundary (drafts 25..40)."""
-    monkeypatch.setattr(prefill, "prefill_tiles", lambda group, head_dim, *a: (16, 16, max(16, head_dim), 4))
+    monkeypatch.setattr(prefill_plan, "prefill_tiles", lambda group, head_dim, *a: (16, 16, max(16, head_dim), 4))
     gen = torch.Generator().manual_seed(0)
     parents = [-1] + [int(torch.randint(-1, j, (), generator=gen)) for j in range(1, 45)]
     q, cache, qo, tables, lens = inputs(((84, 45), (30, 30), (0, 0)))

@@ -543,23 +543,23 @@ assert diff.new_failures and not diff.fixed, "the missing scale should show as n
 #
 # | their argument | engine | pagedkv |
 # |---|---|---|
-# | `slot_mapping`, `-1` for padding | vLLM | `append_paged_kv(k, v, cache, slot_mapping)`: the same, `-1` skipped |
-# | `key_cache`, `value_cache` `[blocks, block_size, heads, dim]` | vLLM (flash), FlashInfer's tuple | `cache=(k_cache, v_cache)` in `layout` (harness: `"kv_tuple"`); the suite's own pool is one `[pages, 2, ...]` tensor |
-# | x-packed `k_cache [blocks, heads, dim // x, block, x]`, `v_cache [blocks, heads, dim, block]` | vLLM (paged attention, prefix prefill) | prefill: `cache=(k_cache, v_cache)`, read in place (harness: `"vllm_x"`) |
-# | `k`, `v` of `context_attention_fwd` (the new tokens, not in the cache) | vLLM | `k_new=`, `v_new=`; `kernels.context_attention_fwd` takes all of vLLM's names (`b_loc`, `b_start_loc`, `b_seq_len`) |
-# | `sliding_window = w` (`w` keys) | vLLM | `window=LinearWindow.from_sliding_window(w)`, i.e. `window_left = w - 1` |
-# | `kv_indptr`, `kv_indices`, `kv_last_page_len` | FlashInfer | the `_csr` entry points, same names and meaning |
-# | `append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, ...)` | FlashInfer | `append_paged_kv_csr(k, v, cache, batch_indices, positions, kv_indices, kv_indptr)`: the cache is the 3rd argument, not the 5th; padding is batch `-1` or position `-1` |
-# | `kv_last_page_len` on append | FlashInfer | not used for writing there; here `zero_v_tail=` zeroes a last page's unwritten V rows when asked |
-# | `window_left = w` (`w + 1` keys; `-1`: none) | FlashInfer | `window=LinearWindow(w)`; `-1` is `window=None` |
+# | `slot_mapping`, `-1` for padding | vLLM | `append_paged_kv(k, v, cache, slot_mapping)`, `-1` skipped |
+# | `key_cache`, `value_cache` `[blocks, block, heads, d]` | vLLM, FlashInfer | `cache=(k_cache, v_cache)` |
+# | x-packed `k_cache [.., dim // x, block, x]`, `v_cache` | vLLM | prefill `cache=(k_cache, v_cache)` (`"vllm_x"`) |
+# | `k`, `v` of `context_attention_fwd` (new tokens) | vLLM | `k_new=`, `v_new=`; `kernels.context_attention_fwd` |
+# | `sliding_window = w` (`w` keys) | vLLM | `LinearWindow.from_sliding_window(w)`: `window_left = w - 1` |
+# | `kv_indptr`, `kv_indices`, `kv_last_page_len` | FlashInfer | the `_csr` entry points, same names |
+# | `append_paged_kv_cache(.., paged_kv_cache, ..)` | FlashInfer | `append_paged_kv_csr(k, v, cache, ..)`: cache 3rd |
+# | `kv_last_page_len` on append (not for writing) | FlashInfer | `zero_v_tail=` zeroes a last page's V tail |
+# | `window_left = w` (`w + 1` keys; `-1`: none) | FlashInfer | `window=LinearWindow(w)`; `-1` is `None` |
 # | `causal=False` | FlashInfer | `causal=False` (prefill) |
-# | `return_lse=True` (base 2), `merge_state`, `merge_states`, cascade | FlashInfer | `return_lse=True` (base 2), `kernels.merge_state(s)`, `kernels.cascade_attention` |
-# | `custom_mask` / `spec_decoding_packed_mask` (draft trees) | FlashInfer / TensorRT-LLM | prefill `tree_mask=` (`pagedkv_lib.draft_tree.batch_tree_mask(parents, qo_indptr)`; notebook 13) |
-# | `BatchMLAPagedAttentionWrapper` (absorbed `q_nope`, `q_pe`; latent output) | FlashInfer | `kernels.mla_latent_attention[_csr]` (notebook 11) |
-# | NVFP4 global scale as the encode scale `448 * 6 / amax` | FlashInfer, TensorRT-LLM | `k_scale_encode=`, `v_scale_encode=` (scale mode `"block_encode"`; notebook 09) |
+# | `return_lse=True` (base 2), `merge_state(s)` | FlashInfer | the same names; `kernels.cascade_attention` |
+# | `custom_mask`, `spec_decoding_packed_mask` | FlashInfer, TRT-LLM | prefill `tree_mask=` (`batch_tree_mask`; nb 13) |
+# | MLA wrapper: absorbed `q_nope`, `q_pe` | FlashInfer | `kernels.mla_latent_attention[_csr]` (notebook 11) |
+# | NVFP4 encode scale `448 * 6 / amax` | FlashInfer, TRT-LLM | `k_scale_encode=` (`"block_encode"`; notebook 09) |
 # | FP8 `k_scale [num_kv_heads]`; per-token FP8 | vLLM | `scale_mode="head"`; `scale_mode="token_all_heads"` |
-# | ring window: sinks, bubble, cyclic length (`KVBlockArray`) | TensorRT-LLM | `window=RingWindow(...)` (notebook 04) |
-# | `spec_decoding_position_offsets`, `mrope_position_deltas`, `helix_position_offsets`, `helix_is_inactive_rank` | TensorRT-LLM | `rotary_positions(...)` then `rope_positions=`; `as_padding` for the inactive rank (notebook 13) |
+# | ring window: sinks, bubble (`KVBlockArray`) | TRT-LLM | `window=RingWindow(...)` (notebook 04) |
+# | `spec_decoding_position_offsets`, M-RoPE, Helix | TRT-LLM | `rotary_positions(...)`, `rope_positions=` (nb 13) |
 #
 # The README's conventions table says the same with a column per engine.
 

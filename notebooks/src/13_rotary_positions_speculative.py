@@ -61,15 +61,14 @@ from pagedkv_lib import runtime
 runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
 
 import torch
-
-import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
 from IPython.display import display
 
+import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
 from kernels.prefill import prefill_kernel
 from pagedkv_lib import PagedKVPool, reference, viz
 from pagedkv_lib.compare import TOLERANCES, bits, compare
-from pagedkv_lib.formats import csr_slot_mapping, get_batch_indices_positions
 from pagedkv_lib.draft_tree import batch_tree_mask, tree_mask
+from pagedkv_lib.formats import csr_slot_mapping, get_batch_indices_positions
 from pagedkv_lib.rotary_positions import as_padding, draft_tree_offsets, inactive_tokens, rotary_positions
 
 print(runtime.backend_line())
@@ -592,7 +591,7 @@ for name, engine in runs.items():
 # | rotating at the cache position changes K exactly where the two positions differ | bit assert per token |
 # | an inactive Helix rank leaves its request's pages untouched and still rotates its Q | bits, `compare` |
 # | a draft sees itself and its ancestors only; plain causal attention lets 7 wrong pairs through | mask asserts |
-# | the prefill kernel's `tree_mask` equals the float64 reference and each path's attention alone; without it nodes 2-5 are wrong | `compare` |
+# | the kernel's `tree_mask` equals the float64 reference and each path alone; causal: nodes 2-5 wrong | `compare` |
 # | speculative decoding on SmolLM2 equals transformers' `generate`, token and logit | `check_engine` |
 # | a rollback keeps the accepted tokens and frees the tail page (refcount 1 -> 0) | asserts, `check_integrity` |
 # | the next step overwrites a rejected draft's row before anything reads it | table assert |

@@ -25,6 +25,7 @@ Callers use the package (``checks.check_decode_args(...)``); its modules, by fam
 from __future__ import annotations
 
 from .mha import (
+    NEW_TOKENS,
     check_append_args,
     check_block_tables,
     check_causal,
@@ -34,12 +35,15 @@ from .mha import (
     check_decode_args,
     check_flag,
     check_merge_args,
+    check_new_kv,
+    check_new_tokens,
     check_prefill_args,
     check_rope_args,
     check_state_pair,
     check_states_args,
     check_tree_mask,
     check_v_tail_args,
+    new_tokens_of,
 )
 from .mla import (
     MLACacheDims,
@@ -113,6 +117,10 @@ __all__ = [
     "check_decode_args",
     "check_csr_decode_args",
     "check_prefill_args",
+    "NEW_TOKENS",
+    "check_new_tokens",
+    "check_new_kv",
+    "new_tokens_of",
     "check_csr_prefill_args",
     "check_tree_mask",
     "check_merge_args",

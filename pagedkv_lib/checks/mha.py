@@ -14,6 +14,7 @@ from .shared import (
     FLOAT_DTYPES,
     check_float_tensor,
     check_kv,
+    check_kv_rows,
     check_q,
     check_read_window,
     check_rope_positions,
@@ -277,6 +278,44 @@ def check_tree_mask(tree_mask, qo_indptr: torch.Tensor, causal: bool = True, win
         raise ValueError(f"tree_mask[{r}, {int(within[r])}] is False: every draft sees itself (a true diagonal)")
 
 
+NEW_TOKENS = ("cache", "separate")
+
+
+def check_new_tokens(new_tokens, window) -> None:
+    """``new_tokens``: ``"cache"`` (the new tokens' K/V were written into the cache before
+    the call) or ``"separate"`` (given apart, vLLM's ``context_attention_fwd`` form: the
+    cache holds only the context); ``"separate"`` takes no ring window, whose slots the
+    new tokens would have overwritten in a cache that never holds them."""
+    if new_tokens not in NEW_TOKENS:
+        raise ValueError(f"new_tokens={new_tokens!r} must be one of {NEW_TOKENS}")
+    if new_tokens == "separate" and isinstance(window, RingWindow):
+        raise ValueError(
+            "window: a ring window with the new tokens' K/V given apart (k_new/v_new) is not supported: a ring "
+            "cache is defined by the writes of every token; use a LinearWindow, or write the new tokens first"
+        )
+
+
+def new_tokens_of(k_new, v_new) -> str:
+    """The ``new_tokens`` form of a prefill call: ``"cache"`` when neither ``k_new`` nor
+    ``v_new`` is given, else ``"separate"`` (:func:`check_new_kv` checks the pair)."""
+    return "cache" if k_new is None and v_new is None else "separate"
+
+
+def check_new_kv(k_new, v_new, q, dims, dtype: torch.dtype) -> str:
+    """The new tokens' K/V given apart: both None (return ``"cache"``) or ``k_new, v_new
+    [total_q, num_kv_heads, head_dim]``, one row per query row of ``q``, in the cache's
+    ``dtype`` (return ``"separate"``)."""
+    if k_new is None and v_new is None:
+        return "cache"
+    if k_new is None or v_new is None:
+        given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
+        raise ValueError(f"{given} is given but {missing} is None: the new tokens' K and V come together")
+    check_kv_rows(k_new, v_new, dims, "cache", dtype, names=("k_new", "v_new"))
+    if k_new.shape[0] != q.shape[0]:
+        raise ValueError(f"k_new has {k_new.shape[0]} rows but q has {q.shape[0]}: one row per new token")
+    return "separate"
+
+
 def check_prefill_args(
     q,
     cache,
@@ -288,6 +327,7 @@ def check_prefill_args(
     scale=None,
     causal: bool = True,
     tree_mask=None,
+    new_tokens: str = "cache",
 ):
     """Validate a prefill-attention call; return ``(qo_indptr, block_tables, seq_lens)`` as
     host int64. ``qo_indptr [batch + 1]`` must delimit ``q``'s rows into at most
@@ -296,10 +336,13 @@ def check_prefill_args(
     <pagedkv_lib.window.RingWindow.lost_key>`); a linear window (a mask) caps nothing.
     With ``causal=False`` (no ring, :func:`check_causal`) a request may have more
     queries than keys, since no query has a position to align. ``tree_mask``: a draft
-    tree's mask or None (:func:`check_tree_mask`)."""
+    tree's mask or None (:func:`check_tree_mask`). With ``new_tokens="separate"``
+    (:func:`check_new_tokens`) the new tokens are keys too (``q_len <= seq_len`` always)
+    and ``block_tables`` covers the context only, ``seq_lens - q_len`` rows."""
     dims = check_q(q, cache, layout)
     check_scale(scale)
     check_causal(causal, window)
+    check_new_tokens(new_tokens, window)
     check_read_window(window, dims.page_size)  # before the chunk rule, which counts in the ring's pages
     indptr = index_tensor("qo_indptr", qo_indptr, 1)
     lens = index_tensor("seq_lens", seq_lens, 1)
@@ -308,7 +351,9 @@ def check_prefill_args(
     if int(indptr[-1]) != q.shape[0]:
         raise ValueError(f"qo_indptr[-1]={int(indptr[-1])} but q has {q.shape[0]} rows")
     q_lens = indptr[1:] - indptr[:-1]
-    bad = ((q_lens > lens) if causal else torch.zeros_like(q_lens, dtype=torch.bool)) | (q_lens < 0)
+    bad = ((q_lens > lens) if causal or new_tokens == "separate" else torch.zeros_like(q_lens, dtype=torch.bool)) | (
+        q_lens < 0
+    )
     if bad.any():
         b = int(torch.nonzero(bad)[0])
         raise ValueError(f"request {b} has {int(q_lens[b])} queries but seq_lens[{b}]={int(lens[b])}")
@@ -324,7 +369,13 @@ def check_prefill_args(
                 f"this ring takes chunks of {window.max_chunk_len()} tokens at any length, longer ones only while "
                 "they overwrite no visible key (use one_more_block, or shorter chunks)"
             )
-    table, lens = check_block_tables(cache, block_tables, lens, layout, window)
+    if new_tokens == "cache":
+        table, lens = check_block_tables(cache, block_tables, lens, layout, window)
+        return indptr, table, lens
+    try:
+        table, _ = check_block_tables(cache, block_tables, lens - q_lens, layout, window)
+    except ValueError as err:
+        raise ValueError(f"{err} (with k_new/v_new the table covers the context only: seq_lens - q_len)") from None
     return indptr, table, lens
 
 
@@ -385,7 +436,7 @@ def check_state_pair(v_a, s_a, v_b, s_b) -> None:
 
 def check_csr_prefill_args(
     q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD", scale=None, causal: bool = True,
-    window=None, tree_mask=None,
+    window=None, tree_mask=None, new_tokens: str = "cache",
 ):  # fmt: skip
     """Validate a prefill over a CSR page table; return ``(qo_indptr, kv_indptr,
     kv_indices, kv_last_page_len, seq_lens)`` as host int64.
@@ -394,16 +445,25 @@ def check_csr_prefill_args(
     the pool; the KV lengths it implies (:func:`pagedkv_lib.formats.csr_seq_lens`) then
     obey :func:`check_prefill_args`'s rules. ``window``: a
     :class:`~pagedkv_lib.window.LinearWindow` or None (no ring: a ring's pages do not
-    give the sequence length, :func:`check_read_window`); ``tree_mask`` as there.
+    give the sequence length, :func:`check_read_window`); ``tree_mask`` as there. With
+    ``new_tokens="separate"`` the table holds the context only: the returned ``seq_lens``
+    are its lengths plus each request's ``q_len``.
     """
     dims = check_q(q, cache, layout)
     check_scale(scale)
     check_read_window(window, dims.page_size, csr=True)
     check_causal(causal, window)
+    check_new_tokens(new_tokens, window)
     indptr, indices, last = check_csr(kv_indptr, kv_indices, kv_last_page_len, dims.page_size, dims.num_pages)
     table, lens = csr_to_block_table(indptr, indices, last, dims.page_size)
+    if new_tokens == "separate":
+        qo = index_tensor("qo_indptr", qo_indptr, 1)
+        if qo.numel() == lens.numel() + 1:  # else the qo_indptr rule below says what is wrong
+            lens = lens + (qo[1:] - qo[:-1])
     try:  # what is left to fail is the qo_indptr rule, against lengths the caller did not pass
-        qo, _, lens = check_prefill_args(q, cache, qo_indptr, table, lens, layout, window, scale, causal)
+        qo, _, lens = check_prefill_args(
+            q, cache, qo_indptr, table, lens, layout, window, scale, causal, new_tokens=new_tokens
+        )
     except ValueError as err:
         raise ValueError(f"{err} (seq_lens: the KV lengths kv_indptr and kv_last_page_len give)") from None
     check_tree_mask(tree_mask, qo, causal, window)

@@ -91,11 +91,14 @@ def check_float_tensor(name: str, x, shape_doc: str) -> None:
         raise ValueError(f"{name}.dtype={x.dtype} is not a float dtype")
 
 
-def check_kv_rows(k, v, dims: CacheDims, holder: str = "cache", dtype: torch.dtype | None = None) -> None:
+def check_kv_rows(
+    k, v, dims: CacheDims, holder: str = "cache", dtype: torch.dtype | None = None, names: tuple = ("k", "v")
+) -> None:
     """``k, v [num_tokens, num_kv_heads, head_dim]`` float tensors of equal shape with the
     heads and head_dim of ``dims`` (the ``holder``'s, named in the message), and with
-    ``dtype`` given, in that dtype (checked per tensor, K before V)."""
-    for name, x in (("k", k), ("v", v)):
+    ``dtype`` given, in that dtype (checked per tensor, K before V). ``names``: the two
+    arguments' names in the messages."""
+    for name, x in zip(names, (k, v)):
         check_float_tensor(name, x, "[num_tokens, num_kv_heads, head_dim]")
         if tuple(x.shape[1:]) != (dims.num_kv_heads, dims.head_dim):
             raise ValueError(
@@ -105,7 +108,7 @@ def check_kv_rows(k, v, dims: CacheDims, holder: str = "cache", dtype: torch.dty
         if dtype is not None and x.dtype != dtype:
             raise ValueError(f"{name}.dtype={x.dtype} differs from {holder}.dtype={dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
+        raise ValueError(f"{names[0]} has shape {tuple(k.shape)} but {names[1]} has {tuple(v.shape)}")
 
 
 def check_q(q, cache, layout: str = "NHD", rows: int | None = None, rows_name: str = "tokens") -> CacheDims:

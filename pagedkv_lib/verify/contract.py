@@ -6,7 +6,9 @@ window. A :class:`Contract` says so; the harness then reports the cases outside 
 *outside the declared contract* (listed apart, neither passed nor failed), skips a
 scenario that needs an undeclared feature with that reason, and draws generated cases
 only inside the contract. It also says which cache layout the kernel takes (see
-:mod:`pagedkv_lib.cache_layouts`), so each case's pool is built in that layout.
+:mod:`pagedkv_lib.cache_layouts`), so each case's pool is built in that layout, and for
+a prefill whether the new tokens' K/V are read from the pool or given apart
+(``new_tokens``, vLLM's ``context_attention_fwd`` form).
 
 Before a grid case is judged outside, :meth:`Contract.project` moves it inside where an
 equivalent case exists: an excluded page size, head dim, GQA group, dtype or layout
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..cache_layouts import CACHE_LAYOUTS
+from ..checks import NEW_TOKENS
 from ..indexing import is_power_of_two
 
 __all__ = ["Contract", "contract", "contract_of", "admits", "FULL", "SUBSTITUTES"]
@@ -79,7 +82,11 @@ class Contract:
     (``window=`` a :class:`~pagedkv_lib.window.LinearWindow`, FlashInfer's
     ``window_left``); None (the default) follows ``windows``, so a kernel declared
     without windows gets neither. ``padding``: ``-1`` slots in an append.
-    ``strided_kv``: non-contiguous K/V inputs.
+    ``strided_kv``: non-contiguous K/V inputs. ``new_tokens`` (a prefill's calling
+    form): ``"cache"`` (the new tokens' K/V are written into the pool before the call) or
+    ``"separate"`` (vLLM's ``context_attention_fwd`` form: the kernel takes them as
+    ``k_new=``, ``v_new= [total_q, num_kv_heads, head_dim]`` and the pool's rows for them
+    hold NaN; no ring window, no request with more queries than keys).
     """
 
     dtypes: tuple[str, ...] = _DTYPES
@@ -93,6 +100,7 @@ class Contract:
     linear_windows: bool | None = None
     padding: bool = True
     strided_kv: bool = True
+    new_tokens: str = "cache"
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +114,8 @@ class Contract:
             _domain(name, getattr(self, name))
         if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
             raise ValueError(f"min_seq_len={self.min_seq_len!r} must be an int >= 0")
+        if self.new_tokens not in NEW_TOKENS:
+            raise ValueError(f"new_tokens={self.new_tokens!r} must be one of {NEW_TOKENS}")
         if self.linear_windows is None:
             object.__setattr__(self, "linear_windows", self.windows)
 
@@ -125,8 +135,8 @@ class Contract:
             out["noncontiguous"] = False
         if not self.padding and out.get("padding"):
             out["padding"] = 0
-        if not self.windows and out.get("window"):
-            change("window", None)
+        if (not self.windows or self.new_tokens == "separate") and out.get("window"):
+            change("window", None)  # a ring: the separate form has none (its cache never holds the new tokens)
         if not self.linear_windows and out.get("window_left") is not None:
             change("window_left", None)
         for key, allowed, universe in (("dtype", self.dtypes, _DTYPES), ("layout", self.layouts, _LAYOUTS)):
@@ -182,6 +192,8 @@ class Contract:
             reasons.append(f"a sequence of length {min(lens)} (< {self.min_seq_len})")
         if case.get("window") and not self.windows:
             reasons.append("a ring window")
+        if self.new_tokens == "separate":
+            reasons += _separate_form_reasons(case)
         if case.get("window_left") is not None and not self.linear_windows:
             reasons.append("a linear window")
         if case.get("padding", 0) and not self.padding:
@@ -221,10 +233,25 @@ class Contract:
             linear_windows=self.linear_windows and other.linear_windows,
             padding=self.padding and other.padding,
             strided_kv=self.strided_kv and other.strided_kv,
+            new_tokens="separate" if "separate" in (self.new_tokens, other.new_tokens) else "cache",
         )
 
 
 FULL = Contract()
+
+
+def _separate_form_reasons(case: dict) -> list[str]:
+    """What a case needs that the separate new-tokens form cannot give: a ring window, a
+    request with more queries than keys (its new tokens are keys), or a scenario that
+    writes the new tokens into the pool and reads them back (``"new_tokens": "cache"``)."""
+    reasons = []
+    if case.get("window"):
+        reasons.append("a ring window with the new tokens given apart")
+    if any(m > n for n, m in case.get("requests") or ()):
+        reasons.append("a request with more queries than keys (the new tokens given apart are keys)")
+    if case.get("new_tokens") == "cache":
+        reasons.append("the new tokens' K/V read back from the pool (this kernel takes them apart)")
+    return reasons
 
 
 def _text(value) -> str:

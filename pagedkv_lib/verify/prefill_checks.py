@@ -29,7 +29,7 @@ from .. import reference, runtime
 from ..compare import DTYPES, TOLERANCES, compare
 from ..draft_tree import batch_tree_mask
 from ..formats import pad_block_tables, scatter_pages
-from ..pool import PagedKVPool
+from ..pool import PagedKVPool, cache_dims
 from ..window import RingWindow
 from .contract import Contract, contract_of
 from .decode_checks import case_window, read_changes, write_sequence
@@ -47,6 +47,7 @@ __all__ = [
     "tree_prefill_cases",
     "prefill_inputs",
     "prefill_case",
+    "split_new_tokens",
     "locate_row",
 ]
 
@@ -190,11 +191,36 @@ def locate_row(row: int, qo_indptr, seq_lens) -> tuple[int, int, int]:
     return b, i, int(seq_lens[b]) - q_len + i
 
 
+def split_new_tokens(cache, tables, qo_indptr, seq_lens, layout: str, poison=True, seed: int = 0):
+    """``(k_new, v_new) [total_q, num_kv_heads, head_dim]``: the new tokens' K/V (request
+    ``b``'s positions ``seq_lens[b] - q_len[b] ..``, in ``q``'s row order) copied out of
+    the pool ``cache``, whose rows for them are then overwritten in place: NaN (``poison``
+    True), else finite values unlike theirs. A kernel given them apart (the separate
+    form) that reads the pool for them fails either way."""
+    dims = cache_dims(cache, layout)
+    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+    gen = torch.Generator().manual_seed(20_011 + seed)
+    ks, vs = [], []
+    for b, (n, m) in enumerate(zip(seq_lens.tolist(), q_lens)):
+        k, v = reference.gather_paged_kv(cache, tables[b], n, layout)
+        ks.append(k[n - m :].clone())
+        vs.append(v[n - m :].clone())
+        for pos in range(n - m, n):
+            page, row = int(tables[b, pos // dims.page_size]), pos % dims.page_size
+            rows = cache[page, :, row] if layout == "NHD" else cache[page, :, :, row]
+            fill = rand(rows.shape, cache.dtype, gen) + 3.0 if poison is not True else float("nan")
+            rows.copy_(torch.as_tensor(fill, dtype=cache.dtype).expand(rows.shape))
+    return torch.cat(ks), torch.cat(vs)
+
+
 def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> CaseResult:
     """Run one prefill case: the output within tolerance of the float64 reference (the
     failure detail names the first (request, query, head) beyond it), and the pool,
     ``q`` and the index tensors bit-for-bit unchanged, nothing written next to them.
-    The pool is built in the kernel's declared cache layout."""
+    The pool is built in the kernel's declared cache layout. A kernel declaring
+    ``new_tokens="separate"`` gets the new tokens' K/V as ``k_new=``, ``v_new=`` and
+    their pool rows poisoned (:func:`split_new_tokens`), against the same reference,
+    computed from the whole pool first."""
     contract = contract or contract_of(prefill_fn)
     reason = contract.outside(case)
     if reason:
@@ -212,13 +238,19 @@ def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> Ca
         tree_mask=tree_mask,
     )  # fmt: skip
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
-    dev, guards = runtime.device(), Guards()
-    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
     originals = {"q": q, "qo_indptr": qo_indptr, "block_tables": tables, "seq_lens": lens}
     if tree_mask is not None:
         originals["tree_mask"] = tree_mask
+    separate = contract.new_tokens == "separate"
+    if separate:
+        poison = case.get("poison", True)
+        originals["k_new"], originals["v_new"] = split_new_tokens(cache, tables, qo_indptr, lens, layout, poison)
+    dev, guards = runtime.device(), Guards()
+    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
     inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
     kwargs = {"layout": layout} if accepts(prefill_fn, "layout") else {}
+    if separate:
+        kwargs |= {"k_new": inputs["k_new"], "v_new": inputs["v_new"]}
     if window is not None:
         kwargs["window"] = window
     if not causal:

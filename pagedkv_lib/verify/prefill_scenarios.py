@@ -108,9 +108,12 @@ def check_prefix_hit(
     return finish("prefix_hit", bench, ok, detail or setup, max_abs, **scenario_case(ps))
 
 
+# "new_tokens": "cache": both write the new tokens into the pool and read them back from
+# it, which a kernel that takes them apart (Contract.new_tokens "separate") never does.
 PREFILL_SCENARIO_NEEDS = {
     "prefill_chunks": {"dtype": "fp32", "layout": "NHD", "head_dim": 32, "page_size": 4, "group": 2,
-                       "seq_lens": [11]},
-    "prefix_hit": {"dtype": "fp32", "layout": "NHD", "head_dim": 16, "page_size": 4, "group": 2, "seq_lens": [8, 12]},
+                       "seq_lens": [11], "new_tokens": "cache"},
+    "prefix_hit": {"dtype": "fp32", "layout": "NHD", "head_dim": 16, "page_size": 4, "group": 2, "seq_lens": [8, 12],
+                   "new_tokens": "cache"},
 }  # fmt: skip
 PREFILL_SCENARIOS = {"prefill_chunks": check_prefill_chunks, "prefix_hit": check_prefix_hit}

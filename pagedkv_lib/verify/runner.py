@@ -337,7 +337,7 @@ def run(
     * ``decode_fn``: that of ``kernels.paged_decode_attention`` (``fn(q, cache,
       block_tables, seq_lens, layout=...)``, optionally ``num_splits=`` and ``window=``);
     * ``prefill_fn``: that of ``kernels.paged_prefill_attention`` (``fn(q, cache,
-      qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``);
+      qo_indptr, block_tables, seq_lens, layout=...)``, optionally ``window=``, ``k_new=``, ``v_new=``);
     * ``mla_append_fn`` / ``mla_decode_fn``: those of ``kernels.append_paged_mla_kv`` and
       ``kernels.mla_decode_attention`` (:mod:`.mla_checks`);
     * ``quant_append_fn`` / ``quant_decode_fn``: those of ``kernels.append_paged_kv_quant_pool``
