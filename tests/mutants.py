@@ -36,8 +36,8 @@ class Mutant:
 
 _WEIGHTS = 'w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))'
 _EQUAL = 'w = tl.where(lse == float("-inf"), 0.0, 1.0)'
-_ZERO_V = "tl.store(kv_ptrs + stride_kv, tl.zeros_like(v).to(cache_ptr.dtype.element_ty), mask=kv_mask)"
-_LOAD_V = "    v = tl.load(kv_ptrs + stride_kv, mask=kv_mask, other=0.0)\n"
+_ZERO_V = "tl.store(v_ptrs, tl.zeros_like(v).to(v_ptrs.dtype.element_ty), mask=kv_mask)"
+_LOAD_V = "    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)\n"
 _RECENT = "recent_start = tl.maximum(sink_tokens, first_end - window_recent)"
 _HEADS = "heads = kv_head * group + offs_g\n"
 _HEADS_SHIFTED = "heads = (kv_head * group + offs_g + 1) % (group * tl.num_programs(1))\n"
