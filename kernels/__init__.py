@@ -47,14 +47,16 @@ Importing this package first imports :mod:`pagedkv_lib.runtime`, which sets
 ``TRITON_INTERPRET`` before triton is imported: compiled kernels when CUDA is
 available, Triton's interpreter on CPU otherwise (``PAGEDKV_BACKEND`` forces either).
 ``PAGEDKV_POISON_MASKED=1`` then poisons the interpreter's masked lanes
-(:mod:`pagedkv_lib.interpreter_poison`).
+(:mod:`pagedkv_lib.interpreter_poison`), and the interpreter's calls of device helpers
+skip a redundant re-patching of ``triton.language`` (:mod:`pagedkv_lib.interpreter_calls`).
 """
 
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
 
-from pagedkv_lib import interpreter_poison  # isort: skip  (it imports triton: after runtime)
+from pagedkv_lib import interpreter_calls, interpreter_poison  # isort: skip  (they import triton: after runtime)
 
 interpreter_poison.enable_from_env()
+interpreter_calls.install()  # helpers' calls skip the interpreter's redundant re-patching (speed only)
 
 # ruff: noqa: E402  (the imports below must follow the runtime set-up above)
 from .block_copy import BlockCopyPlan, copy_paged_blocks, plan_block_copy, run_block_copy

@@ -1,0 +1,81 @@
+"""Device-helper calls in Triton's interpreter skip the re-patching of ``triton.language``
+(:mod:`pagedkv_lib.interpreter_calls`): the results are the same bit for bit, the
+launch's own patching is still undone after it, and an error inside a launch leaves no
+launch open."""
+
+import pytest
+import torch
+
+import kernels  # noqa: F401  (installs the wrapper on the interpreter backend)
+from pagedkv_lib import interpreter_calls, runtime
+
+# isort: split
+import triton
+import triton.language as tl
+
+pytestmark = pytest.mark.skipif(not runtime.BACKEND.interpreted, reason="the interpreter's own behaviour")
+
+
+@triton.jit
+def _scaled(x, k):
+    return x * k
+
+
+@triton.jit
+def _loop_kernel(x_ptr, out_ptr, TIMES: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.load(x_ptr + offs)
+    for k in tl.static_range(TIMES):
+        acc = _scaled(acc, k + 1.5)  # one helper call per iteration and program
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
+def _failing_helper(x):
+    tl.static_assert(False, "planted")
+    return x
+
+
+@triton.jit
+def _failing_kernel(x_ptr):
+    tl.store(x_ptr, _failing_helper(tl.load(x_ptr)))
+
+
+def _run(x):
+    out = torch.empty_like(x)
+    _loop_kernel[(3,)](x, out, TIMES=4, BLOCK=8)
+    return out
+
+
+def test_helper_calls_skip_the_repatching_and_the_result_is_the_same_bit_for_bit():
+    x = torch.randn(24, generator=torch.Generator().manual_seed(0))
+    assert interpreter_calls.installed()
+    before = interpreter_calls.nested_calls_skipped()
+    fast = _run(x)
+    assert interpreter_calls.nested_calls_skipped() - before == 3 * 4  # 3 programs x 4 calls
+    interpreter_calls.uninstall()
+    try:
+        skipped = interpreter_calls.nested_calls_skipped()
+        plain = _run(x)
+        assert interpreter_calls.nested_calls_skipped() == skipped  # the interpreter's own path
+    finally:
+        assert interpreter_calls.install()
+    want = x.double()
+    for k in range(4):
+        want = want * (k + 1.5)
+    assert torch.equal(fast.view(torch.int32), plain.view(torch.int32))
+    assert torch.allclose(fast.double(), want, rtol=1e-6)
+
+
+def test_the_launch_still_restores_triton_language_after_it():
+    arange, load = tl.arange, tl.load
+    _run(torch.ones(24))
+    assert tl.arange is arange and tl.load is load
+
+
+def test_an_error_inside_a_launch_leaves_no_launch_open():
+    with pytest.raises(Exception, match="planted"):
+        _failing_kernel[(1,)](torch.ones(1))
+    arange = tl.arange
+    out = _run(torch.ones(24))  # patched and restored as usual: no launch was left open
+    assert tl.arange is arange and torch.equal(out, torch.full((24,), 1.5 * 2.5 * 3.5 * 4.5))
