@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from no_launch import NoLaunch
 
 import pagedkv_lib  # noqa: F401  (before triton)
 from pagedkv_lib import PagedKVPool, RingWindow, faults, formats, reference, runtime, verify
@@ -316,14 +317,9 @@ def test_prefill_repro_line_replays_a_failure():
 # ----------------------------------------------------------------------------- validation
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        raise AssertionError("a kernel was launched before validation finished")
-
-
 @pytest.fixture
 def no_launch(monkeypatch):
-    monkeypatch.setattr(prefill, "prefill_kernel", _NoLaunch())
+    monkeypatch.setattr(prefill, "prefill_kernel", NoLaunch())
 
 
 def _args():

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from no_launch import NoLaunch
 
 import pagedkv_lib  # noqa: F401  (before triton)
 from pagedkv_lib import PagedKVPool, RingWindow, formats, reference, runtime
@@ -417,17 +418,10 @@ def test_pool_beyond_int32_elements_gpu():
 # ----------------------------------------------------------------------------- validation
 
 
-class _NoLaunch:
-    """Stands in for a kernel: any launch fails the test."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("a kernel was launched before validation finished")
-
-
 @pytest.fixture
 def no_launch(monkeypatch):
     for module, name in ((decode, "decode_split_kernel"), (merge, "merge_kernel"), (gather, "_gather_kernel")):
-        monkeypatch.setattr(module, name, _NoLaunch())
+        monkeypatch.setattr(module, name, NoLaunch())
 
 
 def _args():

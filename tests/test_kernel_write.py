@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from no_launch import NoLaunch
 
 import pagedkv_lib  # noqa: F401  (before triton)
 from pagedkv_lib import RingWindow, formats, reference, runtime
@@ -526,18 +527,11 @@ def test_a_slot_mapping_inside_the_pool_is_refused_before_anything_is_written():
 def test_empty_pool_dimension_is_refused_before_any_launch(monkeypatch):
     """A pool with page_size 0 used to be launched for an all-padding append (and divide
     by zero in the interpreter); now its empty dimension is refused first."""
-    monkeypatch.setattr(write, "append_kernel", _NoLaunch())
+    monkeypatch.setattr(write, "append_kernel", NoLaunch())
     cache = torch.zeros(3, 2, 0, 2, 8, device=DEV)
     k = torch.ones(2, 2, 8, device=DEV)
     with pytest.raises(ValueError, match=r"cache has shape \(3, 2, 0, 2, 8\): page_size is 0"):
         append_paged_kv(k, k, cache, torch.full((2,), -1, device=DEV))
-
-
-class _NoLaunch:
-    """Stands in for a kernel: any launch fails the test."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("a kernel was launched before validation finished")
 
 
 def test_valid_call_of_the_validation_setup():

@@ -9,6 +9,7 @@ in about a second, since nothing reaches a kernel launch).
 
 import pytest
 import torch
+from no_launch import NoLaunch
 
 import pagedkv_lib  # noqa: F401  (before triton)
 from pagedkv_lib import RingWindow, mla, quant_reference, reference, runtime
@@ -26,11 +27,6 @@ DEV = runtime.device()
 SHAPE = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 8, "group": 2, "num_kv_heads": 1}
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        raise AssertionError("a kernel was launched before validation finished")
-
-
 @pytest.fixture(autouse=True)
 def no_launch(monkeypatch):
     """Any launch fails the test: every case here must be refused before one."""
@@ -41,7 +37,7 @@ def no_launch(monkeypatch):
         (mla_decode, "head_matvec_kernel"),
         (mla_decode, "mla_split_kernel"),
     ):
-        monkeypatch.setattr(module, name, _NoLaunch())
+        monkeypatch.setattr(module, name, NoLaunch())
 
 
 def _dev(a: dict) -> dict:
