@@ -20,6 +20,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.patches import Patch
 
 from ..formats import get_batch_indices_positions, index_tensor
+from ..indexing import locate
 from .style import PALETTE
 
 ROTARY_ROWS = {
@@ -64,10 +65,11 @@ def _place(rows: PoolRows, pages: Sequence[int], position: int, what: str) -> tu
     ps = rows.codes.shape[1]
     if not 0 <= position < len(pages) * ps:
         raise ValueError(f"{what}: cache position {position} is outside its {len(pages)} pages of {ps} rows")
-    page = int(pages[position // ps])
+    block, row = locate(position, ps)
+    page = int(pages[block])
     if not 0 <= page < rows.codes.shape[0]:
         raise ValueError(f"{what}: page {page} is outside the pool ({rows.codes.shape[0]} pages)")
-    return page, position % ps
+    return page, row
 
 
 def rotary_rows(
