@@ -32,6 +32,7 @@ from . import runtime
 __all__ = ["install", "uninstall", "installed", "nested_calls_skipped"]
 
 _state = {"original": None, "active": [], "skipped": 0}
+_LANGS: dict = {}  # function -> the ids of the triton.language modules its globals hold
 
 
 class _Restore:
@@ -51,9 +52,14 @@ class _Nothing:
 
 
 def _lang_modules(fn) -> frozenset[int]:
-    import triton.language as tl
+    """Once per function (it is asked on every helper call): scanning its module's
+    globals each time would put that scan back on the path this module shortens."""
+    langs = _LANGS.get(fn)
+    if langs is None:
+        import triton.language as tl
 
-    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        langs = _LANGS[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+    return langs
 
 
 def _patch_lang_once(fn):
