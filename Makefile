@@ -123,7 +123,7 @@ test-gpu-plans: setup
 # and 07, the exercise solutions and the benchmarks' shapes, then compiles each for real
 # GPU targets and fails on a compile error, a spill or 255 registers.
 compile-check: setup
-	$(BIN)/python -m kernels.compile_check --per-class --out build/compile_check
+	$(BIN)/python -m pagedkv_kernels.tools.compile_check --per-class --out build/compile_check
 
 # The quick inner loop (see CONTRIBUTING.md): what most changes break, in under 3 minutes.
 QUICK_IGNORE := --ignore=tests/test_browser.py --ignore=tests/test_browser_mutants.py \
@@ -132,7 +132,7 @@ check: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests $(QUICK_IGNORE) -q -p no:cacheprovider $(XDIST)
-	$(BIN)/python -m kernels.verify --no-isolate --hypothesis 0
+	$(BIN)/python -m pagedkv_kernels.tools.verify --no-isolate --hypothesis 0
 
 $(VENV_OLDEST)/.pagedkv-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)
@@ -149,7 +149,7 @@ test-oldest-triton: $(VENV_OLDEST)/.pagedkv-installed
 	  -q -p no:cacheprovider $(XDIST)
 	@# in-process: this run checks the kernels under the old Triton; crash isolation is
 	@# tested in the main run (and costs ~0.25 s a case: each child re-parses the kernels)
-	$(VENV_OLDEST)/bin/python -m kernels.verify --no-isolate
+	$(VENV_OLDEST)/bin/python -m pagedkv_kernels.tools.verify --no-isolate
 
 refresh: setup
 	$(BIN)/python scripts/build_notebooks.py refresh $(NAMES)

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
-import kernels  # noqa: E402
+import pagedkv_kernels as kernels  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

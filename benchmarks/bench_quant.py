@@ -2,9 +2,9 @@
 
     python benchmarks/bench_quant.py --out benchmarks/results
 
-For each format (``bf16`` through :mod:`kernels.write` / :mod:`kernels.decode`, then
-``fp8``, ``fp8_token`` and ``nvfp4`` through :mod:`kernels.quant_write` /
-:mod:`kernels.quant_decode`) and each token count:
+For each format (``bf16`` through :mod:`pagedkv_kernels.write` / :mod:`pagedkv_kernels.decode`, then
+``fp8``, ``fp8_token`` and ``nvfp4`` through :mod:`pagedkv_kernels.quant_write` /
+:mod:`pagedkv_kernels.quant_decode`) and each token count:
 
 * **append**: a prefill-like append of ``tokens`` K/V rows (fp16 inputs) over shuffled
   pages; bytes moved = K and V read (fp16) + codes and scales written;
@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import timer  # noqa: E402
 
-from kernels import decode, quant_decode, quant_write, write  # noqa: E402
+from pagedkv_kernels import decode, quant_decode, quant_write, write  # noqa: E402
 
 FORMATS = {"bf16": None, "fp8": ("fp8", "tensor"), "fp8_token": ("fp8", "token"), "nvfp4": ("nvfp4", "block")}
 CPU_TOKENS = (64, 512)

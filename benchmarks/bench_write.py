@@ -6,7 +6,7 @@ For each token count, a prefill-like append (tokens fill whole pages of a shuffl
 page list) is timed three ways, plus a baseline measured in the same run:
 
 * ``kernel``: the Triton launch alone (arguments validated once beforehand);
-* ``kernel+checks``: :func:`kernels.write.append_paged_kv` as users call it, with the
+* ``kernel+checks``: :func:`pagedkv_kernels.write.append_paged_kv` as users call it, with the
   launcher's validation (which reads the slot mapping on the host);
 * ``torch``: :func:`pagedkv_lib.reference.append_paged_kv`, the vectorized reference
   (its own validation included);
@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import timer  # noqa: E402
 
-from kernels import write  # noqa: E402
+from pagedkv_kernels import write  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CPU_TOKENS = (1, 16, 256, 2048)

@@ -18,12 +18,11 @@ parts: where planted bugs go in), :mod:`~pagedkv_engine.engine`, :mod:`~pagedkv_
 Command line: ``python -m pagedkv_engine --help``.
 
 Importing this package imports neither transformers nor triton; ``attention="triton"``
-imports :mod:`kernels` (through :mod:`~pagedkv_engine.triton_attention`).
+imports :mod:`pagedkv_kernels` (through :mod:`~pagedkv_engine.triton_attention`).
 """
 
+from pagedkv_engine.engine import Engine, EngineStats, StepRecord  # noqa: E402
+from pagedkv_engine.scheduler import SamplingParams, Sequence  # noqa: E402
 from pagedkv_lib import runtime  # noqa: F401  (chooses the Triton backend before anything imports triton)
 
-from .engine import ENGINE_FAULTS, Engine, EngineStats, StepRecord  # noqa: E402
-from .scheduler import SamplingParams, Sequence  # noqa: E402
-
-__all__ = ["ENGINE_FAULTS", "Engine", "EngineStats", "StepRecord", "SamplingParams", "Sequence"]
+__all__ = ["Engine", "EngineStats", "StepRecord", "SamplingParams", "Sequence"]

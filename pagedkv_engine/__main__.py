@@ -22,12 +22,11 @@ import argparse
 import sys
 import time
 
+from pagedkv_engine import weights
+from pagedkv_engine.attention import ATTENTION_PATHS
+from pagedkv_engine.scheduler import SamplingParams, pages_needed
+from pagedkv_lab.faults import ENGINE_FAULTS, engine_parts
 from pagedkv_lib import runtime  # noqa: F401  (chooses the Triton backend before anything imports triton)
-from pagedkv_lib.faults import ENGINE_FAULTS
-
-from . import weights
-from .attention import ATTENTION_PATHS
-from .scheduler import SamplingParams, pages_needed
 
 DEFAULTS = dict(page_size=16, num_pages=256, max_batched_tokens=256)
 
@@ -125,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         choices=sorted(ENGINE_FAULTS),
-        help="plant a bug (see pagedkv_lib.faults.ENGINE_FAULTS); --check should then fail",
+        help="plant a bug (see pagedkv_lab.faults.ENGINE_FAULTS); --check should then fail",
     )
     p.add_argument("--threads", type=_positive, metavar="N", help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -135,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _requests(args, parser, tokenizer) -> tuple[dict[int, list], dict]:
     """``(arrivals, engine settings)`` for the command line's prompts or the standard batch."""
-    from . import check
+    from pagedkv_engine import check
 
     if args.standard_batch and args.repetitive:
         parser.error("give --standard-batch or --repetitive, not both")
@@ -208,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from . import check
-    from .engine import Engine, default_stats_lines
+    from pagedkv_engine import check
+    from pagedkv_engine.engine import Engine, default_stats_lines
 
     tokenizer = weights.load_tokenizer()
     arrivals, settings = _requests(args, parser, tokenizer)
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         record_logits=args.check,
         offload_blocks=args.offload_blocks,
         speculative=args.speculative,
-        faults=args.fault,
+        parts=engine_parts(args.fault),
     )
     engine.run(arrivals, progress=not args.no_progress)
     for seq in engine.sequences.values():

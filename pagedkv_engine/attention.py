@@ -291,7 +291,7 @@ def make_attention(path: str, head_dim: int, rope_theta: float):
     if path == "triton":
         # Imported here, not at the top: pagedkv_engine imports no triton until a caller
         # asks for the kernel path (the module's name says what it brings in).
-        from .triton_attention import TritonAttention
+        from pagedkv_engine.triton_attention import TritonAttention
 
         return TritonAttention(head_dim, rope_theta)
     raise ValueError(f"attention={path!r} must be one of {ATTENTION_PATHS}")

@@ -23,7 +23,7 @@ in attention arithmetic (paged torch, references or kernels vs SDPA over a conti
 in the number of rows of each matrix product (a batch of sequences vs one), and on the
 Triton path in RoPE's last bits (angle reduced in fp64 vs formed in fp32). ``1e-3``
 leaves a margin of 10x, the tests hold the observed maximum below ``tol / 5``, and the
-planted bugs of :data:`pagedkv_lib.faults.ENGINE_FAULTS` move logits by 2 to 9.
+planted bugs of :data:`pagedkv_lab.faults.ENGINE_FAULTS` move logits by 2 to 9.
 Transformers' top-2 gaps in that batch: smallest 0.037, 5th percentile 0.11, so no
 step is a tie; a tie would need a gap 37x smaller than the smallest seen.
 """
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import Engine
-from .scheduler import SamplingParams
+from pagedkv_engine.engine import Engine
+from pagedkv_engine.scheduler import SamplingParams
 
 __all__ = [
     "TOLERANCE",

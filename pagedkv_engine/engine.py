@@ -32,19 +32,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv_engine.attention import make_attention
+from pagedkv_engine.model import LlamaModel, StepInput
+from pagedkv_engine.parts import EngineParts
+from pagedkv_engine.scheduler import Chunk, SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
+from pagedkv_engine.speculative import num_accepted, stats_line
 from pagedkv_lib import PagedKVPool, runtime
 from pagedkv_lib.block_copy import copy_blocks
-from pagedkv_lib.faults import ENGINE_FAULTS
 from pagedkv_lib.formats import pad_block_tables
 from pagedkv_lib.indexing import check_page_size
 
-from .attention import make_attention
-from .model import LlamaModel, StepInput
-from .parts import EngineParts
-from .scheduler import Chunk, SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
-from .speculative import num_accepted, stats_line
-
-__all__ = ["ENGINE_FAULTS", "Engine", "EngineStats", "StepRecord"]
+__all__ = ["Engine", "EngineStats", "StepRecord"]
 
 
 @dataclass
@@ -126,8 +124,7 @@ class Engine:
         eos_token_id: ends a sequence (default: the model's generation config).
         parts: the engine's replaceable parts (:class:`~pagedkv_engine.parts.EngineParts`:
             position builder, manager, attention wrapper); the correct ones by default.
-        faults: names from :data:`ENGINE_FAULTS` (:mod:`pagedkv_lib.faults`), planted
-            bugs for the checks: shorthand for ``parts=EngineParts.with_faults(faults)``.
+            A planted bug is a replacement part: ``parts=pagedkv_lab.faults.engine_parts({...})``.
 
     Raises ValueError naming the argument before anything is allocated.
     """
@@ -147,7 +144,6 @@ class Engine:
         speculative: int = 0,
         eos_token_id: int | None = None,
         parts: EngineParts | None = None,
-        faults=(),
     ) -> None:
         check_page_size(page_size, owner="Engine")
         for name, value in (
@@ -164,9 +160,7 @@ class Engine:
                 f"Engine: max_num_seqs={max_num_seqs} > max_num_batched_tokens={max_num_batched_tokens}: "
                 "every running sequence must be able to decode in one step"
             )
-        if parts is not None and faults:
-            raise ValueError(f"Engine: give parts= or faults={sorted(faults)}, not both")
-        self.parts = EngineParts.with_faults(faults) if parts is None else parts
+        self.parts = EngineParts() if parts is None else parts
         cfg = hf_model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if isinstance(attention, str):

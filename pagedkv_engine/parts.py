@@ -3,8 +3,9 @@ manager keeps the block tables, and what (if anything) wraps the attention backe
 
 :class:`pagedkv_engine.engine.Engine` takes an :class:`EngineParts`; the defaults are
 the correct parts. A planted bug is a replacement part from the fault registry
-(:func:`pagedkv_lib.faults.engine_parts`, :meth:`EngineParts.with_faults`), so the
-engine's step holds no fault name and no branch on one.
+(:func:`pagedkv_lab.faults.engine_parts` builds the :class:`EngineParts` of a fault), so
+the engine's step holds no fault name and no branch on one, and the engine imports
+nothing of the lab.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedkv_engine.scheduler import Chunk
 from pagedkv_lib import KVCacheManager
-from pagedkv_lib.faults import engine_parts
-
-from .scheduler import Chunk
 
 __all__ = ["EngineParts", "token_positions", "same_backend"]
 
@@ -46,10 +45,3 @@ class EngineParts:
     positions: Callable[[Chunk], range] = token_positions
     manager: Callable[..., KVCacheManager] = KVCacheManager
     attention: Callable = same_backend
-
-    @classmethod
-    def with_faults(cls, faults=()) -> EngineParts:
-        """The correct parts with those of the planted ``faults`` (names from
-        :data:`pagedkv_lib.faults.ENGINE_FAULTS`) swapped in; ValueError names an
-        unknown fault."""
-        return cls(**engine_parts(faults))

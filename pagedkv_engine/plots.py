@@ -2,7 +2,7 @@
 memory comparison and the agreement with transformers.
 
 Every function returns a matplotlib ``Figure`` and draws nothing else; sizes follow
-:func:`pagedkv_lib.viz.use_style`. Requests keep one colour in every figure (tab10,
+:func:`pagedkv_lab.viz.use_style`. Requests keep one colour in every figure (tab10,
 in order of arrival); a page named by several block tables is dark grey and hatched.
 """
 

@@ -34,9 +34,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pagedkv_engine.speculative import propose_ngram
 from pagedkv_lib import KVCacheManager, OutOfBlocksError
-
-from .speculative import propose_ngram
 
 __all__ = ["SamplingParams", "Status", "Sequence", "Chunk", "Scheduler", "pages_needed"]
 

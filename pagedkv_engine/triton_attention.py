@@ -13,7 +13,7 @@ from pagedkv_lib import runtime  # noqa: F401  (chooses the Triton backend befor
 # isort: split
 import torch
 
-import kernels
+import pagedkv_kernels as kernels
 
 __all__ = ["TritonAttention"]
 

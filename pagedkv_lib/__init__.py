@@ -4,9 +4,9 @@ Pure Python + PyTorch; importing it never imports triton (the ``kernels`` packag
 does, after :mod:`pagedkv_lib.runtime` has chosen the backend).
 """
 
-from . import runtime
-from .allocator import BlockAllocator, OutOfBlocksError
-from .formats import (
+from pagedkv_lib import runtime
+from pagedkv_lib.allocator import BlockAllocator, OutOfBlocksError
+from pagedkv_lib.formats import (
     PAD,
     block_table_to_csr,
     csr_seq_lens,
@@ -15,11 +15,11 @@ from .formats import (
     pad_block_tables,
     slot_mapping,
 )
-from .indexing import element_offset, locate, locate_pow2
-from .manager import KVCacheManager
-from .memory import PRESETS, ModelSpec, kv_bytes_per_token, kv_cache_bytes, max_tokens
-from .pool import PagedKVPool
-from .window import LinearWindow, RingWindow
+from pagedkv_lib.indexing import element_offset, locate, locate_pow2
+from pagedkv_lib.manager import KVCacheManager
+from pagedkv_lib.memory import PRESETS, ModelSpec, kv_bytes_per_token, kv_cache_bytes, max_tokens
+from pagedkv_lib.pool import PagedKVPool
+from pagedkv_lib.window import LinearWindow, RingWindow
 
 __all__ = [
     "runtime",

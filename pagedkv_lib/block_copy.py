@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .pool import check_layout
+from pagedkv_lib.pool import check_layout
 
 __all__ = ["COPY_DTYPES", "pool_dims", "check_block_copy_args", "copy_blocks"]
 

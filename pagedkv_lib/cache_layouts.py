@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from .pool import CacheDims, cache_dims, cache_strides, check_layout
+from pagedkv_lib.pool import CacheDims, cache_dims, cache_strides, check_layout
 
 __all__ = [
     "CACHE_LAYOUTS",

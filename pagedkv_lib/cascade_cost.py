@@ -2,11 +2,11 @@
 cascade.
 
 Requests that share a prefix (a system prompt) can read it once for all of them
-(:func:`kernels.cascade.cascade_attention`): one non-causal pass of *all* requests'
+(:func:`pagedkv_kernels.cascade.cascade_attention`): one non-causal pass of *all* requests'
 queries over the prefix, one causal pass of each request over its own suffix, merged.
 The arithmetic is the same either way (every query still scores every key it sees);
 what changes is how often the prefix's K/V rows are read. The prefill kernel
-(:mod:`kernels.prefill`) runs one program per tile of ``block_m`` (query, head) rows
+(:mod:`pagedkv_kernels.prefill`) runs one program per tile of ``block_m`` (query, head) rows
 of one request and reads, for one KV head, every key up to the tile's last query:
 
 * flat: request ``b`` (``q_len`` queries, ``shared_len + suffix_len`` keys) has

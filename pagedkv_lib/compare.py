@@ -3,7 +3,7 @@ tolerance table of the pass rule, the comparison by it, and bit-exact comparison
 (``bits``, where two tensors differ, a pool against its expected bits).
 
 Low level on purpose: it imports only :mod:`pagedkv_lib.pool`, so
-:mod:`pagedkv_lib.verify`, :mod:`pagedkv_lib.viz` and :mod:`pagedkv_lib.exercises`
+:mod:`pagedkv_lab.verify`, :mod:`pagedkv_lab.viz` and :mod:`pagedkv_lab.exercises`
 all import it without importing each other."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .pool import cache_dims
+from pagedkv_lib.pool import cache_dims
 
 __all__ = [
     # the tolerance table

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import index_tensor
+from pagedkv_lib.formats import index_tensor
 
 __all__ = ["check_parents", "tree_mask", "batch_tree_mask", "pack_tree_mask"]
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .indexing import check_page_size, locate, slot_of
-from .window import RingWindow
+from pagedkv_lib.indexing import check_page_size, locate, slot_of
+from pagedkv_lib.window import RingWindow
 
 __all__ = [
     "PAD",

@@ -21,7 +21,7 @@ one layout, the one this module builds:
 Because of that, the page arithmetic lives on the host (:func:`flat_slots`): it turns
 each token's (page, row) into two *flat element indices* of the 4-D view, one where its
 codes start and one where its scale starts. The kernel
-(:func:`kernels.indexer_k.indexer_k_cache_scatter`) unravels a flat index over the
+(:func:`pagedkv_kernels.indexer_k.indexer_k_cache_scatter`) unravels a flat index over the
 view's shape and multiplies by its strides; it knows nothing of pages. Contrast the main
 pool's write kernel, which does the divmod over pages itself.
 
@@ -45,9 +45,9 @@ from typing import NamedTuple
 
 import torch
 
-from .formats import slot_mapping
-from .indexing import split_slot
-from .quant import fp8_decode, fp8_encode, fp8_token_scales
+from pagedkv_lib.formats import slot_mapping
+from pagedkv_lib.indexing import split_slot
+from pagedkv_lib.quant import fp8_decode, fp8_encode, fp8_token_scales
 
 __all__ = [
     "SCALE_BYTES",

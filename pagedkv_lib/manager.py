@@ -34,11 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .allocator import BlockAllocator, OutOfBlocksError
-from .indexing import check_page_size, locate, slot_of
-from .offload import COPY_KINDS, SecondaryPool
-from .sharing import PrefixCache, as_token_ids, block_hash
-from .window import RingWindow
+from pagedkv_lib.allocator import BlockAllocator, OutOfBlocksError
+from pagedkv_lib.indexing import check_page_size, locate, slot_of
+from pagedkv_lib.offload import COPY_KINDS, SecondaryPool
+from pagedkv_lib.sharing import PrefixCache, as_token_ids, block_hash
+from pagedkv_lib.window import RingWindow
 
 __all__ = ["KVCacheManager", "Admission"]
 

@@ -1,5 +1,5 @@
 """The float64 reference of merging attention states (FlashInfer's ``merge_state`` /
-``merge_states``; the Triton kernels are in :mod:`kernels.cascade`).
+``merge_states``; the Triton kernels are in :mod:`pagedkv_kernels.cascade`).
 
 A state ``(v, s)`` of a row over a key set is its softmax-normalised output ``v`` and
 the base-2 log-sum-exp ``s = log2(sum_j 2**(s_j))`` of the scaled scores ``s_j = scale *
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_state_pair, check_states_args
+from pagedkv_lib.checks import check_state_pair, check_states_args
 
 __all__ = ["merge_states", "merge_state"]
 

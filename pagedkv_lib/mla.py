@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import (
+from pagedkv_lib.checks import (
     MLACacheDims,
     check_mla_append_args,
     check_mla_csr_append_args,
@@ -68,10 +68,10 @@ from .checks import (
     mla_cache_dims,
     rope_position_source,
 )
-from .formats import PAD, index_tensor
-from .indexing import locate, split_slot
-from .memory import ModelSpec
-from .reference import masked_softmax, rope_reference
+from pagedkv_lib.formats import PAD, index_tensor
+from pagedkv_lib.indexing import locate, split_slot
+from pagedkv_lib.memory import ModelSpec
+from pagedkv_lib.reference import masked_softmax, rope_reference
 
 __all__ = [
     "MLAShape",
@@ -419,7 +419,7 @@ def mla_latent_attention_ref(
     q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len, scale: float, causal: bool = True
 ):
     """MLA attention in FlashInfer's latent-space convention, in float64, one query at a
-    time: the oracle of :mod:`kernels.mla_latent`.
+    time: the oracle of :mod:`pagedkv_kernels.mla_latent`.
 
     Args: ``q_nope [rows, num_heads, kv_lora_rank]``, the query already absorbed
     (``q_nope @ w_uk``); ``q_pe [rows, num_heads, qk_rope_head_dim]``, rotated; the pool

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .indexing import check_page_size, element_offset
+from pagedkv_lib.indexing import check_page_size, element_offset
 
 __all__ = ["LAYOUTS", "CacheDims", "check_layout", "cache_dims", "cache_strides", "PagedKVPool"]
 

@@ -66,7 +66,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import FP8_TOKEN_SCALE_FLOOR, NVFP4_BLOCK, check_global_scale, check_nvfp4_head_dim
+from pagedkv_lib.checks import FP8_TOKEN_SCALE_FLOOR, NVFP4_BLOCK, check_global_scale, check_nvfp4_head_dim
 
 __all__ = [
     "FP8_MAX",

@@ -20,15 +20,15 @@ row and the head in the pool's layout (NHD: ``[num_pages, 2, page_size, num_kv_h
 
 Every rule of the formats is in :mod:`pagedkv_lib.quant`; the appends and decodes that
 fill and read a pool are :mod:`pagedkv_lib.quant_reference` (Python) and
-``kernels.quant_write`` / ``kernels.quant_decode`` (Triton).
+``pagedkv_kernels.quant_write`` / ``pagedkv_kernels.quant_decode`` (Triton).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import quant
-from .checks import (
+from pagedkv_lib import quant
+from pagedkv_lib.checks import (
     check_global_scale,
     check_kv_format,
     check_nvfp4_head_dim,
@@ -37,7 +37,7 @@ from .checks import (
     quant_widths,
     scale_pool_shape,
 )
-from .pool import CacheDims, cache_dims, check_layout
+from pagedkv_lib.pool import CacheDims, cache_dims, check_layout
 
 __all__ = ["QuantizedKVPool"]
 
@@ -116,8 +116,8 @@ class QuantizedKVPool:
     ):
         """A pool over existing tensors (no copy): the codes ``data``, the scale pool
         ``scales`` (None per tensor or per head) and ``global_scale``, read as ``kv_dtype``
-        with ``scale_mode`` in ``layout``; what the kernels of ``kernels.quant_write`` and
-        ``kernels.quant_decode`` take instead of the object. The sizes come from ``data``'s
+        with ``scale_mode`` in ``layout``; what the kernels of ``pagedkv_kernels.quant_write`` and
+        ``pagedkv_kernels.quant_decode`` take instead of the object. The sizes come from ``data``'s
         shape. Raises ValueError when the tensors do not fit the format
         (:func:`pagedkv_lib.checks.check_quant_pool`); ``validate=False`` skips that rule
         for a kernel's run, which compares the tensors' fingerprints with its plan's."""

@@ -1,8 +1,8 @@
 """Python references for quantized pools: append (quantize on the way in), V-tail
 zeroing, and decode attention over the dequantized pool.
 
-Each entry point takes the same arguments as its Triton twin in ``kernels.quant_write``
-or ``kernels.quant_decode`` and validates them with the same functions of
+Each entry point takes the same arguments as its Triton twin in ``pagedkv_kernels.quant_write``
+or ``pagedkv_kernels.quant_decode`` and validates them with the same functions of
 :mod:`pagedkv_lib.checks` before anything is written. Codes and scales follow
 :mod:`pagedkv_lib.quant` bit for bit.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
-from .checks import (
+from pagedkv_lib import quant
+from pagedkv_lib.checks import (
     check_csr_decode_args,
     check_decode_args,
     check_quant_append_args,
@@ -29,9 +29,9 @@ from .checks import (
     rope_position_source,
     rotated_rows,
 )
-from .indexing import split_slot
-from .reference import paged_decode_attention, paged_decode_attention_csr, rope_reference
-from .window import RingWindow
+from pagedkv_lib.indexing import split_slot
+from pagedkv_lib.reference import paged_decode_attention, paged_decode_attention_csr, rope_reference
+from pagedkv_lib.window import RingWindow
 
 __all__ = [
     "quantize_rows",

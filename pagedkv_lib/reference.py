@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .checks import (
+from pagedkv_lib.checks import (
     check_append_args,
     check_csr_append_args,
     check_csr_decode_args,
@@ -30,10 +30,10 @@ from .checks import (
     rope_position_source,
     rotated_rows,
 )
-from .formats import PAD, index_tensor
-from .indexing import locate, split_slot
-from .pool import cache_dims
-from .window import RingWindow, Window, window_mask
+from pagedkv_lib.formats import PAD, index_tensor
+from pagedkv_lib.indexing import locate, split_slot
+from pagedkv_lib.pool import cache_dims
+from pagedkv_lib.window import RingWindow, Window, window_mask
 
 __all__ = [
     "append_paged_kv",
@@ -545,10 +545,10 @@ def rope_reference(x, positions, theta: float = 10000.0, style: str = "neox"):
 
 
 # --------------------------------------------------------------------------- prefill over a CSR page table
-# (added with kernels/prefill.py)
+# (added with kernels/pagedkv_kernels/prefill.py)
 
-from .checks import check_csr_prefill_args  # noqa: E402
-from .formats import csr_to_block_table  # noqa: E402
+from pagedkv_lib.checks import check_csr_prefill_args  # noqa: E402
+from pagedkv_lib.formats import csr_to_block_table  # noqa: E402
 
 __all__ += ["paged_prefill_attention_csr", "contiguous_attention", "base2_lse"]
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from .draft_tree import check_parents
-from .formats import get_batch_indices_positions, index_tensor
+from pagedkv_lib.draft_tree import check_parents
+from pagedkv_lib.formats import get_batch_indices_positions, index_tensor
 
 __all__ = ["draft_tree_offsets", "rotary_positions", "inactive_tokens", "as_padding"]
 

@@ -2,8 +2,8 @@
 
 Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a kernel, so the
 choice must be made before any module that defines kernels is imported. The
-``kernels`` package imports this module first; notebooks import ``pagedkv_lib``
-(which never imports triton) before ``kernels``.
+``pagedkv_kernels`` package imports this module first; notebooks import ``pagedkv_lib``
+(which never imports triton) before ``pagedkv_kernels``.
 
 Choice, in order:
 
@@ -11,7 +11,7 @@ Choice, in order:
   through numpy, tensors live on the CPU);
 * ``PAGEDKV_BACKEND=gpu`` forces compiled kernels and fails loudly without CUDA;
 * ``PAGEDKV_BACKEND=compile-only`` decorates kernels for compilation (``TRITON_INTERPRET=0``)
-  on a machine without a GPU, so that :mod:`kernels.compile_check` can compile them for
+  on a machine without a GPU, so that :mod:`pagedkv_kernels.tools.compile_check` can compile them for
   GPU targets; nothing can be launched in that mode;
 * otherwise (``auto``, the default) compiled kernels when CUDA is available, else
   the interpreter.
@@ -22,10 +22,13 @@ streaming multiprocessors (132, an H100/H200, by default) while the kernels stil
 in the interpreter, so the CPU tests exercise the configurations a GPU runs (see
 :func:`gpu_plans`).
 
-``PAGEDKV_POISON_MASKED=1`` makes the interpreter fill the masked-out lanes of a
-``tl.load`` without ``other=`` with NaN (floats) or a far out-of-range value (integers)
-instead of 0, as undefined as they are on a GPU (:mod:`pagedkv_lib.interpreter_poison`,
-switched on when ``kernels`` is imported; :func:`masked_lanes_poisoned` for a block).
+``PAGEDKV_POISON_MASKED=1`` asks the kernels' runtime to make the interpreter fill the
+masked-out lanes of a ``tl.load`` without ``other=`` with NaN (floats) or a far
+out-of-range value (integers) instead of 0, as undefined as they are on a GPU
+(:mod:`pagedkv_kernels.interpreter`, which applies its patches when ``pagedkv_kernels``
+is imported and names them here, in :func:`backend_line`, through :func:`add_backend_note`).
+
+This module imports torch only: never triton, the kernels or the lab.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,26 +138,14 @@ def poison_masked_requested() -> bool:
     return value == "1"
 
 
-@contextmanager
-def masked_lanes_poisoned(on: bool = True) -> Iterator[list]:
-    """Inside the block, masked ``tl.load`` lanes without ``other=`` read poison in the
-    interpreter (``on=False``: read 0, whatever the environment says); yields the list of
-    :class:`pagedkv_lib.interpreter_poison.PoisonedLoad` poisoned in the block. Where
-    kernels are compiled for a GPU, or Triton is missing, it does nothing and yields an
-    empty list: a GPU's masked lanes are undefined already."""
-    if not (BACKEND.interpreted and triton_available()):
-        yield []
-        return
-    # Imported here, not at the top: it imports triton, which this package never does at
-    # import (notebooks 01-05 run without it); the kernel under test has imported it already.
-    poison = importlib.import_module(f"{__package__}.interpreter_poison")
-    with poison.poisoned(on) as seen:
-        yield seen
+_BACKEND_NOTES: list[Callable[[], str]] = []
 
 
-def _poisoning() -> bool:
-    poison = sys.modules.get(f"{__package__}.interpreter_poison")  # never imported: nothing poisoned
-    return poison is not None and poison.enabled()
+def add_backend_note(note: Callable[[], str]) -> None:
+    """Let a layer above (the kernels' interpreter patches, :mod:`pagedkv_kernels.interpreter`)
+    say in :func:`backend_line` what it changed: ``note()`` returns a few words, or ''."""
+    if note not in _BACKEND_NOTES:
+        _BACKEND_NOTES.append(note)
 
 
 NO_TRITON = "no Triton: notebooks 06 and later need Linux (WSL, a container or a hosted notebook)"
@@ -181,7 +171,7 @@ def triton_available() -> bool:
 def require_triton() -> None:
     """Stop with :data:`NO_TRITON` as the message where Triton is missing; do nothing
     otherwise. The first cell of every notebook that runs kernels calls it before
-    ``import kernels``, so macOS and Windows learners get a sentence, not a traceback.
+    ``import pagedkv_kernels as kernels``, so macOS and Windows learners get a sentence, not a traceback.
 
     Raises :class:`TritonMissing` (a ``RuntimeError``)."""
     if not triton_available():
@@ -205,6 +195,7 @@ def backend_line() -> str:
         where = "Triton interpreter on CPU" + (f", GPU plans for {PLANS.sm_count} SMs" if PLANS.gpu else "")
     else:
         where = "compile only, no launches"
-    if _poisoning():
-        where += ", masked lanes poisoned"
+    notes = [text for text in (note() for note in _BACKEND_NOTES) if text]
+    if notes:
+        where += "; " + ", ".join(notes)
     return f"backend: {BACKEND.name} ({where}); torch {torch.__version__}, triton {triton_version}"

@@ -24,5 +24,5 @@ echo "installed with no network in $(( $(date +%s) - start )) s into $VENV"
 cd "$ROOT"
 "${NONET[@]}" "$VENV/bin/python" -c "import pagedkv_lib, kernels, pagedkv_engine, nbgrader, nbval, jupyterlab; print('imports ok')"
 "${NONET[@]}" "$VENV/bin/python" scripts/doctor.py
-"${NONET[@]}" "$VENV/bin/python" -m pagedkv_lib.exercises check --solutions 01 06
+"${NONET[@]}" "$VENV/bin/python" -m pagedkv_lab.exercises check --solutions 01 06
 rm -rf "$(dirname "$VENV")"

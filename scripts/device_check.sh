@@ -33,7 +33,7 @@ else
 fi
 
 step "verify --full (compiled)"
-timeout 90 python -m kernels.verify --full --hypothesis 0 --no-isolate --json "$OUT/verify.json" > "$OUT/verify.txt" 2>&1
+timeout 90 python -m pagedkv_kernels.tools.verify --full --hypothesis 0 --no-isolate --json "$OUT/verify.json" > "$OUT/verify.txt" 2>&1
 echo "verify rc=$?" >> "$OUT/verify.txt"
 tail -2 "$OUT/verify.txt" | tee -a "$OUT/summary.txt"
 

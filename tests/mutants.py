@@ -1,5 +1,5 @@
 """Deliberately broken copies of the suite's kernels, made by mutation: the real source of
-``kernels/`` with one small text edit, loaded as a separate package.
+``pagedkv_kernels`` with one small text edit, loaded as a separate package.
 
 A mutant is built from the *current* source, so it tracks the kernels as they change;
 every edit must match exactly once, or building the mutant fails (a patch that no
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import pagedkv_kernels as kernels
 from pagedkv_lib import mla, quant_reference, reference
 
 KERNELS_DIR = Path(kernels.__file__).parent
@@ -25,7 +25,8 @@ KERNELS_DIR = Path(kernels.__file__).parent
 
 @dataclass(frozen=True)
 class Mutant:
-    """``edits`` maps a module of ``kernels`` (``"decode"``) to ``(old, new)`` text edits;
+    """``edits`` maps a module of ``pagedkv_kernels`` (``"decode"``, ``"device.addressing"``)
+    to ``(old, new)`` text edits;
     ``entry`` names the entry point to return (``"paged_decode_attention"``)."""
 
     name: str
@@ -46,7 +47,7 @@ DECODE_MUTANTS = [
     Mutant(
         "no_rescale",
         "online softmax without rescaling the running sum and output when the maximum grows",
-        {"attention_core": (
+        {"device.attention_core": (
             ("l_new = l_i * alpha + ", "l_new = l_i + "),
             ("    acc = acc * alpha[:, None]\n", ""),
         )},
@@ -61,25 +62,25 @@ DECODE_MUTANTS = [
     Mutant(
         "reads_prefix",
         "reads only the first 96 keys of every sequence",
-        {"attention_core": (("valid = j < n_vis\n", "valid = j < tl.minimum(n_vis, 96)\n"),)},
+        {"device.attention_core": (("valid = j < n_vis\n", "valid = j < tl.minimum(n_vis, 96)\n"),)},
         "paged_decode_attention",
     ),
     Mutant(
         "writes_pool",
         "zeroes the V rows it has read: the output is right, the pool is not",
-        {"attention_core": ((_LOAD_V, f"{_LOAD_V}    {_ZERO_V}\n"),)},
+        {"device.attention_core": ((_LOAD_V, f"{_LOAD_V}    {_ZERO_V}\n"),)},
         "paged_decode_attention",
     ),
     Mutant(
         "drops_last_token",
         "attends to positions 0 .. seq_len - 2: the token just written is left out",
-        {"attention_core": (("        n_vis = end\n", "        n_vis = tl.maximum(end - 1, 0)\n"),)},
+        {"device.attention_core": (("        n_vis = end\n", "        n_vis = tl.maximum(end - 1, 0)\n"),)},
         "paged_decode_attention",
     ),
     Mutant(
         "ignores_window",
         "attends to every position after the sinks, through the ring (keys the window excludes, and rows overwritten)",
-        {"attention_core": ((_RECENT, "recent_start = sink_tokens"),)},
+        {"device.attention_core": ((_RECENT, "recent_start = sink_tokens"),)},
         "paged_decode_attention",
     ),
     Mutant(
@@ -106,7 +107,7 @@ _LINEAR_BUGS = {
     ),
 }
 WINDOW_MUTANTS = [
-    Mutant(f"{name}_{entry.split('_')[1]}", bug, {"attention_core": (edit,)}, entry)
+    Mutant(f"{name}_{entry.split('_')[1]}", bug, {"host.read_plan": (edit,)}, entry)
     for name, (bug, edit) in _LINEAR_BUGS.items()
     for entry in ("paged_decode_attention", "paged_prefill_attention")
 ]
@@ -115,7 +116,7 @@ APPEND_MUTANTS = [
     Mutant(
         "append_drops_last_token",
         "the last token of every append is not written",
-        {"addressing": (("in_range = tokens < num_tokens\n", "in_range = tokens < num_tokens - 1\n"),)},
+        {"device.addressing": (("in_range = tokens < num_tokens\n", "in_range = tokens < num_tokens - 1\n"),)},
         "append_paged_kv",
     ),
     Mutant(
@@ -149,7 +150,7 @@ _TMP = Path(tempfile.mkdtemp(prefix="pagedkv-mutants-"))
 
 
 def build(mutant: Mutant):
-    """Copy ``kernels/`` into a package named after the mutant, apply its edits (each
+    """Copy ``pagedkv_kernels`` into a package named after the mutant, apply its edits (each
     must match exactly once), import it and return its entry point."""
     if mutant.name in _BUILT:
         return _BUILT[mutant.name]
@@ -157,12 +158,12 @@ def build(mutant: Mutant):
     target = _TMP / package
     shutil.copytree(KERNELS_DIR, target, ignore=shutil.ignore_patterns("__pycache__"))
     for module, edits in mutant.edits.items():
-        path = target / f"{module}.py"
+        path = target / f"{module.replace('.', '/')}.py"
         text = path.read_text()
         for old, new in edits:
             count = text.count(old)
             if count != 1:
-                raise AssertionError(f"mutant {mutant.name}: {old!r} occurs {count} times in kernels/{module}.py")
+                raise AssertionError(f"mutant {mutant.name}: {old!r} occurs {count} times in pagedkv_kernels.{module}")
             text = text.replace(old, new)
         path.write_text(text)
     if str(_TMP) not in sys.path:

@@ -1,4 +1,4 @@
-"""The four paged read kernels share one attention core (kernels/attention_core.py):
+"""The four paged read kernels share one attention core (kernels/pagedkv_kernels/device/attention_core.py):
 each kernel's source calls the core's helpers for the span, the split range, the online
 softmax state and step and the store, and none keeps a copy of the steps the core
 owns (the ``-inf`` guard, the ``exp2`` rescaling, the CSR length rule, the split
@@ -11,7 +11,8 @@ import pytest
 import pagedkv_lib  # noqa: F401  (before triton)
 
 # isort: split
-from kernels import attention_core, decode, mla_decode, prefill, quant_decode
+from pagedkv_kernels import decode, mla_decode, prefill, quant_decode
+from pagedkv_kernels.device import attention_core
 
 READ_KERNELS = {
     "decode": decode.decode_split_kernel,
@@ -46,14 +47,14 @@ def test_read_kernel_calls_the_shared_core(family):
     if "decode_split_range(" in source:  # the MHA and quantized decodes' one-call prologue
         calls = tuple(c for c in calls if c not in ("sequence_span(", "split_tiles(")) + ("decode_split_range(",)
     missing = [call for call in calls if call not in source]
-    assert not missing, f"the {family} kernel does not call {missing} of kernels.attention_core"
+    assert not missing, f"the {family} kernel does not call {missing} of pagedkv_kernels.device.attention_core"
 
 
 @pytest.mark.parametrize("family", READ_KERNELS)
 def test_read_kernel_keeps_no_copy_of_the_core(family):
     source = _source(READ_KERNELS[family])
     copies = [text for text in CORE_ONLY if text in source]
-    assert not copies, f"the {family} kernel repeats {copies}: call kernels.attention_core instead"
+    assert not copies, f"the {family} kernel repeats {copies}: call pagedkv_kernels.device.attention_core instead"
 
 
 def test_the_core_holds_each_step_once():

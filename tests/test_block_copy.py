@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
-from kernels.block_copy import block_copy_kernel, copy_paged_blocks, plan_block_copy, run_block_copy
+from pagedkv_kernels.block_copy import block_copy_kernel, copy_paged_blocks, plan_block_copy, run_block_copy
+from pagedkv_lab.verify.compare import bits
+from pagedkv_lab.verify.indexer_cases import block_copy_case, block_copy_grid, block_copy_inputs
 from pagedkv_lib import runtime
 from pagedkv_lib.block_copy import copy_blocks
-from pagedkv_lib.verify.compare import bits
-from pagedkv_lib.verify.indexer_cases import block_copy_case, block_copy_grid, block_copy_inputs
 
 DEV = runtime.device()
 LAYOUTS = ("NHD", "HND")

@@ -30,7 +30,7 @@ FROZEN_EXPLORER = """\
 import ipywidgets
 from IPython.display import display
 
-from pagedkv_lib import widgets
+from pagedkv_lab import widgets
 
 
 def frozen_explorer():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import pagedkv_kernels as kernels
 from pagedkv_lib.cascade_cost import cascade_kv_reads
 
 

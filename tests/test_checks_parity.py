@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
+from pagedkv_lab.verify.compare import TOLERANCES
 from pagedkv_lib import reference, runtime
 from pagedkv_lib.formats import block_table_to_csr, pad_block_tables, slot_mapping
 from pagedkv_lib.pool import PagedKVPool
-from pagedkv_lib.verify.compare import TOLERANCES
 
 # isort: split
-import kernels
+import pagedkv_kernels as kernels
 
 DEV = runtime.device()
 PS, HK, D = 4, 2, 8

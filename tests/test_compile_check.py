@@ -1,5 +1,5 @@
 """The compile check: kernels compiled for real GPU targets without a GPU, their resource
-budget, and the launch records it compiles (kernels.compile_check, launch_record,
+budget, and the launch records it compiles (pagedkv_kernels.tools.compile_check, launch_record,
 gpu_compile). The whole check runs as its own step of the test command; these tests
 prove its parts, the bf16 prefill fix among them."""
 
@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import compile_check, launch_record
-from kernels.gpu_compile import parse_ptxas
+from pagedkv_kernels.tools import compile_check, launch_record
+from pagedkv_kernels.tools.gpu_compile import parse_ptxas
 from pagedkv_lib import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
-PREFILL = ROOT / "kernels" / "prefill.py"
+PREFILL = ROOT / "kernels" / "pagedkv_kernels" / "prefill.py"
 FIXED_BF16 = """            p_big = p.to(tl.bfloat16)
             p_small = (p - p_big.to(tl.float32)).to(tl.bfloat16)
             acc += tl.dot(p_big, v) + tl.dot(p_small, v)"""
-# What kernels/prefill.py held before: the int32 key range p_lo/p_hi reused for the bf16
+# What kernels/pagedkv_kernels/prefill.py held before: the int32 key range p_lo/p_hi reused for the bf16
 # split inside the loop. The interpreter rebinds names; the compiler refuses.
 BROKEN_BF16 = """            p_hi = p.to(tl.bfloat16)
             p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
@@ -54,7 +54,9 @@ def test_budget_fails_a_spill_a_full_register_file_and_a_compile_error():
     assert "needs 255 registers" in compile_check.check_budget("k", _result(registers=255), True)
     assert "does not compile for sm_90" in compile_check.check_budget("k", _result(error="CompilationError: x"), False)
     assert compile_check.check_budget("k", _result(spill_stores=8), budgeted=False) is None  # sampled archs
-    quirk = _result(arch=80, spill_stores=4, spill_loads=4, registers=64)  # the one listed in kernels.tiles
+    quirk = _result(
+        arch=80, spill_stores=4, spill_loads=4, registers=64
+    )  # the one listed in pagedkv_kernels.host.tiles
     assert compile_check.check_budget("quant_decode_split_kernel", quirk, True) is None
     assert "spills on sm_80" in compile_check.check_budget(
         "quant_decode_split_kernel", quirk | {"spill_stores": 8}, True
@@ -95,7 +97,7 @@ def test_recorder_keeps_distinct_specializations_and_drops_launches_that_raise()
 
 def _compile_in_child(record: dict, files: dict, arch: int) -> dict:
     code = (
-        "import json, sys; from kernels import gpu_compile; r, f, a = json.load(sys.stdin); "
+        "import json, sys; from pagedkv_kernels.tools import gpu_compile; r, f, a = json.load(sys.stdin); "
         "print(json.dumps(gpu_compile.compile_launch(r, f, a).to_json()))"
     )
     env = dict(os.environ, PAGEDKV_BACKEND="compile-only", TRITON_DEFAULT_FP_FUSION="1")
@@ -130,14 +132,14 @@ def _bf16_prefill_record(path: Path) -> dict:
 
 
 def test_bf16_prefill_compiles_for_sm90_and_the_rebound_loop_names_would_not():
-    """The bug this check was built for: compiled from kernels/prefill.py's text as it is,
+    """The bug this check was built for: compiled from kernels/pagedkv_kernels/prefill.py's text as it is,
     the bf16 tl.dot prefill compiles for sm_90; with the bf16 split bound to the names of
     the int32 key range, as before the fix, the compiler refuses the loop."""
     text = PREFILL.read_text()
-    assert FIXED_BF16 in text, "kernels/prefill.py changed: update this test's copy of the bf16 split"
+    assert FIXED_BF16 in text, "kernels/pagedkv_kernels/prefill.py changed: update this test's copy of the bf16 split"
     fixed = _compile_in_child(_bf16_prefill_record(PREFILL), {str(PREFILL): text}, 90)
     assert fixed["error"] is None and fixed["registers"] < 255 and fixed["spill_stores"] == 0, fixed
-    broken_path = ROOT / "kernels" / "prefill_broken_for_test.py"  # never written: its text travels in the record
+    broken_path = PREFILL.with_name("prefill_broken_for_test.py")  # never written: its text travels in the record
     broken = _compile_in_child(
         _bf16_prefill_record(broken_path), {str(broken_path): text.replace(FIXED_BF16, BROKEN_BF16)}, 90
     )

@@ -31,6 +31,7 @@ from pagedkv_engine import check as oracle  # noqa: E402
 from pagedkv_engine.__main__ import main  # noqa: E402
 from pagedkv_engine.attention import HFRope  # noqa: E402
 from pagedkv_engine.memory import compare_caches, paged_waste_bound, summary_rows  # noqa: E402
+from pagedkv_lab.faults import engine_parts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_TOKENS, TRITON_TOKENS, FAULT_TOKENS = 16, 3, 4
@@ -66,7 +67,9 @@ def references():
 
 def serve(loaded, attention: str, tokens: int, faults=(), speculative=0, batch=oracle.standard_batch):
     settings = oracle.standard_engine_args(tokens) if batch is oracle.standard_batch else {}
-    engine = Engine(loaded.model, attention, record_logits=True, faults=faults, speculative=speculative, **settings)
+    engine = Engine(
+        loaded.model, attention, record_logits=True, parts=engine_parts(faults), speculative=speculative, **settings
+    )
     engine.run(batch(loaded.tokenizer, tokens))
     return engine
 

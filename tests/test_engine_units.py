@@ -22,6 +22,7 @@ from pagedkv_engine import Engine, SamplingParams  # noqa: E402
 from pagedkv_engine.attention import HFRope, LastCall, ReferenceAttention, TorchAttention  # noqa: E402
 from pagedkv_engine.check import check_engine  # noqa: E402
 from pagedkv_engine.scheduler import pages_needed  # noqa: E402
+from pagedkv_lab import faults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 1
@@ -91,7 +92,6 @@ def test_engine_rejects_bad_arguments_before_allocating(tiny):
         ({"num_pages": 0}, "num_pages"),
         ({"page_size": -1}, "page_size"),
         ({"max_num_seqs": 9, "max_num_batched_tokens": 8}, "max_num_seqs"),
-        ({"faults": {"typo"}}, "faults"),
     ):
         with pytest.raises(ValueError, match=name):
             Engine(tiny, "torch", **kwargs)
@@ -281,7 +281,9 @@ def test_fork_shares_prompt_pages_and_copies_the_partial_page_at_the_first_diver
 
 
 def test_planted_no_copy_on_write_is_caught_at_the_fork(tiny):
-    engine = Engine(tiny, "torch", num_pages=16, page_size=8, record_logits=True, faults={"no_copy_on_write"})
+    engine = Engine(
+        tiny, "torch", num_pages=16, page_size=8, record_logits=True, parts=faults.engine_parts({"no_copy_on_write"})
+    )
     engine.add_request(prompts([20], seed=6)[0], SamplingParams(max_new_tokens=6, n=2))
     engine.run()
     report = check_engine(engine, tiny, tol=TOL)
@@ -292,19 +294,19 @@ def test_planted_no_copy_on_write_is_caught_at_the_fork(tiny):
 def test_planted_decode_rope_off_by_one_is_caught_at_the_first_decode(tiny):
     # The prompt's prefill is right (token 0 matches); the first decode step rotates the
     # new token's K and Q one position too far, so token 1 already differs.
-    engine = Engine(tiny, "torch", num_pages=16, page_size=8, record_logits=True, faults={"decode_rope_off_by_one"})
+    engine = Engine(
+        tiny,
+        "torch",
+        num_pages=16,
+        page_size=8,
+        record_logits=True,
+        parts=faults.engine_parts({"decode_rope_off_by_one"}),
+    )
     engine.add_request(prompts([9], seed=7)[0], SamplingParams(max_new_tokens=4))
     engine.run()
     report = check_engine(engine, tiny, tol=TOL)
     assert not report.ok
     assert report.first_failure.seq_id == "r0" and report.first_failure.step == 1
-
-
-def test_an_engine_built_from_parts_refuses_fault_names_as_well():
-    from pagedkv_engine.parts import EngineParts
-
-    with pytest.raises(ValueError, match="not both"):
-        Engine(None, "torch", parts=EngineParts(), faults={"no_copy_on_write"})
 
 
 def test_temperature_sampling_is_reproducible(tiny):
@@ -383,7 +385,13 @@ def test_planted_rollback_keeps_drafts_is_caught_at_the_first_token_after_a_reje
     # keeps them, so the token of step 8 attends to the first rejected draft's stale K/V
     # at its own position: generated token 8 (from engine step 8) is the first to differ.
     engine = Engine(
-        tiny, "torch", num_pages=32, page_size=8, record_logits=True, speculative=4, faults={"rollback_keeps_drafts"}
+        tiny,
+        "torch",
+        num_pages=32,
+        page_size=8,
+        record_logits=True,
+        speculative=4,
+        parts=faults.engine_parts({"rollback_keeps_drafts"}),
     )
     engine.add_request(LOOPING, SamplingParams(max_new_tokens=20))
     engine.run()  # check_integrity after every step passes: the manager's books agree with themselves

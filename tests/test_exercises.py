@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from pagedkv_lib.exercises import EXERCISES, check
-from pagedkv_lib.exercises.cli import main
-from pagedkv_lib.exercises.files import build_notebook, default_dir, load_solution, notebook_cells, parse_percent
-from pagedkv_lib.exercises.mistakes import MISTAKES, load_with_mistake
+from pagedkv_lab.exercises import EXERCISES, check
+from pagedkv_lab.exercises.cli import main
+from pagedkv_lab.exercises.files import build_notebook, default_dir, load_solution, notebook_cells, parse_percent
+from pagedkv_lab.exercises.mistakes import MISTAKES, load_with_mistake
 
 FOLDER = default_dir()
 
@@ -26,8 +26,8 @@ def test_instructor_command_every_stub_fails_with_the_checkers_message_not_a_tra
     # A fresh process, as an instructor runs it; it also shows that importing the checker
     # brings in neither triton nor kernels (a learner's kernel imports triton itself).
     code = (
-        "import sys, pagedkv_lib.exercises; assert not {'triton', 'kernels'} & set(sys.modules); "
-        "from pagedkv_lib.exercises.cli import main; sys.exit(main(['check', '--stubs']))"
+        "import sys, pagedkv_lab.exercises; assert not {'triton', 'pagedkv_kernels'} & set(sys.modules); "
+        "from pagedkv_lab.exercises.cli import main; sys.exit(main(['check', '--stubs']))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=FOLDER.parent)
     out = run.stdout
@@ -63,7 +63,7 @@ def test_planted_offset_bug_in_the_append_kernel_is_reported_with_a_picture_of_t
     assert picture is not None and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(picture) in message
 
 
-# Mistakes learners make, planted in the solutions (pagedkv_lib.exercises.mistakes, a
+# Mistakes learners make, planted in the solutions (pagedkv_lab.exercises.mistakes, a
 # table): the check must fail and its message must name the mistake. Kernels cost ~1 s.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: the planted overflow, 0 * NaN
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[f"{m.exercise}-{i}" for i, m in enumerate(MISTAKES)])
@@ -87,7 +87,7 @@ def test_exercise_06_without_the_padding_guard_gives_a_message_and_the_notebook_
     solution = (FOLDER / "solutions" / "06_append_kernel.py").read_text().replace(mistake.old, mistake.new)
     cells = [
         solution,
-        'from pagedkv_lib.exercises import check\nresult = check("append_kernel", append)\nprint(result)',
+        'from pagedkv_lab.exercises import check\nresult = check("append_kernel", append)\nprint(result)',
         'print("the kernel lives on:", result.passed)',
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
@@ -112,7 +112,7 @@ def test_a_kernel_that_crashes_the_process_fails_its_case_with_how_it_ended():
 
 
 def test_the_in_process_path_stays_an_explicit_option(monkeypatch):
-    from pagedkv_lib.exercises import cases
+    from pagedkv_lab.exercises import cases
 
     monkeypatch.setattr(cases, "run_isolated", lambda *a: pytest.fail("isolate=False forked a child"))
     result = check("merge_kernel", *load_with_mistake(_mistake("merge_kernel", "a missing other=")), isolate=False)
@@ -130,7 +130,7 @@ def test_every_exercise_has_a_source_a_notebook_and_a_solution():
 @pytest.mark.parametrize("stem", [e.stem for e in EXERCISES.values()])
 def test_exercise_notebook_matches_its_source_and_shows_no_answer(stem):
     nb = json.loads((FOLDER / f"{stem}.ipynb").read_text())
-    assert nb == build_notebook(FOLDER / "src" / f"{stem}.py"), "run `python -m pagedkv_lib.exercises build`"
+    assert nb == build_notebook(FOLDER / "src" / f"{stem}.py"), "run `python -m pagedkv_lab.exercises build`"
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert all(not c["outputs"] and c["execution_count"] is None for c in code), "commit exercises without outputs"
 

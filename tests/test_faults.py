@@ -1,4 +1,4 @@
-"""The one fault registry (:mod:`pagedkv_lib.faults`): faults live outside the code they
+"""The one fault registry (:mod:`pagedkv_lab.faults`): faults live outside the code they
 break. The engine's step holds no fault name, every registry entry's part really is a
 replacement (it differs from the part it stands in for; a faulty kernel copy differs
 from the correct kernel only in its marked lines), and every fault has a test that
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv_lib import faults
+from pagedkv_lab import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,12 +83,12 @@ def test_engine_parts_with_faults_are_the_registry_parts_and_the_rest_are_correc
 
     correct = EngineParts()
     for fault in faults.faults_of("engine").values():
-        parts = EngineParts.with_faults({fault.name})
+        parts = faults.engine_parts({fault.name})
         for role in ("positions", "manager", "attention"):
             want = fault.part(role) if role in fault.parts else getattr(correct, role)
             assert getattr(parts, role) is want, f"{fault.name}: the {role} part"
     with pytest.raises(ValueError, match=r"faults=\['typo'\] unknown"):
-        EngineParts.with_faults({"typo"})
+        faults.engine_parts({"typo"})
 
 
 def test_every_replacement_part_differs_from_the_part_it_replaces():

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import json, torch
-import kernels
-from kernels import tiles
+import pagedkv_kernels as kernels
+from pagedkv_kernels.host import tiles
 from pagedkv_lib import runtime
 cache = torch.zeros(70, 2, 16, 2, 64, dtype=torch.float16)
 table = torch.arange(64, dtype=torch.int32).view(1, 64)
@@ -42,7 +42,7 @@ def test_gpu_plans_split_decode_and_use_tl_dot_in_the_interpreter():
     # One sequence on 2 KV heads leaves 130 of 132 SMs idle: the heuristic splits it.
     assert got["splits"] > 1 and got["block_n"] == 32, got  # 2**13 elements: group 4 x 32 keys x 64
     assert got["dot"] == "fp16" and got["fp32_dot"] == "fp32", got
-    assert got["prefill"] == [64, 64, 8], got  # the 16-bit tl.dot tiles at head dim 64 (kernels.tiles)
+    assert got["prefill"] == [64, 64, 8], got  # the 16-bit tl.dot tiles at head dim 64 (pagedkv_kernels.host.tiles)
     assert "GPU plans for 132 SMs" in got["line"], got["line"]
 
 

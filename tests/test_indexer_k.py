@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.indexer_k import indexer_k_cache_scatter, plan_indexer_k_scatter, run_indexer_k_scatter
+from pagedkv_kernels.indexer_k import indexer_k_cache_scatter, plan_indexer_k_scatter, run_indexer_k_scatter
+from pagedkv_lab.verify.indexer_cases import indexer_scatter_case, indexer_scatter_grid, indexer_scatter_inputs
 from pagedkv_lib import runtime
 from pagedkv_lib.indexer_cache import (
     IndexerKPool,
@@ -23,7 +24,6 @@ from pagedkv_lib.indexer_cache import (
     scatter_indexer_k,
 )
 from pagedkv_lib.quant import fp8_decode, fp8_encode_loop
-from pagedkv_lib.verify.indexer_cases import indexer_scatter_case, indexer_scatter_grid, indexer_scatter_inputs
 
 DEV = runtime.device()
 

@@ -4,17 +4,17 @@ it is what the checker prints today."""
 
 import pytest
 
-from pagedkv_lib.exercises import EXERCISES
-from pagedkv_lib.exercises.files import default_dir
-from pagedkv_lib.exercises.instructor_notes import render_notes, without_times
-from pagedkv_lib.exercises.mistakes import MISTAKES, Mistake
+from pagedkv_lab.exercises import EXERCISES
+from pagedkv_lab.exercises.files import default_dir
+from pagedkv_lab.exercises.instructor_notes import render_notes, without_times
+from pagedkv_lab.exercises.mistakes import MISTAKES, Mistake
 
 NOTES = default_dir() / "INSTRUCTOR.md"
 
 
 def test_instructor_notes_are_what_the_checker_prints_today():
     fresh = render_notes(measure=False)
-    assert without_times(NOTES.read_text()) == without_times(fresh), "run `python -m pagedkv_lib.exercises notes`"
+    assert without_times(NOTES.read_text()) == without_times(fresh), "run `python -m pagedkv_lab.exercises notes`"
 
 
 def test_instructor_notes_give_every_exercise_a_section_and_every_mistake_its_message():

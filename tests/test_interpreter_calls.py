@@ -1,13 +1,14 @@
 """Device-helper calls in Triton's interpreter skip the re-patching of ``triton.language``
-(:mod:`pagedkv_lib.interpreter_calls`): the results are the same bit for bit, the
+(:mod:`pagedkv_kernels.interpreter.calls`): the results are the same bit for bit, the
 launch's own patching is still undone after it, and an error inside a launch leaves no
 launch open."""
 
 import pytest
 import torch
 
-import kernels  # noqa: F401  (installs the wrapper on the interpreter backend)
-from pagedkv_lib import interpreter_calls, runtime
+import pagedkv_kernels as kernels  # noqa: F401  (installs the wrapper on the interpreter backend)
+from pagedkv_kernels.interpreter import calls as interpreter_calls
+from pagedkv_lib import runtime
 
 # isort: split
 import triton

@@ -8,17 +8,19 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import reference, runtime, verify
-from pagedkv_lib.exercises import EXERCISES, check
-from pagedkv_lib.exercises.files import load_solution
-from pagedkv_lib.verify import cli
+from pagedkv_lab import verify
+from pagedkv_lab.exercises import EXERCISES, check
+from pagedkv_lab.exercises.files import load_solution
+from pagedkv_lab.verify import cli
+from pagedkv_lib import reference, runtime
 
 # isort: split
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (reads PAGEDKV_POISON_MASKED)
-from pagedkv_lib import interpreter_poison as poison
+import pagedkv_kernels as kernels  # noqa: F401  (reads PAGEDKV_POISON_MASKED)
+from pagedkv_kernels import interpreter
+from pagedkv_kernels.interpreter import poison
 
 interpreted = pytest.mark.skipif(not runtime.BACKEND.interpreted, reason="poisons Triton's interpreter only")
 
@@ -152,7 +154,7 @@ def test_on_the_gpu_backend_poisoning_is_a_no_op(monkeypatch, restore_poison):
     monkeypatch.setattr(runtime, "BACKEND", runtime.Backend("gpu", torch.device("cuda")))
     poison.enable()
     assert not poison.enabled()
-    with runtime.masked_lanes_poisoned() as seen:
+    with interpreter.masked_lanes_poisoned() as seen:
         assert not poison.enabled() and seen == []
 
 

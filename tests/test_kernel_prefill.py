@@ -3,8 +3,8 @@ float64 reference, the decode kernel, and one-shot attention over a contiguous p
 
 Runs in Triton's interpreter on CPU and compiled on CUDA (``runtime.device()``); the
 references run on CPU copies. Tolerances are the harness's decode tolerances
-(:data:`pagedkv_lib.verify.TOLERANCES`, pass rule ``|err| <= atol + rtol |ref|``).
-The case grid is the harness's (:func:`pagedkv_lib.verify.prefill_grid`), one test
+(:data:`pagedkv_lab.verify.TOLERANCES`, pass rule ``|err| <= atol + rtol |ref|``).
+The case grid is the harness's (:func:`pagedkv_lab.verify.prefill_grid`), one test
 per case, so a failure names its case.
 """
 
@@ -15,17 +15,18 @@ import torch
 from no_launch import NoLaunch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import PagedKVPool, RingWindow, faults, formats, reference, runtime, verify
-from pagedkv_lib.verify.compare import DTYPES, TOLERANCES, compare
-from pagedkv_lib.verify.prefill_checks import prefill_case, prefill_grid, prefill_inputs
+from pagedkv_lab import faults, verify
+from pagedkv_lab.verify.compare import DTYPES, TOLERANCES, compare
+from pagedkv_lab.verify.prefill_checks import prefill_case, prefill_grid, prefill_inputs
+from pagedkv_lib import PagedKVPool, RingWindow, formats, reference, runtime
 
 # isort: split
 from gpu_plans import skip_interpreted_bf16_dot
 
-import kernels
-import kernels.prefill as prefill
-from kernels import paged_decode_attention, paged_prefill_attention, paged_prefill_attention_csr
-from kernels.prefill_plan import tile_list
+import pagedkv_kernels as kernels
+import pagedkv_kernels.prefill as prefill
+from pagedkv_kernels import paged_decode_attention, paged_prefill_attention, paged_prefill_attention_csr
+from pagedkv_kernels.prefill_plan import tile_list
 
 DEV = runtime.device()
 
@@ -306,7 +307,7 @@ def test_prefill_repro_line_replays_a_failure():
             "requests": ((21, 5),)}  # fmt: skip
     failure = verify.run_case("prefill", case, prefill_fn=paged_prefill_attention, faults={"chunk_local_mask"})
     assert failure.passed is False
-    assert "prefill_fn='kernels.prefill:paged_prefill_attention'" in failure.repro
+    assert "prefill_fn='pagedkv_kernels.prefill:paged_prefill_attention'" in failure.repro
     assert "chunk_local_mask" in failure.repro
     replay = {}
     exec(failure.repro.replace("verify.run_case(", "result = verify.run_case(", 1), replay)

@@ -25,20 +25,20 @@ from pagedkv_lib import PagedKVPool, RingWindow, formats, reference, runtime
 import triton
 import triton.language as tl
 
-import kernels.decode as decode
-import kernels.gather as gather
-import kernels.merge as merge
-from kernels.addressing import table_row_offset
-from kernels.decode import (
+import pagedkv_kernels.decode as decode
+import pagedkv_kernels.gather as gather
+import pagedkv_kernels.merge as merge
+from pagedkv_kernels.decode import (
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_csr,
     paged_decode_attention_partials,
     visible_lengths,
 )
-from kernels.gather import gather_paged_kv
-from kernels.merge import merge_partials
-from kernels.validate import MAX_SPLITS
+from pagedkv_kernels.device.addressing import table_row_offset
+from pagedkv_kernels.gather import gather_paged_kv
+from pagedkv_kernels.host.validate import MAX_SPLITS
+from pagedkv_kernels.merge import merge_partials
 
 DEV = runtime.device()
 TOL = {

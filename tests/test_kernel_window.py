@@ -15,19 +15,20 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import KVCacheManager, LinearWindow, PagedKVPool, RingWindow, formats, reference, runtime, verify
+from pagedkv_lab import verify
+from pagedkv_lab.verify.compare import DTYPES, TOLERANCES, compare
+from pagedkv_lab.verify.contract import Contract
+from pagedkv_lab.verify.decode_checks import write_sequence
+from pagedkv_lab.verify.prefill_checks import linear_window_prefill_cases
+from pagedkv_lib import KVCacheManager, LinearWindow, PagedKVPool, RingWindow, formats, reference, runtime
 from pagedkv_lib.quant_pool import QuantizedKVPool
-from pagedkv_lib.verify.compare import DTYPES, TOLERANCES, compare
-from pagedkv_lib.verify.contract import Contract
-from pagedkv_lib.verify.decode_checks import write_sequence
-from pagedkv_lib.verify.prefill_checks import linear_window_prefill_cases
 from pagedkv_lib.window import window_mask
 
 # isort: split
 import mutants
 from gpu_plans import skip_interpreted_bf16_dot
 
-import kernels
+import pagedkv_kernels as kernels
 
 DEV = runtime.device()
 

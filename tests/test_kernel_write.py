@@ -23,11 +23,11 @@ from pagedkv_lib import RingWindow, formats, reference, runtime
 import triton
 import triton.language as tl
 
-import kernels.write as write
-from kernels.addressing import cache_offset
-from kernels.v_tail import zero_paged_v_tail
-from kernels.validate import check_no_self_overlap
-from kernels.write import append_paged_kv, append_paged_kv_csr
+import pagedkv_kernels.write as write
+from pagedkv_kernels.device.addressing import cache_offset
+from pagedkv_kernels.host.validate import check_no_self_overlap
+from pagedkv_kernels.v_tail import zero_paged_v_tail
+from pagedkv_kernels.write import append_paged_kv, append_paged_kv_csr
 from pagedkv_lib.formats import csr_slot_mapping
 
 DEV = runtime.device()

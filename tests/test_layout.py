@@ -1,6 +1,24 @@
-"""The code layout's promises (CONTRIBUTING.md, "Code layout"), checked on the source:
-every module named in its package's docstring, no private name imported across modules,
-no kernel module over 600 lines, no Python function over 80 lines outside Triton kernels."""
+"""The code layout's promises (CONTRIBUTING.md, "Code layout"), checked on the source.
+
+**Floors.** Every module of the suite sits on one floor, and imports (at the top of a
+module or inside a function, and ``"module:attribute"`` references resolved at run time)
+only point to its own floor or below:
+
+0. ``core``: :mod:`pagedkv_lib` (bookkeeping, pools, formats, references, argument
+   rules, the backend choice): torch only, never triton;
+1. ``kernels``: :mod:`pagedkv_kernels`, itself in rooms that only look down: the
+   interpreter's runtime and the device helpers (core only), the host launch helpers
+   (+ device), the families (+ host, interpreter, each other), the adapters
+   (+ families);
+2. ``engine``: :mod:`pagedkv_engine` (a real model served on the pool);
+3. ``lab``: :mod:`pagedkv_lab` (harness, fault registry, plots, widgets, the grader);
+4. ``tools``: command lines that run the lab on the kernels or the engine
+   (:mod:`pagedkv_kernels.tools`, ``pagedkv_engine/__main__.py``).
+
+Also: every kernel module named in the package docstring, no private name imported
+across modules, no kernel module over 600 lines, no Python function over 80 lines
+outside Triton kernels.
+"""
 
 import ast
 import re
@@ -9,13 +27,117 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "pagedkv_lib", "pagedkv_engine")
+KERNELS = ROOT / "kernels" / "pagedkv_kernels"
+SOURCES = {"pagedkv_lib": ROOT / "pagedkv_lib", "pagedkv_kernels": KERNELS, "pagedkv_engine": ROOT / "pagedkv_engine",
+           "pagedkv_lab": ROOT / "pagedkv_lab"}  # fmt: skip
 MAX_KERNEL_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
+# (prefix, floor): the longest prefix that names a module gives its floor. Inside the
+# kernels the rooms are fractional floors, so that the same rule (look down only) orders them.
+FLOORS = {
+    "pagedkv_lib": 0,
+    "pagedkv_kernels.interpreter": 1.0,
+    "pagedkv_kernels.device": 1.0,
+    "pagedkv_kernels.host": 1.1,
+    "pagedkv_kernels": 1.2,  # the families
+    "pagedkv_kernels.adapters": 1.3,
+    "pagedkv_engine": 2,
+    "pagedkv_lab": 3,
+    "pagedkv_kernels.tools": 4,
+    "pagedkv_engine.__main__": 4,
+}
+FLOOR_NAMES = {0: "core", 1: "kernels", 2: "engine", 3: "lab", 4: "tools"}
+PUBLIC_API = {"pagedkv_kernels": 1.4}  # the package's __init__ re-exports families and adapters
 
-def _modules(package: str) -> list[Path]:
-    return sorted(p for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+def floor_of(module: str) -> float | None:
+    """The floor of a dotted module name (None: not the suite's)."""
+    if module in PUBLIC_API:
+        return PUBLIC_API[module]
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in FLOORS:
+            return FLOORS[".".join(parts[:i])]
+    return None
+
+
+def _module_name(path: Path) -> str:
+    for top, folder in SOURCES.items():
+        if folder in path.parents or path.parent == folder:
+            parts = [top, *path.relative_to(folder).with_suffix("").parts]
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    raise ValueError(path)
+
+
+def _modules(top: str) -> list[Path]:
+    return sorted(p for p in SOURCES[top].rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def imported_names(path: Path, module: str) -> list[tuple[int, str]]:
+    """``(line, dotted name)`` of everything ``path`` (module ``module``) imports or names
+    as ``"module:attribute"`` or in ``importlib.import_module("...")``, relative imports
+    resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+            if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"pagedkv_\w+(\.\w+)*:\w+", node.value):
+                found.append((node.lineno, node.value.partition(":")[0]))
+    return found
+
+
+def upward_imports(path: Path, module: str) -> list[str]:
+    """The imports of ``path`` that point to a floor above its own (or, on the ground
+    floor, to triton)."""
+    own = floor_of(module)
+    bad = []
+    for line, name in imported_names(path, module):
+        if own == 0 and name.split(".")[0] == "triton":
+            bad.append(f"{module}:{line} imports triton")
+            continue
+        target = floor_of(name)
+        if target is not None and target > own:
+            where = FLOOR_NAMES[int(target)]
+            bad.append(f"{module}:{line} imports {name} ({where}, above {FLOOR_NAMES[int(own)]})")
+    return bad
+
+
+@pytest.mark.parametrize("top", SOURCES)
+def test_nothing_imports_upward_and_the_ground_floor_never_imports_triton(top):
+    found = [hit for path in _modules(top) for hit in upward_imports(path, _module_name(path))]
+    assert found == [], "these imports point up a floor (tests/test_layout.py's docstring):\n" + "\n".join(found)
+
+
+def test_no_folder_of_the_checkout_is_importable_as_a_name_another_project_owns():
+    """``kernels`` is Hugging Face's (transformers depends on it): the folder holding the
+    suite's kernels must not be a package, or it would shadow theirs from the checkout."""
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    tops = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert tops <= {"pagedkv_lib", "pagedkv_lab", "pagedkv_engine"}, tops
+
+
+def test_kernels_docstring_names_every_module():
+    doc = ast.get_docstring(ast.parse((KERNELS / "__init__.py").read_text()))
+    named = set(re.findall(r":mod:`~?pagedkv_kernels\.([\w.]+)`", doc))
+    modules = {_module_name(p).removeprefix("pagedkv_kernels.") for p in _modules("pagedkv_kernels")}
+    modules = {m for m in modules if m != "pagedkv_kernels" and not m.endswith(("tools", "device", "host", "adapters"))}
+    assert modules - named == set(), f"pagedkv_kernels/__init__.py's docstring does not name {sorted(modules - named)}"
+    assert named - modules == set(), (
+        f"pagedkv_kernels/__init__.py's docstring names missing modules {sorted(named - modules)}"
+    )
 
 
 def _private_imports(path: Path, root: Path = ROOT) -> list[str]:
@@ -39,29 +161,22 @@ def _long_functions(path: Path, limit: int, root: Path = ROOT) -> list[str]:
     return found
 
 
-def test_kernels_docstring_names_every_module():
-    doc = ast.get_docstring(ast.parse((ROOT / "kernels" / "__init__.py").read_text()))
-    named = set(re.findall(r":mod:`kernels\.(\w+)`", doc))
-    modules = {p.stem for p in _modules("kernels") if p.stem != "__init__"}
-    assert modules - named == set(), f"kernels/__init__.py's docstring does not name {sorted(modules - named)}"
-    assert named - modules == set(), f"kernels/__init__.py's docstring names missing modules {sorted(named - modules)}"
-
-
-@pytest.mark.parametrize("package", PACKAGES)
-def test_no_private_name_is_imported_from_another_module(package):
-    found = [hit for path in _modules(package) for hit in _private_imports(path)]
+@pytest.mark.parametrize("top", SOURCES)
+def test_no_private_name_is_imported_from_another_module(top):
+    found = [hit for path in _modules(top) for hit in _private_imports(path)]
     assert found == [], f"give these shared helpers public names: {found}"
 
 
 def test_no_kernel_module_is_over_600_lines():
-    sizes = {p.name: len(p.read_text().splitlines()) for p in _modules("kernels")}
+    sizes = {p.name: len(p.read_text().splitlines()) for p in _modules("pagedkv_kernels")}
     over = {name: n for name, n in sizes.items() if n > MAX_KERNEL_MODULE_LINES}
     assert over == {}, f"split these kernel modules by family: {over}"
 
 
-@pytest.mark.parametrize("package", PACKAGES + ("benchmarks", "scripts"))
-def test_no_python_function_outside_triton_kernels_is_over_80_lines(package):
-    found = [hit for path in _modules(package) for hit in _long_functions(path, MAX_FUNCTION_LINES)]
+@pytest.mark.parametrize("folder", [*SOURCES.values(), ROOT / "benchmarks", ROOT / "scripts"], ids=lambda p: p.name)
+def test_no_python_function_outside_triton_kernels_is_over_80_lines(folder):
+    paths = sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+    found = [hit for path in paths for hit in _long_functions(path, MAX_FUNCTION_LINES)]
     assert found == [], f"split these functions into named steps: {found}"
 
 
@@ -72,3 +187,21 @@ def test_the_checks_can_fail(tmp_path):
     bad.write_text(f"from .write import _hidden\n\n\ndef long():\n{body}\n")
     assert _private_imports(bad, tmp_path) == ["bad.py:1 _hidden"]
     assert _long_functions(bad, MAX_FUNCTION_LINES, tmp_path) == ["bad.py:4 long (81 lines)"]
+    up = tmp_path / "up.py"
+    up.write_text(
+        "import triton\nfrom pagedkv_lab import viz\n\n\ndef f():\n    from ..host import tiles\n"
+        "    return importlib.import_module('pagedkv_engine.engine'), 'pagedkv_kernels.decode:run_decode'\n"
+    )
+    assert upward_imports(up, "pagedkv_lib.pool") == [
+        "pagedkv_lib.pool:1 imports triton",
+        "pagedkv_lib.pool:2 imports pagedkv_lab.viz (lab, above core)",
+        "pagedkv_lib.pool:7 imports pagedkv_engine.engine (engine, above core)",
+        "pagedkv_lib.pool:7 imports pagedkv_kernels.decode (kernels, above core)",
+    ]
+    assert upward_imports(up, "pagedkv_kernels.device.rope") == [
+        "pagedkv_kernels.device.rope:2 imports pagedkv_lab.viz (lab, above kernels)",
+        "pagedkv_kernels.device.rope:6 imports pagedkv_kernels.host.tiles (kernels, above kernels)",
+        "pagedkv_kernels.device.rope:7 imports pagedkv_engine.engine (engine, above kernels)",
+        "pagedkv_kernels.device.rope:7 imports pagedkv_kernels.decode (kernels, above kernels)",
+    ]
+    assert upward_imports(up, "pagedkv_kernels.tools.verify") == []

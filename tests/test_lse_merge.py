@@ -1,10 +1,10 @@
 """``return_lse=True`` of the decode and prefill entry points, the attention-state merge
-(:func:`kernels.cascade.merge_state` / :func:`kernels.cascade.merge_states`) and cascade
+(:func:`pagedkv_kernels.cascade.merge_state` / :func:`pagedkv_kernels.cascade.merge_states`) and cascade
 attention, against float64 references.
 
 The log-sum-exp is FlashInfer's, in base 2: ``lse = log2(sum_j 2**(scale * log2(e) *
 q.k_j))``, ``-inf`` for a row without keys. Tolerances: outputs by the harness's
-(:data:`pagedkv_lib.verify.compare.TOLERANCES`); fp32 lse within ``LSE_ATOL = 1e-4``
+(:data:`pagedkv_lab.verify.compare.TOLERANCES`); fp32 lse within ``LSE_ATOL = 1e-4``
 (an fp32 sum of at most a few hundred terms, values of order 10: about 1e-6 measured).
 Mutants (a merge without the max shift, an lse without the log of the sum, a cascade
 without the prefix) must fail the same checks.
@@ -16,16 +16,16 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
+from pagedkv_lab.verify.compare import TOLERANCES, compare
+from pagedkv_lab.verify.prefill_checks import prefill_inputs
 from pagedkv_lib import merge_state as ref_states
 from pagedkv_lib import reference, runtime
 from pagedkv_lib.formats import block_table_to_csr
-from pagedkv_lib.verify.compare import TOLERANCES, compare
-from pagedkv_lib.verify.prefill_checks import prefill_inputs
 
 # isort: split
-from kernels.cascade import cascade_attention, merge_state, merge_states
-from kernels.decode import paged_decode_attention, paged_decode_attention_csr
-from kernels.prefill import paged_prefill_attention, paged_prefill_attention_csr
+from pagedkv_kernels.cascade import cascade_attention, merge_state, merge_states
+from pagedkv_kernels.decode import paged_decode_attention, paged_decode_attention_csr
+from pagedkv_kernels.prefill import paged_prefill_attention, paged_prefill_attention_csr
 
 DEV = runtime.device()
 LSE_ATOL = 1e-4

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from pagedkv_lab.verify import mla_decode_inputs
 from pagedkv_lib import formats, memory, mla
 from pagedkv_lib.reference import rope_reference
-from pagedkv_lib.verify import mla_decode_inputs
 
 DECODE_ARGS = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "block_tables", "seq_lens", "w_uk", "w_uv")
 CASE = {"dtype": "fp32", "page_size": 5, "num_heads": 3, "dims": (24, 8, 12, 10), "seq_lens": [0, 1, 23, 11]}

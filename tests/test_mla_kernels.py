@@ -1,8 +1,8 @@
-"""The MLA Triton kernels (kernels/mla_write.py, kernels/mla_decode.py) against the float64 references.
+"""The MLA Triton kernels (pagedkv_kernels.mla_write, pagedkv_kernels.mla_decode) against the float64 references.
 
 Runs in Triton's interpreter on CPU and compiled on CUDA (``runtime.device()``). The
-grids are the conformance harness's MLA grids (:mod:`pagedkv_lib.verify.mla_checks`),
-so CI and ``python -m kernels.verify`` judge the same cases:
+grids are the conformance harness's MLA grids (:mod:`pagedkv_lab.verify.mla_checks`),
+so CI and ``python -m pagedkv_kernels.tools.verify`` judge the same cases:
 
 * append: latent rows bit-exact (raw bits, NaN payloads included), every other byte of
   the pool unchanged; RoPE keys within the dtype's tolerance of the float64 rotation;
@@ -16,15 +16,16 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import formats, mla, runtime, verify
+from pagedkv_lab import verify
+from pagedkv_lib import formats, mla, runtime
 
 # isort: split
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.rounding import round_to
-from kernels.validate import MAX_HEAD_DIM, MAX_KV_LORA_RANK
+import pagedkv_kernels as kernels
+from pagedkv_kernels.device.rounding import round_to
+from pagedkv_kernels.host.validate import MAX_HEAD_DIM, MAX_KV_LORA_RANK
 
 DEV = runtime.device()
 DECODE_ARGS = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "block_tables", "seq_lens", "w_uk", "w_uv")

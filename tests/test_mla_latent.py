@@ -1,4 +1,4 @@
-"""MLA attention in FlashInfer's convention (kernels.mla_latent): the absorbed query in,
+"""MLA attention in FlashInfer's convention (pagedkv_kernels.mla_latent): the absorbed query in,
 the latent output and base-2 LSE out, padded or CSR tables, several causal or
 non-causal queries per request; against the float64 references of pagedkv_lib.mla."""
 
@@ -10,7 +10,7 @@ import mutants
 import pytest
 import torch
 
-import kernels
+import pagedkv_kernels as kernels
 from pagedkv_lib import mla
 from pagedkv_lib.compare import TOLERANCES, compare
 

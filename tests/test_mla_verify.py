@@ -7,7 +7,8 @@ correct side is the Python references, which are fast."""
 import pytest
 import torch
 
-from pagedkv_lib import mla, verify
+from pagedkv_lab import verify
+from pagedkv_lib import mla
 
 MLA_CHECKS = ("mla_append", "mla_decode")
 
@@ -141,11 +142,11 @@ def test_run_case_needs_the_mla_callable():
 
 
 def test_kernels_verify_hands_the_mla_kernels_to_the_harness(monkeypatch):
-    import kernels
-    import kernels.verify
+    import pagedkv_kernels as kernels
+    import pagedkv_kernels.tools.verify  # noqa: F401
 
     seen = {}
     monkeypatch.setattr(verify.cli, "run", lambda **kw: seen.update(kw) or verify.Report())
-    assert kernels.verify.main(["--hypothesis", "0"]) == 0
+    assert kernels.tools.verify.main(["--hypothesis", "0"]) == 0
     assert seen["mla_append_fn"] is kernels.append_paged_mla_kv
     assert seen["mla_decode_fn"] is kernels.mla_decode_attention

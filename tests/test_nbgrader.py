@@ -20,8 +20,8 @@ from nbgrader.coursedir import CourseDirectory
 from nbgrader.plugins.export import CsvExportPlugin
 from traitlets.config import Config
 
-from pagedkv_lib.exercises.mistakes import MISTAKES
-from pagedkv_lib.exercises.nbgrader_course import BEGIN, END, write_course
+from pagedkv_lab.exercises.mistakes import MISTAKES
+from pagedkv_lab.exercises.nbgrader_course import BEGIN, END, write_course
 
 # nbgrader's own gradebook code warns of a session flush (SQLAlchemy 2): not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
@@ -159,7 +159,7 @@ def test_every_generated_assignment_passes_its_own_autograder_cell(tmp_path, num
 
 
 def test_instructor_command_writes_the_course_and_refuses_bad_points(tmp_path, capsys):
-    from pagedkv_lib.exercises.cli import main
+    from pagedkv_lab.exercises.cli import main
 
     assert main(["nbgrader", str(tmp_path / "course"), "01", "06"]) == 0
     assert (tmp_path / "course" / "nbgrader_config.py").read_text().count("c.Execute.timeout = 600") == 1

@@ -1,7 +1,7 @@
 """``causal=False`` of the prefill kernel (every query sees all its request's keys) against
 the float64 reference, and the option's bad inputs.
 
-Pass rule: the harness's tolerances (:data:`pagedkv_lib.verify.compare.TOLERANCES`,
+Pass rule: the harness's tolerances (:data:`pagedkv_lab.verify.compare.TOLERANCES`,
 ``|err| <= atol + rtol |ref|``). A mutant that drops ``causal=False`` (the causal kernel
 under the non-causal name) must fail the same comparison, so the cases can tell the two
 masks apart.
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
+from pagedkv_lab.verify.compare import DTYPES, TOLERANCES, compare
+from pagedkv_lab.verify.prefill_checks import noncausal_prefill_cases, prefill_case, prefill_inputs
 from pagedkv_lib import RingWindow, reference, runtime
-from pagedkv_lib.verify.compare import DTYPES, TOLERANCES, compare
-from pagedkv_lib.verify.prefill_checks import noncausal_prefill_cases, prefill_case, prefill_inputs
 
 # isort: split
-from kernels.prefill import paged_prefill_attention, paged_prefill_attention_csr, plan_prefill
+from pagedkv_kernels.prefill import paged_prefill_attention, paged_prefill_attention_csr, plan_prefill
 from pagedkv_lib.formats import block_table_to_csr
 
 DEV = runtime.device()

@@ -25,12 +25,12 @@ def _code(name: str) -> list[str]:
 
 
 def _needs_triton(name: str) -> bool:
-    """A notebook needs Triton when any of its cells imports the ``kernels`` package."""
+    """A notebook needs Triton when any of its cells imports the ``pagedkv_kernels`` package."""
     for src in _code(name):
         for node in ast.walk(ast.parse(src)):
-            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "kernels" for a in node.names):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "pagedkv_kernels" for a in node.names):
                 return True
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kernels":
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pagedkv_kernels":
                 return True
     return False
 
@@ -52,8 +52,8 @@ def test_notebook_matches_its_source_and_was_executed(name):
     assert not [o for o in outputs if o["output_type"] == "error"], "a stored output is an error"
     assert any("image/png" in o.get("data", {}) for o in outputs), "no stored plot"
     assert "assert " in "".join(src for kind, src, _ in cells if kind == "code"), "no assert cross-check"
-    first = "".join(code[0]["source"])
-    assert "runtime.backend_line()" in first, "the first code cell must print the backend line"
+    printed = "".join("".join(o.get("text", "")) for o in code[0]["outputs"])
+    assert printed.startswith("backend: ") and "\nSet up: " in printed, "the first cell's set-up printed no backend line"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -95,23 +95,13 @@ def test_no_tooling_comments_in_learners_cells(name):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if _needs_triton(n)])
 def test_kernel_notebooks_stop_with_a_sentence_without_triton(name):
-    """The first cell of a notebook that imports ``kernels`` calls ``runtime.require_triton()``
-    before that import; without Triton it raises ``TritonMissing`` (shown without traceback)."""
-    first = _code(name)[0]
-    tree = ast.parse(first)
-    calls = [
-        n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("require_triton")
-    ]
-    kernel_imports = [
-        n.lineno
-        for n in ast.walk(tree)
-        if (isinstance(n, ast.ImportFrom) and (n.module or "").startswith("kernels"))
-        or (isinstance(n, ast.Import) and any(a.name.startswith("kernels") for a in n.names))
-    ]
-    assert calls, f"{name}: the first cell must call runtime.require_triton()"
-    assert all(calls[0] < line for line in kernel_imports), (
-        f"{name}: require_triton() must come before importing kernels"
-    )
+    """A notebook that imports ``pagedkv_kernels`` calls ``setup(kernels=True)`` in its first
+    cell, before any such import; without Triton that call raises ``TritonMissing``
+    (shown without traceback) and nothing after it runs."""
+    cells = _code(name)
+    first = cells[0]
+    assert "setup(kernels=True" in first, f"{name}: the first cell must call setup(kernels=True)"
+    assert "pagedkv_kernels" not in first, f"{name}: the first cell imports the kernels before the set-up"
     code = f"import sys\nsys.modules['triton'] = None\n{first}"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "notebooks")
     assert result.returncode != 0, "the first cell ran on without Triton"

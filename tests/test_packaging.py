@@ -62,9 +62,57 @@ def test_torch_is_cpu_by_default_without_an_nvidia_gpu():
     assert _makefile_var("TORCH_SPEC") == "torch==2.13.0"
 
 
-def test_both_packages_import_and_lib_does_not_import_triton():
+def test_the_packages_import_and_the_ground_floor_does_not_import_triton():
     import subprocess
     import sys
 
-    code = "import sys, pagedkv_lib, pagedkv_lib.viz; assert 'triton' not in sys.modules; import kernels"
+    code = "import sys, pagedkv_lib, pagedkv_lab.viz; assert 'triton' not in sys.modules; import pagedkv_kernels"
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+# Run from the checkout's root, where a folder named kernels/ would shadow an installed
+# package of that name if it were a package itself.
+BOTH_KERNELS = """
+import torch
+import kernels, pagedkv_kernels
+from pagedkv_lib import reference
+
+# Hugging Face's: a layer marked for the hub keeps its own forward until kernelized (offline)
+@kernels.use_kernel_forward_from_hub("SiluAndMul")
+class SiluAndMul(torch.nn.Module):
+    def forward(self, x):
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+x = torch.randn(3, 8)
+assert torch.equal(SiluAndMul()(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+assert kernels.__file__.endswith("site-packages/kernels/__init__.py"), kernels.__file__
+from transformers.utils.import_utils import is_kernels_available  # transformers finds its kernels
+assert is_kernels_available()
+
+# the suite's: a decode step against the float64 reference
+torch.manual_seed(0)
+cache = torch.randn(6, 2, 4, 1, 8)
+q, table, lens = torch.randn(2, 2, 8), torch.tensor([[0, 3], [5, -1]]), torch.tensor([7, 2])
+out = pagedkv_kernels.paged_decode_attention(q, cache, table, lens)
+want = reference.paged_decode_attention(q, cache, table, lens, precision="fp64")
+assert (out - want).abs().max() < 1e-5, (out - want).abs().max()
+print("both kernels packages work")
+"""
+
+
+def test_hugging_faces_kernels_imports_beside_the_suites_kernels():
+    """transformers (5.25 and later) depends on Hugging Face's ``kernels``; the suite's
+    import name is ``pagedkv_kernels``, so both load in one process, even from the root
+    of the checkout (where the folder ``kernels/`` sits), and both compute."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", BOTH_KERNELS], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and "both kernels packages work" in run.stdout, run.stderr[-2000:]
+
+
+def test_transformers_is_not_pinned_below_a_release():
+    engine = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["engine"]
+    (spec,) = [r for r in engine if _name(r) == "transformers"]
+    assert "<" not in spec, f"{spec}: the suite owns its import names; no upper bound on transformers"

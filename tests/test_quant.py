@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pagedkv_lib import faults, quant
+from pagedkv_lab import faults
+from pagedkv_lib import quant
 
 ALL_FP16 = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.float16)
 

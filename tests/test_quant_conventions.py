@@ -26,14 +26,15 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import quant, quant_reference, runtime, verify
+from pagedkv_lab import verify
+from pagedkv_lib import quant, quant_reference, runtime
 from pagedkv_lib.quant_pool import QuantizedKVPool
 
 # isort: split
 from test_quant_kernels import assert_same_pool, mutant
 
-import kernels
-from kernels import quant_decode, quant_write
+import pagedkv_kernels as kernels
+from pagedkv_kernels import quant_decode, quant_write
 
 DEV = runtime.device()
 FP32_TOL = verify.TOLERANCES[torch.float32]

@@ -1,4 +1,4 @@
-"""The quantized Triton kernels (kernels.quant_codes / quant_write / quant_decode) against
+"""The quantized Triton kernels (pagedkv_kernels.device.quant_codes / quant_write / quant_decode) against
 the references of pagedkv_lib.quant and pagedkv_lib.quant_reference.
 
 Codes and scales must be equal bit for bit (a quantization is a deterministic sequence
@@ -16,16 +16,18 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import RingWindow, formats, quant, quant_reference, runtime, verify
+from pagedkv_lab import verify
+from pagedkv_lib import RingWindow, formats, quant, quant_reference, runtime
 from pagedkv_lib.quant_pool import QuantizedKVPool
 
 # isort: split
 import triton
 import triton.language as tl
 
-import kernels
-from kernels import quant_codes, quant_write
-from kernels.write import append_paged_kv
+import pagedkv_kernels as kernels
+from pagedkv_kernels import quant_write
+from pagedkv_kernels.device import quant_codes
+from pagedkv_kernels.write import append_paged_kv
 
 # The special inputs (inf, NaN) make numpy warn inside the interpreter (inf * 0); intended.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -151,7 +153,7 @@ def test_rope_then_quantize_equals_quantizing_the_rotation_the_write_kernel_stor
     pos = torch.randint(0, 40000, (n,), generator=gen)
     slots = torch.randperm(12, generator=gen)[:n]
     slots[4] = -1
-    # The rotation kernels.write stores, in fp32 (its math is fp32; an fp32 pool keeps it).
+    # The rotation pagedkv_kernels.write stores, in fp32 (its math is fp32; an fp32 pool keeps it).
     rotated = torch.zeros(3, 2, 4, heads, d, device=DEV)
     q_write = q.to(DEV).clone()
     append_paged_kv(
@@ -168,7 +170,7 @@ def test_rope_then_quantize_equals_quantizing_the_rotation_the_write_kernel_stor
     quant_reference.write_rows(want, 0, page, row, rotated.cpu()[page, 0, row])
     quant_reference.write_rows(want, 1, page, row, v[keep].float())
     assert_same_pool(pool, want)
-    assert torch.equal(q_quant, q_write)  # Q is rotated exactly as kernels.write rotates it
+    assert torch.equal(q_quant, q_write)  # Q is rotated exactly as pagedkv_kernels.write rotates it
     # Against the reference, which rotates in float64: an fp32 ulp of rotation can move a
     # value across a rounding boundary, so a few codes may differ (none did here), by
     # one step at most.
@@ -357,7 +359,7 @@ def mutant(module, old: str, new: str, tmp_path):
     assert source.count(old) == 1, f"the mutation site {old!r} moved"
     path = tmp_path / f"mutant_{module.__name__.rsplit('.', 1)[-1]}.py"
     path.write_text(source.replace(old, new))
-    spec = importlib.util.spec_from_file_location(f"kernels.{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(f"{module.__name__.rpartition('.')[0]}.{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while it executes
     try:
@@ -368,7 +370,7 @@ def mutant(module, old: str, new: str, tmp_path):
 
 
 def on_pool(module):
-    """A mutated ``kernels.quant_write``'s append with the harness's signature, on a pool
+    """A mutated ``pagedkv_kernels.quant_write``'s append with the harness's signature, on a pool
     object (as ``kernels.append_paged_kv_quant_pool`` does for the real one)."""
 
     def append(k, v, pool, slot_mapping, **options):

@@ -3,8 +3,9 @@ is caught by the check built for it."""
 
 import pytest
 
-import kernels
-from pagedkv_lib import faults, quant_reference, verify
+import pagedkv_kernels as kernels
+from pagedkv_lab import faults, verify
+from pagedkv_lib import quant_reference
 
 QUANT_CAUGHT_BY = {"nvfp4_unrounded_scale": "quant_append", "shared_kv_scale": "quant_scales"}
 IMPLEMENTATIONS = {
@@ -50,12 +51,12 @@ def test_failing_quantized_case_repro_line_replays_the_failure():
     failure = report.failures[0]
     assert (
         "verify.run_case('quant_append'" in failure.repro
-        and "kernels.quant_pool_entry:append_paged_kv_quant_pool" in failure.repro
+        and "pagedkv_kernels.adapters.quant_pool_entry:append_paged_kv_quant_pool" in failure.repro
     )
     again = verify.run_case(
         failure.check,
         failure.case,
-        quant_append_fn="kernels.quant_pool_entry:append_paged_kv_quant_pool",
+        quant_append_fn="pagedkv_kernels.adapters.quant_pool_entry:append_paged_kv_quant_pool",
         faults=failure.faults,
     )
     assert again.passed is False

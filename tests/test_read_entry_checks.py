@@ -12,16 +12,16 @@ import torch
 from no_launch import NoLaunch
 
 import pagedkv_lib  # noqa: F401  (before triton)
+from pagedkv_lab.verify.decode_checks import decode_inputs
+from pagedkv_lab.verify.mla_checks import mla_decode_inputs
+from pagedkv_lab.verify.prefill_checks import prefill_inputs
+from pagedkv_lab.verify.quant_checks import quant_decode_inputs
 from pagedkv_lib import RingWindow, mla, quant_reference, reference, runtime
 from pagedkv_lib.checks import MAX_SCALE
-from pagedkv_lib.verify.decode_checks import decode_inputs
-from pagedkv_lib.verify.mla_checks import mla_decode_inputs
-from pagedkv_lib.verify.prefill_checks import prefill_inputs
-from pagedkv_lib.verify.quant_checks import quant_decode_inputs
 
 # isort: split
-import kernels
-from kernels import decode, mla_decode, prefill, quant_decode
+import pagedkv_kernels as kernels
+from pagedkv_kernels import decode, mla_decode, prefill, quant_decode
 
 DEV = runtime.device()
 SHAPE = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 8, "group": 2, "num_kv_heads": 1}

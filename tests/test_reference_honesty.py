@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import mla, quant_reference, reference, verify
+from pagedkv_lab import verify
+from pagedkv_lib import mla, quant_reference, reference
 from pagedkv_lib.quant_pool import QuantizedKVPool
 
 # isort: split
-import kernels
+import pagedkv_kernels as kernels
 
 JUNK = 10**6  # a page id far outside every pool below, in entries no sequence uses
 

@@ -1,9 +1,9 @@
-"""The one RoPE of the write kernels (:mod:`kernels.rope`): shared by construction, exact.
+"""The one RoPE of the write kernels (:mod:`pagedkv_kernels.device.rope`): shared by construction, exact.
 
 * the three write families (MHA, quantized, MLA) rotate through
-  :func:`kernels.rope.rope_rotate` and hold no rotation of their own;
-* ``rope_rotate`` on its pairs (:func:`kernels.rope.rope_pair_features` for half tiles,
-  :func:`kernels.rope.rope_feature_pair` for whole-head tiles, as the quantized write
+  :func:`pagedkv_kernels.device.rope.rope_rotate` and hold no rotation of their own;
+* ``rope_rotate`` on its pairs (:func:`pagedkv_kernels.device.rope.rope_pair_features` for half tiles,
+  :func:`pagedkv_kernels.device.rope.rope_feature_pair` for whole-head tiles, as the quantized write
   loads them) equals a float64 torch rotation rounded once to fp32, bit for bit, for
   GPT-NeoX and GPT-J pairs. Inputs, ``cos`` and ``sin`` carry 12-bit mantissas, so the
   fp32 products are exact and the fp32 result has one rounding, the reference's.
@@ -22,11 +22,11 @@ from pagedkv_lib import runtime
 import triton
 import triton.language as tl
 
-import kernels.mla_write as kmla
-import kernels.quant_write as quant_write
-import kernels.rope as rope
-import kernels.write as write
-from kernels.rope import rope_feature_pair, rope_pair_features, rope_rotate
+import pagedkv_kernels.device.rope as rope
+import pagedkv_kernels.mla_write as kmla
+import pagedkv_kernels.quant_write as quant_write
+import pagedkv_kernels.write as write
+from pagedkv_kernels.device.rope import rope_feature_pair, rope_pair_features, rope_rotate
 
 DEV = runtime.device()
 
@@ -46,7 +46,9 @@ def _jit_source(fn) -> str:
 def test_every_rope_caller_rotates_through_rope_rotate(fn):
     """Each caller keeps its load, rounding and store; the rotation is the shared one."""
     source = _jit_source(fn)
-    assert "rope_rotate" in source, f"{fn.fn.__name__} does not call kernels.rope.rope_rotate (or its halves)"
+    assert "rope_rotate" in source, (
+        f"{fn.fn.__name__} does not call pagedkv_kernels.device.rope.rope_rotate (or its halves)"
+    )
     body = source.split('"""', 2)[-1]  # the code after the docstring
     own = [m.group(0) for m in _ROTATION.finditer(body)]
     assert not own, f"{fn.fn.__name__} writes its own rotation: {own}"
@@ -54,7 +56,7 @@ def test_every_rope_caller_rotates_through_rope_rotate(fn):
 
 @pytest.mark.parametrize("module", [write, quant_write, kmla], ids=lambda m: m.__name__)
 def test_no_write_module_holds_a_rotation_of_its_own(module):
-    """Outside kernels/rope.py no write module writes ``x1 * cos - x2 * sin`` again."""
+    """Outside kernels/pagedkv_kernels/device/rope.py no write module writes ``x1 * cos - x2 * sin`` again."""
     code = [line.split("#")[0] for line in inspect.getsource(module).splitlines()]
     hits = [line.strip() for line in code if re.search(r"\*\s*(cos|sin|c|s|sn)\b\s*[-+]", line)]
     assert not hits, f"{module.__name__} rotates on its own: {hits}"

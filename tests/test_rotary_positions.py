@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import faults, formats, mla, quant_reference, reference, runtime, verify
+from pagedkv_lab import faults, verify
+from pagedkv_lib import formats, mla, quant_reference, reference, runtime
 from pagedkv_lib.quant_pool import QuantizedKVPool
 from pagedkv_lib.rotary_positions import as_padding, draft_tree_offsets, inactive_tokens, rotary_positions
 
-import kernels  # isort: skip
+import pagedkv_kernels as kernels  # isort: skip
 import mutants  # isort: skip
 
 DEV = runtime.device()

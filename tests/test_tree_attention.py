@@ -14,17 +14,18 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import LinearWindow, RingWindow, faults, reference, runtime
+from pagedkv_lab import faults
+from pagedkv_lab.verify.prefill_checks import prefill_case, prefill_inputs, tree_prefill_cases
+from pagedkv_lib import LinearWindow, RingWindow, reference, runtime
 from pagedkv_lib.compare import DTYPES, TOLERANCES, compare
 from pagedkv_lib.draft_tree import batch_tree_mask, check_parents, pack_tree_mask, tree_mask
 from pagedkv_lib.formats import block_table_to_csr
 from pagedkv_lib.rotary_positions import draft_tree_offsets
-from pagedkv_lib.verify.prefill_checks import prefill_case, prefill_inputs, tree_prefill_cases
 
 # isort: split
-import kernels.prefill as prefill
-import kernels.prefill_plan as prefill_plan
-from kernels import paged_prefill_attention, paged_prefill_attention_csr
+import pagedkv_kernels.prefill as prefill
+import pagedkv_kernels.prefill_plan as prefill_plan
+from pagedkv_kernels import paged_prefill_attention, paged_prefill_attention_csr
 
 DEV = runtime.device()
 # A root (node 0), two drafts after it (1, 2), two after 1 (3, 4), one after 2 (5), and a

@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-import kernels
-from pagedkv_lib import faults, reference, verify
+import pagedkv_kernels as kernels
+from pagedkv_lab import faults, verify
+from pagedkv_lib import reference
 
 # The check each fault is built to break (the harness may catch it elsewhere too).
 CAUGHT_BY = {
@@ -103,7 +104,7 @@ def test_report_table_counts_and_plot():
 
 
 def test_cli_exits_nonzero_only_when_a_check_fails():
-    cmd = [sys.executable, "-m", "pagedkv_lib.verify", "--reference", "--hypothesis", "0"]
+    cmd = [sys.executable, "-m", "pagedkv_lab.verify", "--reference", "--hypothesis", "0"]
     ok = subprocess.run(cmd, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = subprocess.run([*cmd, "--fault", "past_len_zero"], capture_output=True, text=True)
@@ -111,20 +112,20 @@ def test_cli_exits_nonzero_only_when_a_check_fails():
 
 
 def test_cli_on_the_suites_kernels_lives_on_the_kernels_side():
-    """``python -m kernels.verify`` runs the suite's kernels; the library's own command
+    """``python -m pagedkv_kernels.tools.verify`` runs the suite's kernels; the library's own command
     line asks for the kernels to check instead of importing them. In-process: isolation
     has tests of its own (tests/test_verify_foreign.py), and costs ~0.25 s a case."""
-    cmd = [sys.executable, "-m", "kernels.verify", "--hypothesis", "0", "--no-isolate"]
+    cmd = [sys.executable, "-m", "pagedkv_kernels.tools.verify", "--hypothesis", "0", "--no-isolate"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "0 failed" in out.stdout, out.stdout + out.stderr
-    bare = subprocess.run([sys.executable, "-m", "pagedkv_lib.verify"], capture_output=True, text=True)
-    assert bare.returncode == 2 and "python -m kernels.verify" in bare.stderr
+    bare = subprocess.run([sys.executable, "-m", "pagedkv_lab.verify"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "python -m pagedkv_kernels.tools.verify" in bare.stderr
 
 
 @pytest.mark.parametrize("value", ["-5", "many"])
 def test_cli_refuses_a_bad_hypothesis_count_as_a_usage_error(value):
     out = subprocess.run(
-        [sys.executable, "-m", "pagedkv_lib.verify", "--reference", "--hypothesis", value],
+        [sys.executable, "-m", "pagedkv_lab.verify", "--reference", "--hypothesis", value],
         capture_output=True,
         text=True,
     )
@@ -134,10 +135,10 @@ def test_cli_refuses_a_bad_hypothesis_count_as_a_usage_error(value):
 
 def test_cli_names_kernels_by_import_path_and_refuses_one_that_does_not_import():
     ref = ["--append-fn", "pagedkv_lib.reference:append_paged_kv", "--hypothesis", "0"]
-    ok = subprocess.run([sys.executable, "-m", "pagedkv_lib.verify", *ref], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "pagedkv_lab.verify", *ref], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = ["--decode-fn", "pagedkv_lib.reference:no_such_kernel"]
-    out = subprocess.run([sys.executable, "-m", "pagedkv_lib.verify", *bad], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "pagedkv_lab.verify", *bad], capture_output=True, text=True)
     assert out.returncode == 2 and "cannot import 'pagedkv_lib.reference:no_such_kernel'" in out.stderr
 
 
@@ -158,7 +159,7 @@ def test_a_kernel_that_raises_inside_a_scenario_fails_that_check_and_the_run_goe
 
 def test_repro_lines_name_the_callable_by_import_path_or_ask_for_it():
     report = verify.run(kernels.append_paged_kv, faults={"minus_one_as_index"}, checks=("append",))
-    assert "append_fn='kernels.write:append_paged_kv'" in report.failures[0].repro
+    assert "append_fn='pagedkv_kernels.write:append_paged_kv'" in report.failures[0].repro
     local = verify.run(lambda *a, **k: None, checks=("append",))  # writes nothing: fails
     assert "append_fn=append_fn)  # first bind append_fn to your callable" in local.failures[0].repro
     with pytest.raises(ValueError, match="needs decode_fn"):
@@ -175,15 +176,14 @@ def test_decode_that_modifies_its_query_fails_even_with_a_right_output():
     assert result.passed is False and "decode modified its input q" in result.detail
 
 
-def test_the_library_never_imports_the_kernels_or_triton():
-    # interpreter_poison patches Triton's interpreter, so it imports triton; nothing in the
-    # library imports it at import time (runtime.masked_lanes_poisoned does, when it runs).
-    # faults.peer_kernels holds faulty copies of kernels (replacement parts built on
-    # kernels' launchers); the fault registry loads it by name only when a fault asks.
+def test_the_library_and_the_harness_import_neither_the_kernels_nor_triton():
+    # The peer kernels (correct and faulty copies written to other engines' conventions)
+    # are Triton kernels; the fault registry loads them by name only when a fault asks.
     code = (
-        "import sys, pkgutil, importlib, pagedkv_lib, pagedkv_lib.verify; "
-        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(pagedkv_lib.__path__, 'pagedkv_lib.')"
-        " if not m.name.endswith(('__main__', '.interpreter_poison', '.peer_kernels'))]; "
-        "assert 'kernels' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)"
+        "import sys, pkgutil, importlib, pagedkv_lib, pagedkv_lab; "
+        "[importlib.import_module(m.name) for pkg in (pagedkv_lib, pagedkv_lab)"
+        " for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.')"
+        " if not m.name.endswith(('__main__', '.peer_kernels'))]; "
+        "assert not {'pagedkv_kernels', 'triton', 'pagedkv_engine'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -1,8 +1,8 @@
 """Bringing a kernel not written for this suite: contracts, other engines' cache layouts,
 crash isolation, guard regions and reports that locate the bug.
 
-The kernels under test are :mod:`kernels.peer_conventions` (and their planted bugs, faulty copies in
-:mod:`pagedkv_lib.faults.peer_kernels`): a flat-slot store with
+The kernels under test are :mod:`pagedkv_lab.peer_kernels` (and their planted bugs, faulty copies in
+:mod:`pagedkv_lab.faults.peer_kernels`): a flat-slot store with
 nano-vllm's interface and a separate-K/V decode with vLLM's flash layout, wrapped here
 in the adapters an engineer would write (a few lines each, with a contract), with and
 without their planted bugs. Every bug must come back as a report that names the
@@ -20,14 +20,15 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import reference, verify
+from pagedkv_lab import verify
+from pagedkv_lib import reference
 from pagedkv_lib.cache_layouts import native_shapes, to_native, to_paged
 from pagedkv_lib.formats import PAD
 from pagedkv_lib.indexing import split_slot
 
 # isort: split
-from kernels import peer_conventions
-from pagedkv_lib.faults import peer_kernels
+from pagedkv_lab import peer_kernels as peer_conventions
+from pagedkv_lab.faults import peer_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAT = dict(cache_layout="flat", strided_kv=False)
@@ -202,7 +203,7 @@ def test_a_kernel_that_hangs_fails_its_case_after_the_timeout():
 def test_json_report_from_the_command_line(tmp_path):
     out = tmp_path / "report.json"
     fn = "test_verify_foreign:flat_store_without_minus_one_guard"
-    cmd = [sys.executable, "-m", "pagedkv_lib.verify", "--append-fn", fn, "--hypothesis", "0", "--json", str(out)]
+    cmd = [sys.executable, "-m", "pagedkv_lab.verify", "--append-fn", fn, "--hypothesis", "0", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr

@@ -10,12 +10,13 @@ stops at its first failing case, which is what ``verify.run`` would report first
 import pytest
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import reference, verify
+from pagedkv_lab import verify
+from pagedkv_lib import reference
 
 # isort: split
 import mutants
 
-import kernels
+import pagedkv_kernels as kernels
 
 
 def first_failure(append_fn=None, decode_fn=None):

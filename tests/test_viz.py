@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from pagedkv_lib import viz  # noqa: E402
+from pagedkv_lab import viz  # noqa: E402
 
 
 def test_chunk_masks_and_e2m1_grid_return_their_figure():
@@ -28,7 +28,7 @@ def test_package_reexports_every_public_name_of_its_modules():
     import inspect
 
     for name in ("style", "charts", "bookkeeping", "kernels", "quant", "conformance"):
-        module = importlib.import_module(f"pagedkv_lib.viz.{name}")
+        module = importlib.import_module(f"pagedkv_lab.viz.{name}")
         tree = ast.parse(inspect.getsource(module))
         defined = []
         for node in tree.body:
@@ -40,13 +40,13 @@ def test_package_reexports_every_public_name_of_its_modules():
         own = [n for n in defined if not n.startswith("_")]
         assert own, f".{name} defines nothing public"
         missing = [n for n in own if n not in viz.__all__ or getattr(viz, n) is not getattr(module, n)]
-        assert not missing, f"pagedkv_lib.viz does not re-export {missing} of .{name}"
+        assert not missing, f"pagedkv_lab.viz does not re-export {missing} of .{name}"
 
 
 def test_bar_plot_takes_an_x_label():
     import matplotlib.pyplot as plt
 
-    from pagedkv_lib import viz
+    from pagedkv_lab import viz
 
     fig = viz.bar_plot(["0", "1"], [1.0, 2.0], "t", "y", xlabel="position (token)")
     assert fig.axes[0].get_xlabel() == "position (token)"
@@ -58,7 +58,7 @@ def test_plot_categories_writes_labels_in_cells_and_refuses_a_wrong_shape():
     import matplotlib.pyplot as plt
     import pytest
 
-    from pagedkv_lib import viz
+    from pagedkv_lab import viz
 
     fig = viz.plot_categories([[0, 1]], {0: "a", 1: "b"}, "t", "x", "y", labels=[["7", ""]], figsize=(9, 3))
     assert [t.get_text() for t in fig.axes[0].texts] == ["7"]

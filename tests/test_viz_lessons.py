@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pagedkv_lib import viz  # noqa: E402
+from pagedkv_lab import viz  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -15,10 +15,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pagedkv_lib import viz  # noqa: E402
+from pagedkv_lab import viz  # noqa: E402
+from pagedkv_lab.viz import positions  # noqa: E402
 from pagedkv_lib.manager import KVCacheManager  # noqa: E402
 from pagedkv_lib.rotary_positions import draft_tree_offsets, inactive_tokens, rotary_positions  # noqa: E402
-from pagedkv_lib.viz import positions  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -136,4 +136,4 @@ def test_package_reexports_every_public_name_of_positions():
             defined += [t.id for t in node.targets if isinstance(t, ast.Name)]
     own = [n for n in defined if not n.startswith("_")]
     missing = [n for n in own if n not in viz.__all__ or getattr(viz, n) is not getattr(positions, n)]
-    assert not missing, f"pagedkv_lib.viz does not re-export {missing} of .positions"
+    assert not missing, f"pagedkv_lab.viz does not re-export {missing} of .positions"

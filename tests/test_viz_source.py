@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedkv_lib import faults, viz
+from pagedkv_lab import faults, viz
 
 PEER = [f for f in faults.REGISTRY if f.family == "peer kernel"]
 

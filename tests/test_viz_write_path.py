@@ -15,11 +15,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pagedkv_lib import viz  # noqa: E402
+from pagedkv_lab import viz  # noqa: E402
+from pagedkv_lab.viz import write_path  # noqa: E402
 from pagedkv_lib.block_copy import copy_blocks  # noqa: E402
 from pagedkv_lib.indexer_cache import IndexerKPool, indexer_slots, quantize_indexer_k, scatter_indexer_k  # noqa: E402
 from pagedkv_lib.manager import KVCacheManager  # noqa: E402
-from pagedkv_lib.viz import write_path  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -193,4 +193,4 @@ def test_package_reexports_every_public_name_of_write_path():
             defined += [t.id for t in node.targets if isinstance(t, ast.Name)]
     own = [n for n in defined if not n.startswith("_")]
     missing = [n for n in own if n not in viz.__all__ or getattr(viz, n) is not getattr(write_path, n)]
-    assert not missing, f"pagedkv_lib.viz does not re-export {missing} of .write_path"
+    assert not missing, f"pagedkv_lab.viz does not re-export {missing} of .write_path"

@@ -23,18 +23,19 @@ import torch
 from no_launch import NoLaunch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import LinearWindow, RingWindow, reference, runtime, verify
+from pagedkv_lab import verify
+from pagedkv_lab.verify.prefill_checks import prefill_case, prefill_inputs, split_new_tokens
+from pagedkv_lib import LinearWindow, RingWindow, reference, runtime
 from pagedkv_lib.cache_layouts import kv_cache_view, to_native
 from pagedkv_lib.compare import DTYPES, TOLERANCES, compare
 from pagedkv_lib.formats import block_table_to_csr
-from pagedkv_lib.verify.prefill_checks import prefill_case, prefill_inputs, split_new_tokens
 
 # isort: split
 from gpu_plans import skip_interpreted_bf16_dot
 
-import kernels
-import kernels.prefill as prefill
-import kernels.validate as validate
+import pagedkv_kernels as kernels
+import pagedkv_kernels.host.validate as validate
+import pagedkv_kernels.prefill as prefill
 
 DEV = runtime.device()
 SHAPE = {"head_dim": 64, "num_kv_heads": 2, "group": 2}

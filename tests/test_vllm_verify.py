@@ -4,7 +4,7 @@ pages of 16 or more, no empty sequences, no windows) gets a full grid and every
 scenario; runs that check nothing fail; NaN in unused rows is attributed; baselines
 report only what changed; repro lines run as printed.
 
-The kernels are :mod:`kernels.peer_conventions` (store, decode and prefill in vLLM's
+The kernels are :mod:`pagedkv_lab.peer_kernels` (store, decode and prefill in vLLM's
 convention), through the adapters an engineer would write.
 """
 
@@ -18,13 +18,14 @@ import pytest
 import torch
 
 import pagedkv_lib  # noqa: F401  (before triton)
-from pagedkv_lib import mla, quant_reference, reference, verify
+from pagedkv_lab import verify
+from pagedkv_lib import mla, quant_reference, reference
 
 # isort: split
 import mutants
 
-from kernels import peer_conventions
-from pagedkv_lib.faults import peer_kernels
+from pagedkv_lab import peer_kernels as peer_conventions
+from pagedkv_lab.faults import peer_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 # An honest contract for a kernel whose tile is one page (tl.dot needs >= 16 rows).
@@ -244,7 +245,7 @@ def test_a_baseline_run_reports_exactly_the_planted_bugs_new_failures(tmp_path):
 def test_the_command_line_exits_nonzero_only_on_new_failures(tmp_path):
     saved = tmp_path / "report.json"
     saved.write_text(json.dumps(verify.run(_standing, checks=("append",), isolate=False).to_json()))
-    cmd = [sys.executable, "-m", "pagedkv_lib.verify", "--hypothesis", "0", "--no-isolate", "--baseline", str(saved)]
+    cmd = [sys.executable, "-m", "pagedkv_lab.verify", "--hypothesis", "0", "--no-isolate", "--baseline", str(saved)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
     # The standing failures alone: exit 0 (a new failure exits 1, as any failed run does).
     done = subprocess.run([*cmd, "--append-fn", "test_vllm_verify:_standing"], capture_output=True, text=True, env=env,

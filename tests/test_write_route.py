@@ -2,10 +2,10 @@
 and that route validates once.
 
 A plan runs every value and launch check; a run given the very tensors its plan
-checked (same addresses, shapes, strides, dtypes, devices: :func:`kernels.launch.memory_key`)
+checked (same addresses, shapes, strides, dtypes, devices: :func:`pagedkv_kernels.host.launch.memory_key`)
 does not run them again, while a run given other tensors is checked against the plan.
 The counts below wrap every ``check_*`` function the write modules call (their own
-imports from :mod:`kernels.validate` and :mod:`pagedkv_lib.checks`).
+imports from :mod:`pagedkv_kernels.host.validate` and :mod:`pagedkv_lib.checks`).
 """
 
 import ast
@@ -21,10 +21,10 @@ from pagedkv_lib import checks, runtime
 from pagedkv_lib.quant_pool import QuantizedKVPool
 
 # isort: split
-import kernels.mla_write as kmla
-import kernels.quant_write as quant_write
-import kernels.v_tail as v_tail
-import kernels.write as write
+import pagedkv_kernels.mla_write as kmla
+import pagedkv_kernels.quant_write as quant_write
+import pagedkv_kernels.v_tail as v_tail
+import pagedkv_kernels.write as write
 
 DEV = runtime.device()
 ENTRY_POINTS = [

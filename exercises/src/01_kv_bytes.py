@@ -28,7 +28,7 @@
 # of 16 take `16 + 16 + 32 = 64` slots for 34 tokens: fragmentation `1 - 34/64 = 0.46875`.
 
 # %%
-from pagedkv_lib.exercises import check
+from pagedkv_lab.exercises import check
 
 # %% [markdown]
 # ## Your code

@@ -23,7 +23,7 @@
 # slot `7 * 5 + 4 = 39`; position 5 is block 1, offset 0, page 2, slot 10.
 
 # %%
-from pagedkv_lib.exercises import check
+from pagedkv_lab.exercises import check
 
 # %% [markdown]
 # ## Your code

@@ -29,7 +29,7 @@
 # new token's slot is `x * 4 + 2`.
 
 # %%
-from pagedkv_lib.exercises import check
+from pagedkv_lab.exercises import check
 
 # %% [markdown]
 # ## Your code

@@ -20,7 +20,7 @@
 # tokens 0..9 go to rows `0 1 4 5 6 7 4 5 6 7`.
 
 # %%
-from pagedkv_lib.exercises import check
+from pagedkv_lab.exercises import check
 
 # %% [markdown]
 # ## Your code
@@ -42,4 +42,4 @@ check("ring_window", kv_token_idx)
 # **Stuck?** Work the example by hand first. Sinks never move. The bubble is 0 when the
 # sinks fill whole pages. Solution: `exercises/solutions/04_ring_window.py`; the library's
 # version is `pagedkv_lib.RingWindow.kv_token_idx`, and the kernels' device twin is
-# `kernels/addressing.py: kv_token_idx`.
+# `kernels/pagedkv_kernels/device/addressing.py: kv_token_idx`.

@@ -26,7 +26,7 @@
 # not 12; the same prompt plus 2 tokens reuses 12.
 
 # %%
-from pagedkv_lib.exercises import check
+from pagedkv_lab.exercises import check
 from pagedkv_lib.sharing import block_hash
 
 # %% [markdown]

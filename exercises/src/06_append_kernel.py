@@ -29,8 +29,8 @@
 # grid; on a mismatch it draws the pool rows that came out wrong.
 
 # %%
+from pagedkv_lab.exercises import check
 from pagedkv_lib import runtime  # first: it chooses the backend before triton is imported
-from pagedkv_lib.exercises import check
 
 print(runtime.backend_line())
 import triton
@@ -86,4 +86,4 @@ check("append_kernel", append)
 # **Stuck?** Start from notebook 06's step (a), which assumes contiguous rows; here the
 # strides are all given. A masked `tl.load` needs no `other` when its store uses the same
 # mask. Solution: `exercises/solutions/06_append_kernel.py`; the suite's production
-# kernel is `kernels/write.py: append_kernel`.
+# kernel is `kernels/pagedkv_kernels/write.py: append_kernel`.

@@ -21,8 +21,8 @@
 # `BLOCK_D >= head_dim` lanes: mask both.
 
 # %%
+from pagedkv_lab.exercises import check
 from pagedkv_lib import runtime  # first: it chooses the backend before triton is imported
-from pagedkv_lib.exercises import check
 
 print(runtime.backend_line())
 import torch
@@ -74,5 +74,5 @@ check("merge_kernel", merge)
 # a, b)` picks per lane. When every `lse` is `-inf`, `M` is `-inf` too and `-inf - -inf` is
 # NaN: subtract 0 instead in that case, and divide by 1 where the weights sum to 0.
 # Solution: `exercises/solutions/07_merge_kernel.py`; the suite's is
-# `kernels/merge.py: merge_kernel`; FlashInfer's is `merge_states` in
+# `kernels/pagedkv_kernels/merge.py: merge_kernel`; FlashInfer's is `merge_states` in
 # `flashinfer/cascade.py`.

@@ -30,8 +30,8 @@
 # and store in the output's dtype.
 
 # %%
+from pagedkv_lab.exercises import check
 from pagedkv_lib import runtime  # first: it chooses the backend before triton is imported
-from pagedkv_lib.exercises import check
 
 print(runtime.backend_line())
 import math
@@ -99,4 +99,4 @@ check("decode_kernel", decode)
 # then the block-table lookup, then the masks, then the rescale by `alpha` across tiles.
 # The checker's picture shows the rows the failing sequence must read, numbered by tile.
 # Solution: `exercises/solutions/08_decode_kernel.py`; the suite's production kernel is
-# `kernels/decode.py: decode_split_kernel` (it adds GQA groups per program and split-KV).
+# `kernels/pagedkv_kernels/decode.py: decode_split_kernel` (it adds GQA groups per program and split-KV).

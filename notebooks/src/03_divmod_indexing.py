@@ -24,19 +24,18 @@
 # No GPU or Triton needed.
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup()
 
+# %%
+import matplotlib.pyplot as plt
 import torch
 
+from pagedkv_lab import viz
 from pagedkv_lib import (
     PagedKVPool,
     get_batch_indices_positions,
@@ -44,16 +43,9 @@ from pagedkv_lib import (
     locate_pow2,
     pad_block_tables,
     reference,
-    runtime,
     slot_mapping,
-    viz,
 )
 from pagedkv_lib.indexing import slot_of
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
-import matplotlib.pyplot as plt
 
 # %% [markdown]
 # ## Step 1 and 2: a sequence crossing pages

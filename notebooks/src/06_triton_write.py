@@ -13,7 +13,7 @@
 # * **(c)** RoPE fused into the store: K is rotated on its way into the pool, and Q is
 #   rotated in place by extra programs of the same launch.
 #
-# Then we read the production kernel (`kernels/write.py`) and check, point by point, what
+# Then we read the production kernel (`kernels/pagedkv_kernels/write.py`) and check, point by point, what
 # it adds to step (c) and why.
 #
 # **You will learn to**
@@ -30,41 +30,29 @@
 # on a GPU, or in Triton's interpreter on a CPU.
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
-import torch
-
-from pagedkv_lib import PagedKVPool, RingWindow, faults, formats, reference, viz
-from pagedkv_lib.pool import cache_strides
-from pagedkv_lib.verify import TOLERANCES
-from pagedkv_lib.verify.compare import bit_compare, compare
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
+# %%
 import matplotlib.pyplot as plt
+import torch
 import triton
 import triton.language as tl
 from IPython.display import display
 
-import kernels
-from kernels import addressing, tiles
-from kernels import write as production
-
-DEV = runtime.device()
+import pagedkv_kernels as kernels
+from pagedkv_kernels import write as production
+from pagedkv_kernels.device import addressing
+from pagedkv_kernels.host import tiles
+from pagedkv_lab import faults, viz
+from pagedkv_lab.verify import TOLERANCES
+from pagedkv_lab.verify.compare import bit_compare, compare
+from pagedkv_lib import PagedKVPool, RingWindow, formats, reference, runtime
+from pagedkv_lib.pool import cache_strides
 
 # %% [markdown]
 # ## The batch every step writes
@@ -416,15 +404,15 @@ assert torch.equal(q_dev[-2:], q[-2:]), "the padding tokens' query rows must be 
 # %% [markdown]
 # ## The production kernel, and what it adds
 #
-# `kernels/write.py` holds the kernel the suite ships, `append_kernel`
+# `kernels/pagedkv_kernels/write.py` holds the kernel the suite ships, `append_kernel`
 # (`kernels.append_paged_kv` and `kernels.append_paged_kv_csr` launch it, each as
 # `run_append(plan_append(...))`: the plan checks once, the run launches). Here it is as
 # the module holds it today, its parameters grouped by role as in Triton's matmul
 # tutorial (pointers, sizes, each tensor's strides, the ring window, constexprs), and the
-# helper that turns a tile of tokens into `(page, row, valid)` (`kernels/addressing.py:
+# helper that turns a tile of tokens into `(page, row, valid)` (`kernels/pagedkv_kernels/device/addressing.py:
 # token_rows`, shared with the quantized and MLA writes): the slot form of step (a) and
 # the CSR form of step (b) are both in it, chosen by a constexpr. Its RoPE is step (c)'s
-# rotation written once, in `kernels/rope.py` (`rope_tile` around `rope_rotate`, which
+# rotation written once, in `kernels/pagedkv_kernels/device/rope.py` (`rope_tile` around `rope_rotate`, which
 # the quantized and MLA writes call too), and its plain copies are `copy_tile` there.
 
 # %% tags=["nbval-ignore-output"]
@@ -438,27 +426,27 @@ display(viz.source_code(addressing.token_rows))
 # 1. **int64 offsets.** Steps (b) and (c) multiply an int32 page id by an int32 stride.
 #    Past 2**31 elements (a 4.6 GB fp16 pool is enough) that product wraps silently,
 #    and the store lands in another page. Production widens every index to int64
-#    *before* it multiplies, in one shared function, `kernels/addressing.py:
+#    *before* it multiplies, in one shared function, `kernels/pagedkv_kernels/device/addressing.py:
 #    row_offset`, which every kernel of the suite calls.
 # 2. **Masks for any head_dim.** Our steps use `tl.arange(0, HEAD_DIM)`, and Triton
 #    ranges must be powers of two. Production takes `BLOCK_D = next_pow2(head_dim)`
 #    lanes and masks `feat < head_dim` (and `pair < head_dim / 2` for RoPE), so 80 or
 #    96 work. It also takes any strides for `k`, `v`, `q` and the pool, so views and
 #    the HND layout need no copy.
-# 3. **Tiles sized per backend.** `kernels/tiles.py: write_tiles` picks about 2048
+# 3. **Tiles sized per backend.** `kernels/pagedkv_kernels/host/tiles.py: write_tiles` picks about 2048
 #    elements per program compiled (so even a short prefill spreads over every SM) and
 #    about 2**17 in the interpreter, which pays per executed operation, not per element.
 # 4. **Launch checks.** Before anything is launched, the value rules shared with the
 #    reference (`pagedkv_lib/checks/`: slot inside the pool, no slot twice, shapes,
-#    dtypes) and the launch checks (`kernels/validate.py`: device, int32 index ranges,
+#    dtypes) and the launch checks (`kernels/pagedkv_kernels/host/validate.py`: device, int32 index ranges,
 #    memory overlap, addresses inside the storage) run. Our steps would write wherever a
 #    bad slot points.
 # 5. **V-tail zeroing.** A reader that loads whole pages multiplies the unused rows of a
 #    last page by probability 0, and `0 * NaN = NaN`. `zero_v_tail=` zeroes those V rows
-#    in a second small launch (`kernels/v_tail.py`).
+#    in a second small launch (`kernels/pagedkv_kernels/v_tail.py`).
 # 6. **Ring windows.** With a `RingWindow` the CSR form stores position `pos` at row
 #    `kv_token_idx(pos)` (sinks, bubble, ring: notebook 04), through
-#    `kernels/addressing.py: kv_token_idx`.
+#    `kernels/pagedkv_kernels/device/addressing.py: kv_token_idx`.
 #
 # And one numeric detail: the RoPE angle `pos * inv_freq` is formed and reduced to
 # `[-pi, pi]` in fp64, because in fp32 its error grows with the position.

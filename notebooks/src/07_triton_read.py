@@ -14,7 +14,7 @@
 # * **(c)** split-KV (flash-decoding): several programs share one sequence, each writes
 #   a partial output and its log-sum-exp, and a second kernel merges them.
 #
-# Then we read the production kernel (`kernels/decode.py`, `kernels/merge.py`) and check
+# Then we read the production kernel (`kernels/pagedkv_kernels/decode.py`, `kernels/pagedkv_kernels/merge.py`) and check
 # what it adds.
 #
 # **You will learn to**
@@ -33,47 +33,35 @@
 # on a GPU, or in Triton's interpreter on a CPU.
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
+# %%
 import math
 import warnings
 
-import torch
-
-from pagedkv_lib import formats, reference, runtime, verify, viz
-from pagedkv_lib.memory import kv_dtype
-from pagedkv_lib.pool import cache_strides
-from pagedkv_lib.verify import TOLERANCES
-from pagedkv_lib.verify.compare import compare
-from pagedkv_lib.verify.decode_checks import decode_inputs
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
 import matplotlib.pyplot as plt
+import torch
 import triton
 import triton.language as tl
 from IPython.display import display
 
-import kernels
-from kernels import attention_core
-from kernels import decode as production
-from kernels import merge as production_merge
+import pagedkv_kernels as kernels
+from pagedkv_kernels import decode as production
+from pagedkv_kernels import merge as production_merge
+from pagedkv_kernels.device import attention_core
+from pagedkv_lab import verify, viz
+from pagedkv_lab.verify import TOLERANCES
+from pagedkv_lab.verify.compare import compare
+from pagedkv_lab.verify.decode_checks import decode_inputs
+from pagedkv_lib import formats, reference
+from pagedkv_lib.memory import kv_dtype
+from pagedkv_lib.pool import cache_strides
 
-DEV = runtime.device()
 LOG2E = math.log2(math.e)
 
 # %% [markdown]
@@ -98,7 +86,7 @@ plt.show()
 # %% [markdown]
 # ## The batch every step reads
 #
-# The conformance harness builds decode inputs for us (`pagedkv_lib.verify.decode_checks.decode_inputs`): three
+# The conformance harness builds decode inputs for us (`pagedkv_lab.verify.decode_checks.decode_inputs`): three
 # sequences of 37, 70 and 5 tokens on scattered pages of 8 rows, 2 KV heads and 8 query
 # heads (GQA group 4), `head_dim` 32, fp32. Every row no sequence owns is **NaN**, as
 # never-written memory may be: a kernel that lets one of them into its arithmetic
@@ -131,7 +119,7 @@ assert cache.isnan().any() and truth.isfinite().all(), "the pool is poisoned, th
 # $$m' = \max(m, \max_i s_i),\quad \alpha = 2^{m - m'},\quad
 #   l' = \alpha l + \sum_i 2^{s_i - m'},\quad acc' = \alpha\, acc + \sum_i 2^{s_i - m'} v_i ,$$
 #
-# and at the end `out = acc / l` (the code calls them `m_i`, `l_i`, as `kernels/decode.py`
+# and at the end `out = acc / l` (the code calls them `m_i`, `l_i`, as `kernels/pagedkv_kernels/decode.py`
 # does). We work in base 2 (`exp2` is the GPU's native instruction): `e^x = 2^(x log2 e)`,
 # so multiplying the scale by `log2 e` once gives the same softmax.
 #
@@ -248,14 +236,14 @@ assert same, f"with every row but the pictured {len(pages)} set to NaN, head {h}
 # A masked lane reads no memory. With `other=0.0` it holds 0; without `other=` it is
 # **undefined on a GPU**: whatever its register held, NaN included. Triton's interpreter
 # happens to give 0 there, so on a CPU a kernel that forgot `other=` passes every check.
-# `runtime.masked_lanes_poisoned()` (or `PAGEDKV_POISON_MASKED=1` in the environment
+# `kernels.interpreter.masked_lanes_poisoned()` (or `PAGEDKV_POISON_MASKED=1` in the environment
 # before Jupyter starts) makes the interpreter fill such lanes with NaN instead (integer
 # lanes with a far out-of-range value), as a GPU may, and lists every load whose lanes
 # it filled; on a GPU it does nothing. The conformance harness and the exercise checker
 # run with it on. Step (a) passes under it, and no load of it is poisoned:
 
 # %%
-with runtime.masked_lanes_poisoned() as poisoned_loads:
+with kernels.interpreter.masked_lanes_poisoned() as poisoned_loads:
     out_p = launch_a(*dev_inputs).cpu()
 check_p = compare(out_p, truth, atol, rtol)
 named = [str(load) for load in poisoned_loads]
@@ -520,11 +508,11 @@ for splits in (1, 2, 9):
 # %% [markdown]
 # ## The production kernel, and what it adds
 #
-# `kernels/decode.py: decode_split_kernel` is stage 1 of the suite's decode kernel (with
-# one split it writes the output directly), `kernels/merge.py: merge_kernel` stage 2.
+# `kernels/pagedkv_kernels/decode.py: decode_split_kernel` is stage 1 of the suite's decode kernel (with
+# one split it writes the output directly), `kernels/pagedkv_kernels/merge.py: merge_kernel` stage 2.
 # The steps every paged read kernel shares (the sequence's span, the visible range
 # under a window, the split's tiles, the online-softmax step, the store of a partial)
-# are written once in `kernels/attention_core.py` and called by the decode, quantized
+# are written once in `kernels/pagedkv_kernels/device/attention_core.py` and called by the decode, quantized
 # decode, MLA decode and prefill kernels alike; below, the decode kernel and the core's
 # softmax step, as the modules hold them today:
 
@@ -539,7 +527,7 @@ display(viz.source_code(production_merge.merge_kernel))
 #
 # 1. **Tiles of tokens, not pages.** Production walks `BLOCK_N` consecutive *logical*
 #    tokens per iteration and looks up each lane's page
-#    (`kernels/addressing.py: table_row_offset`: `table[row // page_size]`,
+#    (`kernels/pagedkv_kernels/device/addressing.py: table_row_offset`: `table[row // page_size]`,
 #    `row % page_size`). With pages of 1 token, step (b) would take one loop iteration
 #    per token; production takes the same iterations for any page size, and the same
 #    arithmetic, so its result does not change by a bit.
@@ -578,7 +566,7 @@ outs = {}
 for ps in (1, 8, 16):
     pool, tables = (cache, block_tables) if ps == PAGE_SIZE else repaged(cache, block_tables, seq_lens, ps)
     outs[ps] = kernels.paged_decode_attention(q.to(DEV), pool.to(DEV), tables.to(DEV), seq_lens.to(DEV), num_splits=1)
-block_n = production.decode_tiles(GROUP, 32, 70)[1]  # BLOCK_N for this backend (kernels/tiles.py)
+block_n = production.decode_tiles(GROUP, 32, 70)[1]  # BLOCK_N for this backend (kernels/pagedkv_kernels/host/tiles.py)
 print("sequence 1 (70 tokens) with pages of 1 token: step (b) loops 70 times, production ceil(70 / BLOCK_N) times")
 assert -(-70 // block_n) < 70, f"BLOCK_N = {block_n}: a tile of tokens should span many 1-token pages"
 same = all(torch.equal(o, outs[1]) for o in outs.values())

@@ -5,7 +5,7 @@
 # index is still *some* valid row of the pool, so a wrong past length, a window mapping
 # used on one side only, an unzeroed V tail, a missing copy, a `-1` used as an index or
 # a stale block table all produce plausible numbers. This notebook switches seven such
-# bugs on, shows each symptom, and shows which check of `pagedkv_lib.verify` catches
+# bugs on, shows each symptom, and shows which check of `pagedkv_lab.verify` catches
 # it (notebooks 09 and 10 add the faults of quantized pools and of prefill). The same
 # harness then runs on the suite's own Triton kernels, and on a kernel written for
 # another engine's interface, brought in step by step with its contract.
@@ -29,42 +29,29 @@
 # **Time:** about 35 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
+# %%
+import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 
-import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
+import pagedkv_kernels as kernels
+from pagedkv_lab import faults, verify, viz
 from pagedkv_lib import (
     KVCacheManager,
     PagedKVPool,
     block_table_to_csr,
     element_offset,
-    faults,
     reference,
     runtime,
     slot_mapping,
-    verify,
-    viz,
 )
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
-import matplotlib.pyplot as plt
-from IPython.display import display
 
 ref = (reference.append_paged_kv, reference.paged_decode_attention)
 triton_kernels = (kernels.append_paged_kv, kernels.paged_decode_attention)
@@ -354,8 +341,8 @@ assert not verify.check_int64_offsets(*triton_kernels, {"int32_offset"}).passed,
 # decode must also leave the pool bit-for-bit as it found it.
 #
 # To check your own kernel, pass it instead: `verify.run(my_append, my_decode)`, or from
-# a shell `python -m pagedkv_lib.verify --append-fn mypkg.mod:append --decode-fn
-# mypkg.mod:decode`; `python -m kernels.verify` runs it on the suite's kernels.
+# a shell `python -m pagedkv_lab.verify --append-fn mypkg.mod:append --decode-fn
+# mypkg.mod:decode`; `python -m pagedkv_kernels.tools.verify` runs it on the suite's kernels.
 
 # %% [markdown]
 # The plot shows each case's margin by the pass rule itself,
@@ -394,8 +381,8 @@ assert verify.run_case("append", broken.failures[0].case, append_fn=kernels.appe
 
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
-from kernels import peer_conventions
-from pagedkv_lib.faults import peer_kernels
+from pagedkv_lab import peer_kernels as peer_conventions
+from pagedkv_lab.faults import peer_kernels
 
 display(viz.source_code(peer_conventions.store_flat_kernel))
 

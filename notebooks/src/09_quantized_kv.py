@@ -39,38 +39,26 @@
 # Needs Triton (Linux, WSL, a container or a hosted notebook).
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
-import torch
-
-import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
-from pagedkv_lib import PRESETS, faults, formats, memory, quant, quant_reference, reference, runtime, verify, viz
-from pagedkv_lib.quant_pool import QuantizedKVPool
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
+# %%
 import matplotlib.pyplot as plt
+import torch
 import triton
 import triton.language as tl
 from IPython.display import display
 
-from kernels import quant_codes, quant_decode, quant_write
-
-DEV = runtime.device()
+import pagedkv_kernels as kernels
+from pagedkv_kernels import quant_decode, quant_write
+from pagedkv_kernels.device import quant_codes
+from pagedkv_lab import faults, verify, viz
+from pagedkv_lib import PRESETS, formats, memory, quant, quant_reference, reference
+from pagedkv_lib.quant_pool import QuantizedKVPool
 
 # %% [markdown]
 # ## 1. Bytes per token
@@ -172,7 +160,7 @@ assert torch.equal(pool.data[0, 0, 0, 0].cpu(), packed), "the kernel's codes dif
 assert int(pool.scales[0, 0, 0, 0]) == int(scales.view(torch.uint8)), "the kernel's block scale differs"
 
 # %% [markdown]
-# The write kernel, `kernels.quant_write.quant_append_kernel`: one program per tile of
+# The write kernel, `pagedkv_kernels.quant_write.quant_append_kernel`: one program per tile of
 # tokens and heads loads the rows (rotating K when RoPE is fused), then quantizes and
 # stores K and V through one helper. Below it, called out from the module, the lines of
 # the five steps above: the block scale from `amax / (6 * gs)` rounded to FP8 (`sf8`),
@@ -194,7 +182,9 @@ display(viz.lesson_lines(quant_write, steps))
 # %%
 found = {step: viz.find_lines(quant_write, step) for step in steps}
 order = [found[step][0] for step in steps]
-print(f"kernels/quant_write.py: the five steps are {len(order)} lines, in order: {order == sorted(order)}")
+print(
+    f"kernels/pagedkv_kernels/quant_write.py: the five steps are {len(order)} lines, in order: {order == sorted(order)}"
+)
 assert all(len(lines) == 1 for lines in found.values()), f"each step should be one line of the writer: {found}"
 assert order == sorted(order), f"the steps must run in the order amax, sf8, q from sf8, codes, pack: lines {order}"
 
@@ -415,7 +405,7 @@ assert not broken.passed, "quant_scales passed with one scale for K and V: the f
 #
 # The read side in its smallest form: one tile of 16 FP8 K rows of 128 codes (per-tensor
 # scale) and one query. Step 1 dequantizes the tile in fp32, `fp8_value(code) * scale`,
-# with the suite's device codec `kernels.quant_codes.fp8_decode`; step 2 takes the dot
+# with the suite's device codec `pagedkv_kernels.device.quant_codes.fp8_decode`; step 2 takes the dot
 # product with the dequantized tile. The tile is read from the FP8 pool of section 3
 # (sequence 0's first page, head 0). The dequantized tile must equal the reference's
 # `quant.fp8_dequantize` bit for bit; the scores, sums in another order, must equal a
@@ -462,12 +452,12 @@ assert not torch.equal(wrong_deq, want_deq), "K's codes read with V's scale must
 # %% [markdown]
 # ### The production kernel
 #
-# `kernels.quant_decode.quant_decode_split_kernel` is the split-KV decode kernel of
+# `pagedkv_kernels.quant_decode.quant_decode_split_kernel` is the split-KV decode kernel of
 # notebook 07 with this tile inside its loop: every iteration of `while tile < tile_hi`
 # finds each row's page once, dequantizes that tile of K and of V (codes and scales from
 # the same page and row) and runs the shared online-softmax step of
-# `kernels.attention_core` on fp32 values. Below it, called out from
-# `kernels/quant_decode.py`, the dequantize of each format: for NVFP4 the **two-level
+# `pagedkv_kernels.device.attention_core` on fp32 values. Below it, called out from
+# `kernels/pagedkv_kernels/quant_decode.py`, the dequantize of each format: for NVFP4 the **two-level
 # scale** `e2m1_value(code) * fp8_value(sf8) * gs` (block scale, then global scale,
 # multiplied in the reference's order, so the values are bit for bit the reference's).
 
@@ -554,7 +544,7 @@ for name, x in (("K", k_true.float()), ("V", v)):
 # %% [markdown]
 # ## 7. The harness on the quantized kernels
 #
-# `pagedkv_lib.verify` runs the quantized family on any pair of callables with the
+# `pagedkv_lab.verify` runs the quantized family on any pair of callables with the
 # signatures of `kernels.append_paged_kv_quant_pool` and `kernels.paged_decode_attention_quant_pool`:
 # `quant_append` (codes and scales bit for bit over FP8 per tensor, per token and NVFP4,
 # both layouts, page sizes 1/5/16, padding slots, zeros, NaN, ±inf, out-of-range and
@@ -596,7 +586,7 @@ assert report.passed, f"the suite's quantized kernels failed the harness:\n{repo
 #    happens to the largest values, then read what `nvfp4_error_bound` says.
 # 3. Write a K block that holds one NaN: what does the whole block read back as, and why
 #    can E2M1 itself not say "NaN"?
-# 4. Run `python -m kernels.verify` (the quantized family runs on the suite's kernels) or
+# 4. Run `python -m pagedkv_kernels.tools.verify` (the quantized family runs on the suite's kernels) or
 #    `verify.run(quant_append_fn=..., ...)` on your own quantizing append.
 #
 # ## In real systems

@@ -46,40 +46,27 @@
 # Needs Triton (Linux, WSL, a container or a hosted notebook).
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
+# %%
 import time
 
-import torch
-
-import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
-from pagedkv_lib import KVCacheManager, PagedKVPool, RingWindow, faults, formats, reference, runtime, verify, viz
-from pagedkv_lib.window import window_mask
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
 import matplotlib.pyplot as plt
+import torch
 import triton
 import triton.language as tl
 from IPython.display import display
 
-from kernels import prefill as production
-
-DEV = runtime.device()
+import pagedkv_kernels as kernels
+from pagedkv_kernels import prefill as production
+from pagedkv_lab import faults, verify, viz
+from pagedkv_lib import KVCacheManager, PagedKVPool, RingWindow, formats, reference
+from pagedkv_lib.window import window_mask
 
 # %% [markdown]
 # ## 1. A prompt in chunks equals the prompt at once
@@ -248,7 +235,7 @@ assert torch.equal(tile[:q_len, : past + q_len], full), "the kernel's mask diffe
 assert not tile[q_len:].any() and not tile[:, past + q_len :].any(), "padding lanes must see nothing"
 
 # %% [markdown]
-# The production kernel, `kernels.prefill.prefill_kernel`, has the same two lines (one
+# The production kernel, `pagedkv_kernels.prefill.prefill_kernel`, has the same two lines (one
 # program per tile of `BLOCK_M` (query, head) rows of one request, so `qi = rows //
 # group`), then walks its key tiles only up to its last query's position and applies the
 # mask inside the loop, with the window's band added when there is one. Below it, the
@@ -276,7 +263,7 @@ assert loop < at[mask_lines[2]][0] < loop_end, "the causal mask against qpos is 
 assert not viz.find_lines(kernel, "<= qi[:, None]"), "no mask may compare keys with the chunk-local index qi"
 
 # %% [markdown]
-# The fault `chunk_local_mask` of the bug zoo (`pagedkv_lib.faults`) wraps a prefill
+# The fault `chunk_local_mask` of the bug zoo (`pagedkv_lab.faults`) wraps a prefill
 # callable so that it behaves exactly like that kernel. On our prompt: chunk 1 is still
 # right, chunks 2 and 3 are wrong by far more than any rounding.
 

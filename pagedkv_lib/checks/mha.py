@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import check_csr, csr_seq_lens, csr_slot_mapping, csr_to_block_table, index_tensor
-from ..pool import cache_dims
-from ..window import RingWindow, Window
-from .shared import (
+from pagedkv_lib.checks.shared import (
     FLOAT_DTYPES,
     check_float_tensor,
     check_kv,
@@ -23,6 +20,9 @@ from .shared import (
     check_slots,
     check_window,
 )
+from pagedkv_lib.formats import check_csr, csr_seq_lens, csr_slot_mapping, csr_to_block_table, index_tensor
+from pagedkv_lib.pool import cache_dims
+from pagedkv_lib.window import RingWindow, Window
 
 # --------------------------------------------------------------------------- append
 

@@ -12,10 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..formats import check_csr, csr_slot_mapping, index_tensor
-from ..pool import CacheDims
-from .mha import check_block_tables
-from .shared import (
+from pagedkv_lib.checks.mha import check_block_tables
+from pagedkv_lib.checks.shared import (
     FLOAT_DTYPES,
     check_float_tensor,
     check_rope_positions,
@@ -23,6 +21,8 @@ from .shared import (
     check_scale,
     check_slots,
 )
+from pagedkv_lib.formats import check_csr, csr_slot_mapping, index_tensor
+from pagedkv_lib.pool import CacheDims
 
 
 class MLACacheDims(NamedTuple):

@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from ..formats import csr_slot_mapping, index_tensor
-from ..pool import CacheDims, cache_dims
-from .shared import check_kv_rows, check_slots, check_window
+from pagedkv_lib.checks.shared import check_kv_rows, check_slots, check_window
+from pagedkv_lib.formats import csr_slot_mapping, index_tensor
+from pagedkv_lib.pool import CacheDims, cache_dims
 
 # kv_dtype -> its scale modes, the default first:
 #   fp8 "tensor"           one K and one V scale (pool.global_scale [2])

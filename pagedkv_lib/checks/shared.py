@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from ..formats import PAD, index_tensor
-from ..pool import CacheDims, cache_dims
-from ..window import LinearWindow, RingWindow, Window
+from pagedkv_lib.formats import PAD, index_tensor
+from pagedkv_lib.pool import CacheDims, cache_dims
+from pagedkv_lib.window import LinearWindow, RingWindow, Window
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 ROPE_STYLES = (None, "neox", "gptj")
