@@ -1,15 +1,16 @@
 # pagedkv: two commands for everything (see README.md).
 #   make run    set up, then execute every notebook into build/ (ipynb + offline HTML)
-#   make test   set up, then lint + pytest over tests/ (browser test included) + nbval over
-#               notebooks/, the kernel tests under GPU plans, the compile check for real
-#               GPUs, then the kernel tests under the oldest admitted Triton (what CI runs)
-#   make check  the quick inner loop while working (under 3 minutes): lint, the unit and
-#               kernel tests (no browser, notebooks, engine model, second Triton or
-#               compile check), one verify grid in-process
+#   make test   set up, then lint + pytest over tests/ and nbval over notebooks/ (each
+#               notebook executed once, its executed copy kept in build/executed/), the
+#               browser test over those copies beside the compile check for real GPUs, the
+#               kernel tests under GPU plans, then under the oldest admitted Triton (what CI runs)
+#   make check  the quick inner loop while working (under 2 minutes): lint, the unit tests
+#               and a sample of the kernel tests, one verify grid in-process
 #   make compile-check  every kernel compiled for sm_80/sm_90 (+ sampled sm_75/sm_89),
 #               no GPU needed; table in build/compile_check/ (part of `make test`)
 #   make test-gpu-plans  the kernel tests planned as on a GPU (PAGEDKV_PLAN=gpu) in the
 #               interpreter (part of `make test`)
+#   make test-browser  every notebook in JupyterLab in Chromium (part of `make test`, after nbval)
 #   make lab    set up, then open JupyterLab on notebooks/
 #   make refresh  rebuild notebooks/*.ipynb from notebooks/src and store outputs (developers)
 #   make test-oldest-triton  the kernel tests and the default verify grid under the oldest
@@ -52,12 +53,13 @@ endif
 BIN ?= $(VENV)/bin
 
 # The oldest Triton that pyproject.toml admits. Its interpreter differs from the newest
-# (3.6 cannot range() over a runtime bound), so the floor of the range is tested in a
-# second environment, not assumed.
+# (3.6 cannot range() over a runtime bound), so the floor of the range is tested, not
+# assumed: that Triton alone goes into its own folder, put before the environment's
+# site-packages on PYTHONPATH (the same torch and suite; no second environment to build).
 OLDEST_TRITON ?= 3.6.0
-VENV_OLDEST ?= .venv-triton$(OLDEST_TRITON)
+TRITON_OLDEST ?= .triton-$(OLDEST_TRITON)
 
-.PHONY: setup run lab test check compile-check test-gpu-plans test-oldest-triton refresh browser-deps doctor wheelhouse clean FORCE
+.PHONY: setup run lab test check compile-check test-gpu-plans test-browser test-oldest-triton refresh browser-deps doctor wheelhouse clean FORCE
 
 ifeq ($(BIN),$(VENV)/bin)
 setup: $(BIN)/.pagedkv-installed
@@ -94,16 +96,23 @@ lab: setup
 	@$(BIN)/jupyter trust notebooks/*.ipynb >/dev/null  # stored widget views render only in trusted notebooks
 	$(BIN)/jupyter lab --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
-# The two environments are built side by side (each pip install runs on one core; on CI's
-# two cores this saves about 30 s of the test command's 15 minutes).
+# Each notebook is executed once, by nbval (which keeps its executed copy); the browser test
+# then opens those copies, beside the compile check (the browser mostly waits on JupyterLab
+# and Chromium, the compile check keeps both cores busy meanwhile).
+BROWSER_TESTS := tests/test_browser.py tests/test_browser_mutants.py
 test:
-	$(MAKE) --no-print-directory -j2 --output-sync=target setup $(VENV_OLDEST)/.pagedkv-installed
+	$(MAKE) --no-print-directory -j2 --output-sync=target setup $(TRITON_OLDEST)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest tests notebooks $(NBVAL) $(XDIST) --durations=25
-	$(MAKE) test-gpu-plans
-	$(MAKE) compile-check
-	$(MAKE) test-oldest-triton
+	rm -rf build/executed
+	$(BIN)/python -m pytest tests notebooks $(NBVAL) $(XDIST) $(addprefix --ignore=,$(BROWSER_TESTS)) --durations=25
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-browser compile-check
+	$(MAKE) --no-print-directory test-gpu-plans
+	$(MAKE) --no-print-directory test-oldest-triton
+
+# After nbval (make test runs it first); run alone, it executes the notebooks it needs itself.
+test-browser: setup
+	$(BIN)/python -m pytest $(BROWSER_TESTS) -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
 
 # The kernels' tests with the launch plans a GPU gets (its tiles, tl.dot modes and split
 # counts for PAGEDKV_PLAN_SMS SMs) while the kernels run in the interpreter. The bf16
@@ -134,22 +143,24 @@ check: setup
 	$(BIN)/python -m pytest tests $(QUICK_IGNORE) -q -p no:cacheprovider $(XDIST)
 	$(BIN)/python -m pagedkv_kernels.tools.verify --no-isolate --hypothesis 0
 
-$(VENV_OLDEST)/.pagedkv-installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_PIP)
-	$(VENV_OLDEST)/bin/python -m pip install --quiet -e . "triton==$(OLDEST_TRITON)" "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100"
+$(TRITON_OLDEST)/.installed: pyproject.toml
+	rm -rf $(TRITON_OLDEST)
+	$(PYTHON) -m pip install --quiet --root-user-action=ignore --no-deps --target $(TRITON_OLDEST) $(PIP_OFFLINE) "triton==$(OLDEST_TRITON)"
 	touch $@
 
-test-oldest-triton: $(VENV_OLDEST)/.pagedkv-installed
+OLDEST := PYTHONPATH=$(abspath $(TRITON_OLDEST)) $(BIN)/python
+test-oldest-triton: setup $(TRITON_OLDEST)/.installed
+	@$(OLDEST) -c "import triton, sys; sys.exit(triton.__version__ != '$(OLDEST_TRITON)')" || \
+	  { echo "test-oldest-triton: $(TRITON_OLDEST) does not give triton $(OLDEST_TRITON)"; exit 1; }
 	@# masked lanes poisoned: the kernels must not rely on what the old interpreter puts there
-	PAGEDKV_POISON_MASKED=1 $(VENV_OLDEST)/bin/python -m pytest tests/test_kernel_*.py tests/test_checks_parity.py \
+	PAGEDKV_POISON_MASKED=1 $(OLDEST) -m pytest tests/test_kernel_*.py tests/test_checks_parity.py \
 	  tests/test_indexer_k.py tests/test_block_copy.py tests/test_rope.py tests/test_lse_merge.py \
 	  tests/test_noncausal_prefill.py tests/test_mla_latent.py tests/test_quant_conventions.py tests/test_interpreter_poison.py \
 	  tests/test_rotary_positions.py tests/test_tree_attention.py tests/test_vllm_prefill.py \
 	  -q -p no:cacheprovider $(XDIST)
 	@# in-process: this run checks the kernels under the old Triton; crash isolation is
 	@# tested in the main run (and costs ~0.25 s a case: each child re-parses the kernels)
-	$(VENV_OLDEST)/bin/python -m pagedkv_kernels.tools.verify --no-isolate
+	$(OLDEST) -m pagedkv_kernels.tools.verify --no-isolate
 
 refresh: setup
 	$(BIN)/python scripts/build_notebooks.py refresh $(NAMES)
@@ -175,6 +186,6 @@ wheelhouse:
 	@du -sh $(WHEELHOUSE)
 
 clean:
-	rm -rf build .pytest_cache .hypothesis $(VENV_OLDEST)
+	rm -rf build .pytest_cache .hypothesis $(TRITON_OLDEST)
 
 FORCE:

@@ -20,6 +20,7 @@ model file, not one per reinstall). Clear it with ``python -m pagedkv_engine
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -162,12 +163,18 @@ class Loaded(NamedTuple):
 
 
 def ensure_cache() -> tuple[Path, bool]:
-    """Return ``(cache directory, converted now)``, converting the GGUF file if needed."""
+    """Return ``(cache directory, converted now)``, converting the GGUF file if needed.
+    Processes that ask at once convert it once: the others wait on a lock file beside the
+    cache, then read what the first wrote (two notebooks or test workers starting together
+    would otherwise both spend the 15-40 s)."""
     gguf = gguf_path()
     out = cache_dir(gguf)
-    converted = not all((out / f).is_file() for f in _FILES)
-    if converted:
-        convert(gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        converted = not all((out / f).is_file() for f in _FILES)
+        if converted:
+            convert(gguf, out)
     _remove_stale(gguf, out)
     return out, converted
 

@@ -96,11 +96,15 @@ def check_python() -> Result:
     return True, f"Python {found} ({sys.executable})", ""
 
 
+PACKAGES = ("pagedkv_lib", "pagedkv_kernels", "pagedkv_engine", "pagedkv_lab")
+
+
 def check_pagedkv() -> Result:
-    spec = importlib.util.find_spec("pagedkv_lib")
-    if spec is None:
-        return False, "pagedkv is not importable by this Python", INSTALL
-    return True, f"pagedkv_lib at {Path(spec.origin).parent}", ""
+    """The suite's four packages are importable (found, not imported)."""
+    missing = [name for name in PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        return False, f"pagedkv is not importable by this Python (no {', '.join(missing)})", INSTALL
+    return True, f"pagedkv at {Path(importlib.util.find_spec('pagedkv_lib').origin).parents[1]}", ""
 
 
 def check_triton_interpreter() -> Result:

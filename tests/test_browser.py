@@ -5,14 +5,20 @@ For each ``notebooks/NN_*.ipynb`` (found by name, so new notebooks join by thems
 1. open it; every stored widget view renders from the stored state before anything runs;
 2. wait for an autosave and save once more: the ``.ipynb`` and its paired ``src/*.py``
    must keep every byte (JupyterLab and jupytext rewrite nothing);
-3. Restart Kernel and Run All, wait until it has finished: no cell may have an error output;
-4. move the first control of every widget: its drawn output must change;
+3. a notebook with widgets (and any listed under ``run_all`` in
+   ``tests/browser_notebooks.toml``) is run end to end: Restart Kernel and Run All, no cell
+   may have an error output, then the first control of every widget is moved and its
+   drawn output must change;
+4. every other notebook is not executed a second time: the browser opens the copy nbval
+   executed in this test run (``build/executed/``, written by ``notebooks/conftest.py``)
+   and checks what a learner would see of it: every output rendered, every image
+   loaded, no error output and nothing on stderr;
 5. screenshots go to ``build/browser/``, run-all seconds to ``build/browser/timings.json``.
 
-Notebooks listed under ``open_only`` in ``tests/browser_notebooks.toml`` only get steps
-1-2 (for a notebook too slow to run in CI's browser). JupyterLab serves a temporary copy
-of ``notebooks/`` (or of ``$PAGEDKV_BROWSER_NOTEBOOKS``) on 127.0.0.1 with its own
-settings, so nothing of the checkout or of the user's Jupyter set-up is touched.
+Where no executed copy exists (the browser test run alone), it executes the notebook once
+(nbclient, as ``make refresh`` does) to make one. JupyterLab serves a temporary copy of
+``notebooks/`` (or of ``$PAGEDKV_BROWSER_NOTEBOOKS``) on 127.0.0.1 with its own settings,
+so nothing of the checkout or of the user's Jupyter set-up is touched.
 ``tests/test_browser_mutants.py`` runs this test on broken notebooks and watches it fail.
 
 Needs Debian's ``chromium`` (``make browser-deps`` as root) and Playwright for Python (dev
@@ -40,6 +46,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = Path(os.environ.get("PAGEDKV_BROWSER_NOTEBOOKS") or ROOT / "notebooks")
 SHOTS = Path(os.environ.get("PAGEDKV_BROWSER_SHOTS") or ROOT / "build" / "browser")
+EXECUTED = Path(os.environ.get("PAGEDKV_EXECUTED_DIR") or ROOT / "build" / "executed")
 CONFIG = tomllib.loads((Path(__file__).with_name("browser_notebooks.toml")).read_text())
 NAMES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 MODE = os.environ.get("PAGEDKV_BROWSER", "auto").strip().lower()
@@ -92,6 +99,8 @@ def _settings(root: Path) -> Path:
     """JupyterLab user settings for the test: autosave after 1 s, no news prompt."""
     settings = {
         "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosaveInterval": AUTOSAVE_S},
+        # every cell in the DOM, so that the rendering checks see all outputs (not a window of them)
+        "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
         "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
     }
     for rel, value in settings.items():
@@ -101,6 +110,32 @@ def _settings(root: Path) -> Path:
     return root
 
 
+def _runs_all(name: str) -> bool:
+    """Whether ``name`` is run end to end in the browser (its widgets need a live kernel)."""
+    return _widget_views(NOTEBOOKS / f"{name}.ipynb") > 0 or name in CONFIG.get("run_all", [])
+
+
+def _executed_copies(folder: Path) -> None:
+    """Put the executed copy of every notebook not run end to end in ``folder/executed/``:
+    nbval's from this test run where it is newer than the notebook, else one made now."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import nbformat
+    from build_notebooks import execute
+
+    (folder / "executed").mkdir()
+    for name in NAMES:
+        if _runs_all(name) or name in CONFIG.get("open_only", []):
+            continue
+        source, copy = NOTEBOOKS / f"{name}.ipynb", EXECUTED / f"{name}.ipynb"
+        if copy.exists() and copy.stat().st_mtime >= source.stat().st_mtime:
+            shutil.copy(copy, folder / "executed" / copy.name)
+            continue
+        print(f"{name}: no executed copy from nbval in {EXECUTED}: executing it once here")
+        nb = nbformat.read(source, as_version=4)
+        execute(nb, NOTEBOOKS, name)
+        nbformat.write(nb, folder / "executed" / copy.name)
+
+
 @pytest.fixture(scope="module")
 def lab():
     """A JupyterLab server on 127.0.0.1 over a copy of the notebooks; yields (url, folder)."""
@@ -108,6 +143,7 @@ def lab():
     work = Path(tempfile.mkdtemp(prefix="pagedkv-lab-"))
     folder = work / "notebooks"
     shutil.copytree(NOTEBOOKS, folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    _executed_copies(folder)
     env = dict(
         os.environ,
         JUPYTER_CONFIG_DIR=str(work / "config"),
@@ -337,6 +373,14 @@ def _check_notebook(lab, page, name: str) -> None:
 
     if name in CONFIG.get("open_only", []):
         return
+    if _runs_all(name):
+        _run_all_and_move_widgets(page, name, views)
+    else:
+        _check_executed_copy(page, url, name)
+
+
+def _run_all_and_move_widgets(page, name: str, views: int) -> None:
+    """Restart Kernel and Run All: no error; then every widget redraws when moved."""
     start = time.monotonic()
     page.evaluate(RUN_ALL)
     page.locator(".jp-Dialog .jp-mod-accept").click(timeout=30_000)
@@ -354,3 +398,42 @@ def _check_notebook(lab, page, name: str) -> None:
     for i, cell in enumerate(cells):
         _exercise_widget(page, _widget_in_cell(page, cell), i, name)
     print(f"{name}: run all in {seconds:.1f} s, {len(cells)} widget(s) responded")
+
+
+# What a learner sees of an executed notebook: outputs in the model, output areas drawn,
+# images (and how many finished loading), error outputs, stderr outputs.
+RENDERED = f"""() => {{
+  const p = {PANEL};
+  const code = p.content.widgets.filter(c => c.model.type === 'code');
+  const json = code.flatMap(c => c.model.outputs.toJSON());
+  const drawn = [...p.content.node.querySelectorAll('.jp-OutputArea-output')];
+  const images = [...p.content.node.querySelectorAll('.jp-OutputArea-output img')];
+  return {{
+    outputs: json.length,
+    drawn: drawn.length,
+    images: images.length,
+    loaded: images.filter(i => i.complete && i.naturalWidth > 0).length,
+    pngs: json.filter(o => o.data && o.data['image/png']).length,
+    errors: json.filter(o => o.output_type === 'error').map(o => `${{o.ename}}: ${{o.evalue}}`),
+    stderr: json.filter(o => o.output_type === 'stream' && o.name === 'stderr').map(o => String(o.text).slice(0, 200)),
+  }};
+}}"""
+
+
+def _check_executed_copy(page, url: str, name: str) -> None:
+    """Open the copy nbval executed: every output drawn, every plot loaded as an image, no
+    error and nothing on stderr (a warning a learner would have to ignore)."""
+    page.evaluate(CLOSE)
+    page.goto(f"{url}/lab/tree/executed/{name}.ipynb")
+    page.wait_for_function(READY, timeout=120_000)
+    seen = _poll(
+        page,
+        lambda: page.evaluate(RENDERED),
+        lambda r: r["drawn"] >= r["outputs"] and r["loaded"] == r["images"] >= r["pngs"],
+        30,
+        f"{name}: the executed notebook's outputs did not all render within 30 s: {page.evaluate(RENDERED)}",
+    )
+    page.screenshot(path=str(SHOTS / f"{name}_executed.png"), full_page=True)
+    assert not seen["errors"], f"{name}: the executed notebook holds error outputs: {seen['errors']}"
+    assert not seen["stderr"], f"{name}: the executed notebook printed to stderr: {seen['stderr']}"
+    print(f"{name}: executed copy rendered, {seen['outputs']} outputs, {seen['images']} images")

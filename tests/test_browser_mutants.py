@@ -1,11 +1,14 @@
 """The browser test fails broken notebooks: it is run, in a child pytest, over a folder of
-three copies of notebook 01, each broken in one way the test promises to catch:
+four copies of notebook 01, each broken in one way the test promises to catch:
 
 * ``01_cell_error``: a cell raises, so Restart Kernel and Run All leaves an error;
 * ``02_rewritten_on_save``: the file is indented as JupyterLab never writes it, so
   opening and saving changes its bytes;
 * ``03_frozen_widget``: the explorer is replaced by one whose drawing ignores its
-  controls, so moving a slider redraws nothing.
+  controls, so moving a slider redraws nothing;
+* ``04_stderr``: without its widget (so the browser checks an executed copy instead of
+  running it: here one the test makes itself, there being no nbval run), a cell writes a
+  warning to stderr.
 
 Each must fail with its own message, and only that one. Needs what the browser test
 needs (Chromium and Playwright); skipped or failed the same way when they are missing.
@@ -64,10 +67,16 @@ def _mutants(folder: Path) -> dict[str, str]:
     frozen = copy.deepcopy(base)
     frozen.cells.insert(explorer, _code_cell(FROZEN_EXPLORER, "planted-frozen-widget"))
     nbformat.write(frozen, folder / "03_frozen_widget.ipynb")
+
+    noisy = copy.deepcopy(base)
+    noisy.cells = [c for i, c in enumerate(noisy.cells) if i != explorer]
+    noisy.cells.insert(first_code + 1, _code_cell('import sys\nprint("a planted warning", file=sys.stderr)', "planted"))
+    nbformat.write(noisy, folder / "04_stderr.ipynb")
     return {
         "01_cell_error": "Restart Kernel and Run All left errors",
         "02_rewritten_on_save": "opening and saving in JupyterLab rewrote",
         "03_frozen_widget": "did not redraw",
+        "04_stderr": "printed to stderr",
     }
 
 
@@ -82,6 +91,7 @@ def test_the_browser_test_fails_each_broken_notebook_with_its_reason(tmp_path):
         PAGEDKV_BROWSER="required",
         PAGEDKV_BROWSER_NOTEBOOKS=str(folder),
         PAGEDKV_BROWSER_SHOTS=str(tmp_path / "shots"),
+        PAGEDKV_EXECUTED_DIR=str(tmp_path / "no-executed-copies"),
         PAGEDKV_BROWSER_REDRAW_S="5",
         COLUMNS="1000",  # the short summary keeps each failure's whole first line
     )
