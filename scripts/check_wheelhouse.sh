@@ -22,7 +22,7 @@ start=$(date +%s)
 "${NONET[@]}" make -C "$ROOT" --no-print-directory setup VENV="$VENV" OFFLINE="$WH"
 echo "installed with no network in $(( $(date +%s) - start )) s into $VENV"
 cd "$ROOT"
-"${NONET[@]}" "$VENV/bin/python" -c "import pagedkv_lib, kernels, pagedkv_engine, nbgrader, nbval, jupyterlab; print('imports ok')"
+"${NONET[@]}" "$VENV/bin/python" -c "import pagedkv_lib, pagedkv_kernels, pagedkv_engine, nbgrader, nbval, jupyterlab; print('imports ok')"
 "${NONET[@]}" "$VENV/bin/python" scripts/doctor.py
 "${NONET[@]}" "$VENV/bin/python" -m pagedkv_lab.exercises check --solutions 01 06
 rm -rf "$(dirname "$VENV")"

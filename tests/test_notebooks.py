@@ -53,7 +53,7 @@ def test_notebook_matches_its_source_and_was_executed(name):
     assert any("image/png" in o.get("data", {}) for o in outputs), "no stored plot"
     assert "assert " in "".join(src for kind, src, _ in cells if kind == "code"), "no assert cross-check"
     printed = "".join("".join(o.get("text", "")) for o in code[0]["outputs"])
-    assert printed.startswith("backend: ") and "\nSet up: " in printed, "the first cell's set-up printed no backend line"
+    assert printed.startswith("backend: ") and "\nSet up: " in printed, "the first cell printed no backend line"
 
 
 @pytest.mark.parametrize("name", NAMES)
