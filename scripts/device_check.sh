@@ -8,12 +8,13 @@
 #   5. the benchmarks (write, decode, prefill, quantized), JSON and PNG;
 # everything under $OUT (the device tool brings that folder back). That machine has
 # torch and Triton but reaches no registry, so this runs from the source tree
-# (PYTHONPATH=.) and skips a step, saying so, when pytest, hypothesis or nbval are missing.
+# (PYTHONPATH: the checkout and its kernels/, absolute, so that notebook kernels started in
+# notebooks/ see them too) and skips a step, saying so, when pytest, hypothesis or nbval are missing.
 #   run: bash scripts/device_check.sh      (a timeout of ~540 s leaves room for a rerun)
 set -uo pipefail
 OUT=${OUT:-build/device}
 mkdir -p "$OUT"
-export PYTHONPATH=. PAGEDKV_BACKEND=gpu MPLBACKEND=Agg
+export PYTHONPATH="$PWD:$PWD/kernels" PAGEDKV_BACKEND=gpu MPLBACKEND=Agg
 step() { echo "== $1 ($(date +%T))" | tee -a "$OUT/summary.txt"; }
 
 step backend

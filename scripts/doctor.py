@@ -110,7 +110,8 @@ def check_pagedkv() -> Result:
 def check_triton_interpreter() -> Result:
     """Run a 5-element kernel in Triton's interpreter in a child process."""
     if platform.system() != "Linux":
-        return False, "Triton publishes Linux wheels only", "WSL, a Linux container or a hosted notebook (README)"
+        fix = "WSL, a Linux container or a hosted notebook (docs/setup.md)"
+        return False, "Triton publishes Linux wheels only", fix
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
         return False, "Triton's interpreter cannot run without torch and triton", INSTALL
     with tempfile.TemporaryDirectory() as folder:  # @triton.jit reads its source from a file

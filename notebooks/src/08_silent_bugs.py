@@ -548,7 +548,8 @@ assert diff.new_failures and not diff.fixed, "the missing scale should show as n
 # | ring window: sinks, bubble (`KVBlockArray`) | TRT-LLM | `window=RingWindow(...)` (notebook 04) |
 # | `spec_decoding_position_offsets`, M-RoPE, Helix | TRT-LLM | `rotary_positions(...)`, `rope_positions=` (nb 13) |
 #
-# The README's conventions table says the same with a column per engine.
+# The same conventions, engine by engine, are in the repository's
+# [`docs/verify-your-kernel.md`](../docs/verify-your-kernel.md#conventions).
 
 # %% [markdown]
 # ## What was verified
