@@ -1,7 +1,7 @@
 """pagedkv_engine: serve a real language model on the suite's paged KV cache.
 
 A small engine (nano-vllm sized) that sits above :mod:`pagedkv_lib` (allocator, block
-tables, prefix cache, copy-on-write forks, pools) and :mod:`kernels` (the Triton
+tables, prefix cache, copy-on-write forks, pools) and :mod:`pagedkv_kernels` (the Triton
 write with fused RoPE and the paged decode): its own Llama forward over the weights
 transformers loads, a scheduler with continuous batching, chunked prefill, prefix
 caching, preemption by recompute, parallel sampling by fork and speculative decoding

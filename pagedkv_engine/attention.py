@@ -19,7 +19,7 @@ the two equal. Both compute RoPE exactly as Hugging Face transformers does (fp32
 ``inv_freq``, fp32 angle, ``rotate_half``), so their rotated Q and K are bit-identical
 to the oracle's.
 :class:`pagedkv_engine.triton_attention.TritonAttention` (its own module, which imports
-:mod:`kernels` and with it triton) calls the suite's Triton kernels: the fused write
+:mod:`pagedkv_kernels` and with it triton) calls the suite's Triton kernels: the fused write
 (RoPE on Q and K in the same launch; its angle is reduced in fp64, so its cos/sin
 differ from transformers' in the last bits) and the paged decode kernel.
 

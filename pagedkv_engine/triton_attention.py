@@ -1,7 +1,7 @@
 """The kernel attention path: the suite's Triton kernels behind the backend interface of
 :mod:`pagedkv_engine.attention` (``write``, ``prefill``, ``decode``; same shapes).
 
-Its own module because it imports :mod:`kernels` and with it triton, which the rest of
+Its own module because it imports :mod:`pagedkv_kernels` and with it triton, which the rest of
 :mod:`pagedkv_engine` never does: :func:`pagedkv_engine.attention.make_attention`
 imports it for ``attention="triton"`` only.
 """

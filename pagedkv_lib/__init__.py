@@ -1,7 +1,12 @@
-"""pagedkv_lib: bookkeeping, Python references and plots for paged KV caches.
+"""pagedkv_lib: the ground floor of the suite: block bookkeeping (allocator, manager,
+prefix cache, windows), pools and table formats, float64 and bit-exact references, the
+argument rules references and kernels share (:mod:`pagedkv_lib.checks`), and the backend
+choice (:mod:`pagedkv_lib.runtime`).
 
-Pure Python + PyTorch; importing it never imports triton (the ``kernels`` package
-does, after :mod:`pagedkv_lib.runtime` has chosen the backend).
+Pure Python + PyTorch; it imports nothing of the floors above it (the kernels
+``pagedkv_kernels``, the engine ``pagedkv_engine``, the lab ``pagedkv_lab``) and never
+triton, which ``pagedkv_kernels`` imports after :mod:`pagedkv_lib.runtime` has chosen the
+backend (``tests/test_layout.py``).
 """
 
 from pagedkv_lib import runtime

@@ -4,7 +4,7 @@
 and HND layouts), so any tensor of that shape works. Each operation comes twice: a
 short loop (``*_loop``, for reading) and a vectorized torch form (for speed); the
 tests hold them equal. Every entry point takes the same arguments as its Triton twin
-in ``kernels`` and checks them with the same functions of :mod:`pagedkv_lib.checks`,
+in ``pagedkv_kernels`` and checks them with the same functions of :mod:`pagedkv_lib.checks`,
 so the two accept exactly the same inputs.
 
 Devices: the pool may live on any device (appends write it in place there); index

@@ -24,7 +24,7 @@ Nothing is patched globally, so a fault never leaks into the next cell or test.
 Modules: :mod:`~pagedkv_lab.faults.harness` (the harness's parts and wrappers),
 :mod:`~pagedkv_lab.faults.quantized` (quantized pools), :mod:`~pagedkv_lab.faults.engine`
 (engine parts), :mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports
-triton and :mod:`kernels`, so nothing here imports it).
+triton and :mod:`pagedkv_kernels`, so nothing here imports it).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and marked ``# the fault``, so that a diff against the correct kernel shows just
 is the correct entry point's launch with the faulty kernel, same signature. The
 registry entries are in :data:`pagedkv_lab.faults.REGISTRY` (family ``peer kernel``).
 
-This module imports triton (after :mod:`pagedkv_lib.runtime`) and :mod:`kernels`;
+This module imports triton (after :mod:`pagedkv_lib.runtime`) and :mod:`pagedkv_kernels`;
 nothing in :mod:`pagedkv_lib` imports it: the registry loads it by name when asked.
 """
 

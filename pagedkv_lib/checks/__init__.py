@@ -2,7 +2,7 @@
 
 This package is the one home of every value rule a paged-KV call must satisfy: shapes,
 dtypes, page ids inside the pool, lengths that fit their tables, padding slots, the
-V-tail and RoPE options. :mod:`pagedkv_lib.reference` and the launchers in ``kernels``
+V-tail and RoPE options. :mod:`pagedkv_lib.reference` and the launchers in ``pagedkv_kernels``
 call the same functions, so the two accept exactly the same inputs (a test feeds both
 the same bad and edge inputs). What only a launch needs (the tensors' device, the
 kernels' dtypes, int32 index ranges, memory overlap, addresses inside the storage)

@@ -15,7 +15,7 @@ for the standard batch spent a seventh of its time re-patching what was already 
 skips the patching when every ``triton.language`` module the helper sees (``tl``,
 ``tl.core``) is already patched by that launch; anything else goes to the original, and
 the launch's own patching and restoring are unchanged. Only speed changes: the functions
-a helper calls are the very ones the launch installed. ``kernels`` installs it at import
+a helper calls are the very ones the launch installed. ``pagedkv_kernels`` installs it at import
 on the interpreter backend; :func:`uninstall` puts the original back.
 
 The wrapped function is internal to Triton; :func:`install` checks that it exists and

@@ -24,7 +24,7 @@ interpreter fills them with:
 
 Loads **with** ``other=`` and loads without a mask are unchanged; so are stores.
 
-Turn it on with ``PAGEDKV_POISON_MASKED=1`` (read when ``kernels`` is imported), with
+Turn it on with ``PAGEDKV_POISON_MASKED=1`` (read when ``pagedkv_kernels`` is imported), with
 :func:`enable` / :func:`disable`, or for a block with :func:`poisoned`; the harness
 (:func:`pagedkv_lab.verify.run`) and the exercise checker turn it on by default. On the
 compiled GPU backend every entry point is a no-op: masked lanes there are already what
@@ -212,7 +212,7 @@ def enabled() -> bool:
 
 
 def enable_from_env() -> bool:
-    """Enable when ``PAGEDKV_POISON_MASKED=1`` (``kernels`` calls this at import); return
+    """Enable when ``PAGEDKV_POISON_MASKED=1`` (``pagedkv_kernels`` calls this at import); return
     whether it is on. ValueError for a value other than ``0``, ``1`` or empty."""
     if runtime.poison_masked_requested():
         enable()
