@@ -32,6 +32,16 @@ def _loop_kernel(x_ptr, out_ptr, TIMES: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _sum_kernel(x_ptr, out_ptr, TIMES: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + tl.program_id(0) * BLOCK + offs)
+    acc = 0.0
+    for k in tl.static_range(TIMES):
+        acc += tl.sum(x * (k + 1.0), axis=0)  # tl.sum: a helper of triton.language.standard, which sees tl.core
+    tl.store(out_ptr + tl.program_id(0), acc)
+
+
+@triton.jit
 def _failing_helper(x):
     tl.static_assert(False, "planted")
     return x
@@ -66,6 +76,30 @@ def test_helper_calls_skip_the_repatching_and_the_result_is_the_same_bit_for_bit
         want = want * (k + 1.5)
     assert torch.equal(fast.view(torch.int32), plain.view(torch.int32))
     assert torch.allclose(fast.double(), want, rtol=1e-6)
+
+
+def test_standard_helpers_patch_tl_core_once_and_the_result_is_the_same_bit_for_bit():
+    """``tl.sum`` sees ``tl.core``, which the launch does not patch: its first call patches
+    it for good (upstream never restores a helper's patching); the later calls skip."""
+    x = torch.randn(3 * 16, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        out = torch.empty(3)
+        _sum_kernel[(3,)](x, out, TIMES=5, BLOCK=16)
+        return out
+
+    run()  # tl.core patched for good from here on
+    before = interpreter_calls.nested_calls_skipped()
+    fast = run()
+    assert interpreter_calls.nested_calls_skipped() - before >= 3 * 5  # every tl.sum of every program
+    interpreter_calls.uninstall()
+    try:
+        plain = run()
+    finally:
+        assert interpreter_calls.install()
+    assert torch.equal(fast.view(torch.int32), plain.view(torch.int32))
+    want = x.double().view(3, 16).sum(1) * sum(k + 1.0 for k in range(5))
+    assert torch.allclose(fast.double(), want, rtol=1e-5)
 
 
 def test_the_launch_still_restores_triton_language_after_it():

@@ -13,7 +13,10 @@ for the standard batch spent a seventh of its time re-patching what was already 
 
 :func:`install` wraps ``_patch_lang`` so that a helper's call inside a running launch
 skips the patching when every ``triton.language`` module the helper sees (``tl``,
-``tl.core``) is already patched by that launch; anything else goes to the original, and
+``tl.core``) is already patched: by that launch, or by an earlier helper's call, whose
+patching upstream never undoes (``tl.core`` for ``tl.sum``, ``tl.max`` and the other
+helpers of ``triton.language.standard``: before this, each of their calls scanned the
+module again, a fifth of a small decode's time). Anything else goes to the original, and
 the launch's own patching and restoring are unchanged. Only speed changes: the functions
 a helper calls are the very ones the launch installed. ``pagedkv_kernels`` installs it at import
 on the interpreter backend; :func:`uninstall` puts the original back.
@@ -31,7 +34,9 @@ from pagedkv_lib import runtime
 
 __all__ = ["install", "uninstall", "installed", "nested_calls_skipped"]
 
-_state = {"original": None, "active": [], "skipped": 0}
+# active: the modules each running launch patched (a stack); kept: the modules a helper's
+# call patched for good (upstream never restores a helper's patching, so they stay patched)
+_state = {"original": None, "active": [], "kept": frozenset(), "skipped": 0}
 _LANGS: dict = {}  # function -> the ids of the triton.language modules its globals hold
 
 
@@ -63,14 +68,18 @@ def _lang_modules(fn) -> frozenset[int]:
 
 
 def _patch_lang_once(fn):
-    """``_patch_lang(fn)``, skipped for a call inside a launch that already patched every
-    ``triton.language`` module ``fn`` sees."""
+    """``_patch_lang(fn)``, skipped for a call inside a launch when every
+    ``triton.language`` module ``fn`` sees is patched already: by that launch, or for good
+    by an earlier helper's call (``triton.language.standard``'s helpers, ``tl.sum`` and
+    ``tl.max`` among them, see ``tl.core``, which upstream patches on their first call and
+    never restores)."""
     langs, active = _lang_modules(fn), _state["active"]
-    if active and langs <= active[-1]:
+    if active and langs <= active[-1] | _state["kept"]:
         _state["skipped"] += 1
         return _Nothing()
     scope = _state["original"](fn)
     if active:  # a helper seeing another module: patched as upstream does, never restored
+        _state["kept"] |= langs
         return scope
     active.append(langs)
     return _Restore(scope)
