@@ -93,15 +93,28 @@ def test_no_tooling_comments_in_learners_cells(name):
         assert marker not in text, f"{name}: '{marker}' in a learner's cell; use a cell tag or restructure"
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if _needs_triton(n)])
-def test_kernel_notebooks_stop_with_a_sentence_without_triton(name):
-    """A notebook that imports ``pagedkv_kernels`` calls ``setup(kernels=True)`` in its first
-    cell, before any such import; without Triton that call raises ``TritonMissing``
-    (shown without traceback) and nothing after it runs."""
-    cells = _code(name)
-    first = cells[0]
-    assert "setup(kernels=True" in first, f"{name}: the first cell must call setup(kernels=True)"
-    assert "pagedkv_kernels" not in first, f"{name}: the first cell imports the kernels before the set-up"
+def _first_cells_of_kernel_notebooks() -> dict[str, list[str]]:
+    """Each distinct first cell of the notebooks that import ``pagedkv_kernels``, with the
+    notebooks that open with it (they differ only in the set-up call's arguments)."""
+    cells: dict[str, list[str]] = {}
+    for name in NAMES:
+        if _needs_triton(name):
+            cells.setdefault(_code(name)[0], []).append(name)
+    return cells
+
+
+def test_kernel_notebooks_set_up_with_kernels_before_importing_them():
+    """A notebook that imports ``pagedkv_kernels`` calls ``setup(kernels=True)`` in its
+    first cell, and imports no kernel there (the set-up checks Triton first)."""
+    for first, names in _first_cells_of_kernel_notebooks().items():
+        assert "setup(kernels=True" in first, f"{names}: the first cell must call setup(kernels=True)"
+        assert "pagedkv_kernels" not in first, f"{names}: the first cell imports the kernels before the set-up"
+
+
+@pytest.mark.parametrize("first", list(_first_cells_of_kernel_notebooks()), ids=lambda f: f.splitlines()[-1])
+def test_kernel_notebooks_stop_with_a_sentence_without_triton(first):
+    """Without Triton, a kernel notebook's first cell raises ``TritonMissing`` (shown
+    without traceback) and nothing after it runs: once per distinct first cell."""
     code = f"import sys\nsys.modules['triton'] = None\n{first}"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "notebooks")
     assert result.returncode != 0, "the first cell ran on without Triton"
