@@ -33,7 +33,10 @@ from pagedkv_lab.exercises.result import CheckResult
 from pagedkv_lab.grading import sandbox
 from pagedkv_lab.grading.remote import LearnerProcess
 
-__all__ = ["GradeInSandbox", "check_outputs", "sandboxed_preprocessors"]
+__all__ = ["GradeInSandbox", "check_outputs", "sandboxed_preprocessors", "KERNEL_PRELOAD"]
+
+# What a kernel exercise's set-up cell imports beyond the suite (the backend is chosen first).
+KERNEL_PRELOAD = ("pagedkv_lab.poisoning", "triton", "triton.language", "pagedkv_kernels.interpreter")
 
 
 def _stream(text: str, name: str = "stdout") -> NotebookNode:
@@ -96,7 +99,8 @@ class GradeInSandbox(NbGraderPreprocessor):
         checks = [c for c in code if c.metadata.get("nbgrader", {}).get("grade_id") == check_id]
         learner = [c for c in code if c not in checks]
         start = time.perf_counter()
-        with LearnerProcess(self.timeout, isolation) as process:
+        preload = KERNEL_PRELOAD if exercise.runs_kernels else ()
+        with LearnerProcess(self.timeout, isolation, preload) as process:
             cells = [(f"cell_{i:02d}", c.source) for i, c in enumerate(code, 1) if c in learner]
             for cell, run in zip(learner, process.run_cells(cells)):
                 cell.outputs = _cell_outputs(run)

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from pagedkv_lab.grading import sandbox
 from pagedkv_lab.grading.autograde import sandboxed_preprocessors
 from pagedkv_lab.grading.feedback import feedback_preprocessors
 
-__all__ = ["COURSE_ID", "grading_config", "nbgrader_api", "Graded", "grade_class"]
+__all__ = ["COURSE_ID", "grading_config", "nbgrader_api", "quiet_gradebook", "Graded", "grade_class"]
 
 COURSE_ID = "pagedkv"
 
@@ -55,6 +56,15 @@ def nbgrader_api(config: Config) -> NbGraderAPI:
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
+
+
+@contextmanager
+def quiet_gradebook():
+    """Without nbgrader's gradebook warning of a SQLAlchemy 2 session detail
+    (:data:`~pagedkv_lab.exercises.nbgrader_course.GRADEBOOK_WARNING`), nothing to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=GRADEBOOK_WARNING, module="nbgrader")
+        yield
 
 
 @dataclass
@@ -112,8 +122,7 @@ def grade_class(
     done = []
     for learner in learners or _learners(course, assignment):
         start = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=GRADEBOOK_WARNING, module="nbgrader")
+        with quiet_gradebook():
             reply = api.autograde(assignment, learner, force=True, create=True)
         seconds = time.perf_counter() - start
         score, max_score, message = None, 0.0, ""

@@ -28,7 +28,7 @@ import traceback
 
 from pagedkv_lab.grading.wire import HEAD, pack, unpack
 
-__all__ = ["main"]
+__all__ = ["main", "serve"]
 
 _BUILTIN_EXCEPTIONS = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
 
@@ -51,16 +51,16 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class _Output:
-    """The learner's stdout and stderr, both at file-descriptor level, into the file the
-    checker opened for them (``$PAGEDKV_OUTPUT_FD``): what a cell printed survives its
-    process. Offsets into it say which cell printed what."""
+    """The learner's stdout and stderr, both at file-descriptor level, into ``fd``, a
+    file the checker opened for them: what a cell printed survives its process. Offsets
+    into it say which cell printed what."""
 
-    def __init__(self) -> None:
-        fd = int(os.environ.pop("PAGEDKV_OUTPUT_FD"))
+    def __init__(self, fd: int) -> None:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-        os.close(fd)
+        if fd > 2:
+            os.close(fd)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
 
@@ -146,9 +146,19 @@ def _call(request: dict, namespace: dict, output: _Output) -> dict:
     return reply
 
 
-def main() -> None:
-    requests, answers = os.dup(0), os.dup(1)  # the checker's pipes, before fds 0-2 become the learner's
-    output = _Output()
+def _answer(fd: int, reply: dict) -> None:
+    try:
+        frame = pack(reply)
+    except Exception as err:  # a value the wire cannot carry: say so rather than fall silent
+        frame = pack({"error": {"type": "TypeError", "message": f"the reply could not be sent: {err}"}})
+    _write_all(fd, frame)
+
+
+def serve(requests: int, answers: int, output: int) -> None:
+    """Answer the checker's requests from the pipe ``requests`` on the pipe ``answers``
+    until it says goodbye or closes; the learner's stdout and stderr go to ``output``.
+    Never returns: the process ends here."""
+    out = _Output(output)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past its limit fails the write instead
     import torch
 
@@ -163,10 +173,16 @@ def main() -> None:
         if request["op"] == "bye":
             break
         if request["op"] == "cells":
-            _run_cells(request["cells"], namespace, output, lambda reply: _write_all(answers, pack(reply)))
+            _run_cells(request["cells"], namespace, out, lambda reply: _answer(answers, reply))
         else:
-            _write_all(answers, pack(_call(request, namespace, output)))
+            _answer(answers, _call(request, namespace, out))
     os._exit(0)
+
+
+def main() -> None:
+    """A learner process started on its own (``python -m pagedkv_lab.grading.learner``):
+    the checker's pipes are stdin and stdout, the output file ``$PAGEDKV_OUTPUT_FD``."""
+    serve(os.dup(0), os.dup(1), int(os.environ.pop("PAGEDKV_OUTPUT_FD")))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
@@ -32,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv_lab.grading import sandbox
+from pagedkv_lab.grading.launch import SANDBOX_FAILED, launch
 from pagedkv_lab.grading.wire import HEAD, MAX_FRAME_BYTES, OBJECT_CLASSES, WireError, pack, unpack
 
 OUTPUT_LIMIT = 20_000  # characters of a cell's output kept for the feedback
@@ -208,29 +207,18 @@ class RemoteFunction:
 class LearnerProcess:
     """A learner's notebook running in the sandbox, for ``timeout_s`` seconds at most in
     all (its cells, then every call). Use as a context manager; :meth:`run_cells` first,
-    then :meth:`function`."""
+    then :meth:`function`. ``preload``: modules to import before the learner's process
+    starts (once per grading process, see :mod:`.zygote`)."""
 
-    def __init__(self, timeout_s: float, isolation: sandbox.Isolation | None = None) -> None:
+    def __init__(self, timeout_s: float, isolation: sandbox.Isolation | None = None, preload: tuple = ()) -> None:
         self.isolation = isolation or sandbox.probe()
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
         self._ended: LearnerProcessEnded | None = None
         self._printed_to = 0
-        self._root = tempfile.mkdtemp(prefix="pagedkv-grading-")
-        self._stderr = tempfile.TemporaryFile()
         self._output = tempfile.TemporaryFile()  # the learner's stdout and stderr: it outlives the learner
-        fd = self._output.fileno()
-        argv = [sys.executable, "-P", "-m", "pagedkv_lab.grading.learner"]
-        self._proc = subprocess.Popen(
-            sandbox.command(self.isolation.level, self._root, argv, timeout_s + 5, {"PAGEDKV_OUTPUT_FD": str(fd)}),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=sandbox.init_env(),
-            start_new_session=True,
-            pass_fds=(fd,),
-        )
-        self._in, self._out = self._proc.stdout.fileno(), self._proc.stdin.fileno()
+        self._launched = launch(self.isolation, timeout_s + 5, self._output.fileno(), preload)
+        self.deadline = time.monotonic() + timeout_s  # from now: a zygote's first start is not the learner's time
+        self._in, self._out = self._launched.answers_fd, self._launched.requests_fd
         os.set_blocking(self._out, False)
         self.where = "starting"  # what the learner process is doing, for messages
 
@@ -261,9 +249,10 @@ class LearnerProcess:
             if ready:
                 try:
                     view = view[os.write(self._out, view) :]
-                except (BrokenPipeError, BlockingIOError):
-                    if self._proc.poll() is not None:
-                        raise self.ended(self._how_it_ended()) from None
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:
+                    raise self.ended(self._how_it_ended()) from None
 
     def _receive(self, n: int) -> bytes:
         chunks, left = [], n
@@ -274,7 +263,6 @@ class LearnerProcess:
             if ready:
                 chunk = os.read(self._in, min(left, 1 << 20))
                 if not chunk:
-                    self._proc.wait()
                     raise self.ended(self._how_it_ended())
                 chunks.append(chunk)
                 left -= len(chunk)
@@ -297,14 +285,12 @@ class LearnerProcess:
             raise self.ended(f"answered something that is not a reply ({err})") from None
 
     def _how_it_ended(self) -> str:
-        code = self._proc.wait()
-        self._stderr.seek(0)
-        said = self._stderr.read().decode(errors="replace").strip().splitlines()
-        if code == 125 and said:  # the sandbox could not be built: the grader's problem, not the learner's
-            raise RuntimeError(f"the learner's sandbox could not start: {said[-1]}")
-        if code < 0 or 128 < code < 128 + 65:  # unshare passes the signal on; the first process adds 128
-            return f"was killed by {signal.Signals(-code if code < 0 else code - 128).name}"
-        return "ended" if code in (0, 1) else f"ended with status {code}"
+        code = self._launched.exit_code(5)
+        if code == SANDBOX_FAILED:  # the grader's problem, not the learner's
+            raise RuntimeError(f"the learner's sandbox failed: {self._launched.problem()}")
+        if code is not None and 128 < code < 128 + 65:
+            return f"was killed by {signal.Signals(code - 128).name}"
+        return "ended" if code in (0, 1, None) else f"ended with status {code}"
 
     # ---------------------------------------------------------------- what the checker uses
 
@@ -350,38 +336,24 @@ class LearnerProcess:
     # ---------------------------------------------------------------- the end
 
     def kill(self) -> None:
-        """End the learner process and every process it started (at ``full`` and
-        ``namespaces`` ending ``unshare`` ends its PID namespace)."""
-        if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self._proc.wait()
+        """End the learner process and every process it started."""
+        self._launched.kill()
 
     def close(self) -> None:
-        if self._ended is None and self._proc.poll() is None:
+        if self._ended is None:
             try:
                 self._send(pack({"op": "bye"}))
-                self._proc.wait(timeout=2)
-            except (LearnerProcessEnded, subprocess.TimeoutExpired):
+                self._launched.exit_code(2)
+            except LearnerProcessEnded:
                 pass
-        self.kill()
-        for stream in (self._proc.stdin, self._proc.stdout, self._stderr, self._output):
-            stream.close()
-        _remove_tree(self._root)
+        self._launched.close()
+        self._output.close()
 
     def __enter__(self) -> LearnerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _remove_tree(root: str) -> None:
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)  # empty at full and namespaces (the tmpfs was the learner's)
 
 
 _TIMEOUT_HINT = (

@@ -29,21 +29,19 @@ pagedkv_lab.grading.sandbox SPEC``), before any learner code: standard library o
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import glob
 import importlib.util
 import json
 import os
-import resource
 import shutil
-import signal
 import site
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
+
+from pagedkv_lab.grading.sandbox_root import HOME, LIMITS
 
 __all__ = ["Isolation", "probe", "command", "init_env", "LEARNER_UID", "LIMITS", "SUITE_PACKAGES", "HOME"]
 
@@ -51,20 +49,9 @@ LEVELS = ("full", "namespaces", "none")
 # A user id of its own (no passwd entry needed): not `nobody`, whose process count other
 # daemons share, and below 65536, which a container's user namespace maps.
 LEARNER_UID = int(os.environ.get("PAGEDKV_GRADER_UID", "65533"))
-HOME = "/home/learner"
 SUITE_PACKAGES = ("pagedkv_lib", "pagedkv_kernels", "pagedkv_lab", "pagedkv_engine")
 # Instructor-only modules of the suite: they hold lines of the solutions (planted mistakes).
 HIDDEN_MODULES = ("pagedkv_lab/exercises/mistakes", "pagedkv_lab/exercises/instructor_notes")
-# Per learner process: processes (threads count), open files, a file's size (bytes),
-# address space (bytes: torch and Triton's interpreter map about 3 GiB), core dumps.
-LIMITS = {
-    "RLIMIT_NPROC": 64,
-    "RLIMIT_NOFILE": 256,
-    "RLIMIT_FSIZE": 64 << 20,
-    "RLIMIT_AS": 16 << 30,
-    "RLIMIT_CORE": 0,
-}
-TMPFS_SIZE = "256m"  # each of the learner's home and /tmp
 _ETC = ("passwd", "group", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "mime.types")
 _NAMESPACES = ("--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
 
@@ -89,16 +76,26 @@ def _unshare() -> str | None:
     return shutil.which("unshare") if sys.platform == "linux" else None
 
 
-def command(level: str, root: str, argv: list[str], deadline_s: float, env: dict | None = None) -> list[str]:
-    """The command that runs ``argv`` (a Python command line, ``sys.executable`` first)
-    at ``level``, in the folder ``root`` (an empty folder the caller made and removes:
-    at ``full`` and ``namespaces`` a tmpfs is mounted on it in the learner's own mount
-    namespace, so nothing lands in it; at ``none`` it is the learner's home), with
-    :func:`learner_env` and ``env``. Every process of the learner ends by ``deadline_s``
-    seconds. File descriptors the caller passes stay open in the learner's process."""
+def command(
+    level: str,
+    root: str,
+    argv: list[str] | None = None,
+    deadline_s: float = 0,
+    env: dict | None = None,
+    control_fd: int | None = None,
+) -> list[str]:
+    """The command that starts a sandbox of ``level`` in the folder ``root`` (an empty
+    folder the caller made and removes: at ``full`` and ``namespaces`` a tmpfs is
+    mounted on it in the sandbox's own mount namespace, so nothing lands in it; at
+    ``none`` it is the learner's home). With ``argv`` (a Python command line,
+    ``sys.executable`` first) it runs that, with :func:`learner_env` and ``env``, and
+    ends every process it started by ``deadline_s`` seconds; with ``control_fd`` (a
+    socket the caller passes) it is a zygote (:mod:`.zygote`). File descriptors the
+    caller passes stay open in the learner's process."""
     spec = json.dumps(
         {
             "level": level,
+            "mode": "zygote" if control_fd is not None else "exec",
             "root": root,
             "argv": argv,
             "env": learner_env(level, root) | (env or {}),
@@ -106,9 +103,10 @@ def command(level: str, root: str, argv: list[str], deadline_s: float, env: dict
             "hide": _hidden() if level != "none" else [],
             "deadline_s": deadline_s,
             "uid": LEARNER_UID,
+            "control_fd": control_fd,
         }
     )
-    init = [sys.executable, "-m", "pagedkv_lab.grading.sandbox", spec]
+    init = [sys.executable, "-m", "pagedkv_lab.grading.sandbox_root", spec]
     if level == "full":
         return [_unshare(), *_NAMESPACES, *init]
     if level == "namespaces":
@@ -248,144 +246,3 @@ def _try(level: str) -> str:
         shutil.rmtree(root, ignore_errors=True)
     lines = run.stderr.decode(errors="replace").strip().splitlines()
     return "" if run.returncode == 0 else (lines[-1] if lines else f"exit status {run.returncode}")
-
-
-# --------------------------------------------------------------------------- the first process
-
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC = 32, 4096, 16384
-_ST_TO_MS = {os.ST_NOSUID: _MS_NOSUID, os.ST_NODEV: _MS_NODEV, os.ST_NOEXEC: _MS_NOEXEC}
-_ST_TO_MS |= {getattr(os, n): v for n, v in (("ST_NOATIME", 1024), ("ST_NODIRATIME", 2048), ("ST_RELATIME", 1 << 21))}
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = [None if s is None else s.encode() for s in (source, target, fstype, data)]
-    if _libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {source or fstype} on {target}: {os.strerror(err)}")
-
-
-def _bind_read_only(source: str, target: str, device: bool = False) -> None:
-    _mount(source, target, None, _MS_BIND | _MS_REC)
-    kept = sum(ms for st, ms in _ST_TO_MS.items() if os.statvfs(target).f_flag & st)  # locked in a user namespace
-    _mount(None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | (0 if device else _MS_NODEV) | kept)
-
-
-def _place(root: str, path: str) -> str:
-    """Create ``path``'s mount point (or symbolic link) inside ``root``; returns it."""
-    target = root + path
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    if os.path.islink(path):
-        os.symlink(os.readlink(path), target)
-    elif os.path.isdir(path):
-        os.makedirs(target, exist_ok=True)
-    elif not os.path.exists(target):
-        open(target, "w").close()
-    return target
-
-
-def _build_root(spec: dict) -> None:
-    root = spec["root"]
-    _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=4m")
-    for path in spec["binds"]:
-        target = _place(root, path)
-        if not os.path.islink(path):
-            _bind_read_only(path, target, device=path.startswith("/dev/"))
-    for path in spec["hide"]:
-        _mount("/dev/null", root + path, None, _MS_BIND)
-    os.makedirs(root + "/dev/shm")
-    for name in ("null", "zero", "full", "random", "urandom"):
-        _bind_read_only(f"/dev/{name}", _place(root, f"/dev/{name}"), device=True)
-    for name, to in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
-        os.symlink(to, f"{root}/dev/{name}")
-    os.symlink("/proc/self/fd/2", f"{root}/dev/stderr")
-    os.makedirs(root + "/proc")
-    _mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    owner = spec["uid"] if spec["level"] == "full" else 0
-    for path, mode in (("/tmp", "1777"), (HOME, "0700"), ("/dev/shm", "1777")):
-        os.makedirs(root + path, exist_ok=True)
-        _mount("tmpfs", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={TMPFS_SIZE}")
-        os.chown(root + path, owner, owner)
-    _mount(None, root, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "mode=0755,size=4m")
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-
-def _drop_capabilities() -> None:
-    """No capability now or after exec: bounding set emptied, ambient cleared, root's
-    exec-time capabilities switched off and locked (securebits), the sets cleared."""
-    last = int(open("/proc/sys/kernel/cap_last_cap").read())
-    for cap in range(last + 1):
-        _libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-    _libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
-    _libc.prctl(28, 0x2F, 0, 0, 0)  # PR_SET_SECUREBITS: NOROOT, NO_SETUID_FIXUP, KEEP_CAPS locked
-    if _libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()) != 0:
-        raise OSError(ctypes.get_errno(), "capset")
-
-
-def _limit(spec: dict) -> None:
-    for name, value in LIMITS.items():
-        if name == "RLIMIT_NPROC" and spec["level"] == "none":
-            continue  # it would count every process of the grader's user
-        resource.setrlimit(getattr(resource, name), (value, value))
-    cpu = int(spec["deadline_s"]) + 5
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-
-
-def _become_learner(spec: dict) -> None:
-    if spec["level"] == "full":
-        os.setgroups([])
-        os.setresgid(spec["uid"], spec["uid"], spec["uid"])
-        os.setresuid(spec["uid"], spec["uid"], spec["uid"])
-    elif spec["level"] == "namespaces":
-        _drop_capabilities()
-    _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no set-user-id program gives rights back
-
-
-def _init(spec: dict) -> int:
-    """Build the root, start the learner's process in it and wait for it (the first
-    process of the PID namespace: when it returns, the kernel ends every other one)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if spec["level"] != "none":
-        _build_root(spec)
-        os.chroot(spec["root"])
-    os.chdir(HOME if spec["level"] != "none" else spec["root"])
-    child = os.fork()
-    if child == 0:
-        try:
-            _limit(spec)
-            _become_learner(spec)
-            os.execve(spec["argv"][0], spec["argv"], spec["env"])
-        finally:
-            os._exit(127)
-    if spec["level"] == "full":
-        _become_learner(spec)
-    deadline = time.monotonic() + spec["deadline_s"]
-    while time.monotonic() < deadline:
-        pid, status = os.waitpid(-1, os.WNOHANG)  # reaps orphans too
-        if pid == child:
-            code = os.waitstatus_to_exitcode(status)
-            return code if code >= 0 else 128 - code  # killed by a signal: 128 + its number, as a shell says
-        if pid == 0:
-            time.sleep(0.05)
-    if spec["level"] == "none":
-        os.killpg(0, signal.SIGKILL)
-    return 124
-
-
-if __name__ == "__main__":
-    _spec = json.loads(sys.argv[1])
-    try:
-        code = _init(_spec)
-    except OSError as err:
-        print(f"pagedkv sandbox: {err}", file=sys.stderr)
-        code = 125
-    sys.stdout.flush()
-    os._exit(code)
