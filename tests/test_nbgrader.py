@@ -12,10 +12,11 @@ with one submission whose answer cells are the stubs plus a cell of their own:
 * rex reads the solutions: the instructor's ``source/`` notebook (relative, as nbgrader's
   working folder would reach it, and absolute), ``exercises/solutions/01_kv_bytes.py``
   through the library's own path (``files.default_dir``, ``load_solution``) and directly,
-  the instructor notes, the planted mistakes, the gradebook, another learner's notebook;
-  he would ``exec`` whatever solution he found;
+  the instructor notes, the planted mistakes, the gradebook, another learner's notebook,
+  and a server on the grader's loopback that hands out the solution; he would ``exec``
+  whatever solution he found;
 * wes writes ``nbgrader_config.py`` (as the issue did, relative and absolute), the source
-  notebook, the gradebook and the suite's own code;
+  notebook, the gradebook and the suite's own code, and tries to leave the root (chroot);
 * kim kills: ``os.kill`` of her parent, of process 1, of every process (-1), then of her
   own process group;
 * hal hangs inside his function (graded by nbgrader's own command line, which runs the
@@ -40,8 +41,10 @@ import html
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -134,6 +137,13 @@ for what, path in targets.items():
     except OSError as err:
         print(what, "refused:", type(err).__name__)
 print("planted mistakes: READ", len(Path("{mistakes}").read_text()))
+import socket
+try:  # the grader's machine serves the solution on its loopback
+    with socket.create_connection(("127.0.0.1", {port}), timeout=5) as served:
+        stolen = served.recv(1 << 16).decode()
+        print("network READ", len(stolen))
+except OSError as err:
+    print("network refused:", type(err).__name__)
 try:
     space = load_solution(get("01"))
     bytes_per_token, fragmentation = space["bytes_per_token"], space["fragmentation"]
@@ -159,6 +169,12 @@ for what, path in targets.items():
         print(what, "WRITTEN")
     except OSError as err:
         print(what, "refused:", type(err).__name__)
+import os
+try:  # out of the sandbox's root, as root could
+    os.chroot("/tmp")
+    print("chroot WRITTEN")
+except OSError as err:
+    print("chroot refused:", type(err).__name__)
 """
 
 KILL = """
@@ -180,7 +196,7 @@ import time
 
 children = 0
 try:
-    while children < 10000:
+    while children < 200:
         if os.fork() == 0:
             time.sleep(600)
             os._exit(0)
@@ -252,6 +268,15 @@ def _submit(course: Path, source: Path, learner: str, sub: Submission, paths: di
     (folder / "submission_secret.txt").write_text(hashlib.sha256(learner.encode()).hexdigest())
 
 
+def _serve_solution(server: socket.socket) -> None:
+    solution = (default_dir() / "solutions" / f"{ASSIGNMENT}.py").read_bytes()
+    with server:
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(solution)
+
+
 def _nbgrader_cli(course: Path, *args: str) -> subprocess.CompletedProcess:
     """nbgrader's own command line, in the course (it runs the course's nbgrader_config.py)."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -276,6 +301,9 @@ def graded(tmp_path_factory):
         "mistakes": Path(pagedkv_lab.__file__).parent / "exercises" / "mistakes.py",
         "suite": Path(pagedkv_lab.__file__).parent,
     }
+    server = socket.create_server(("127.0.0.1", 0))  # serves the solution to whoever connects
+    paths["port"] = server.getsockname()[1]
+    threading.Thread(target=_serve_solution, args=(server,), daemon=True).start()
     for learner, sub in CLASS.items():
         _submit(course, source, learner, sub, paths)
     before = {"config": (course / "nbgrader_config.py").read_bytes(), "source": _tree_digest(course / "source")}
@@ -384,6 +412,7 @@ def test_no_solution_and_nothing_of_the_course_can_be_read(graded):
         "load_solution",
     ):
         assert re.search(rf"^{what} refused: (FileNotFoundError|PermissionError)$", printed, re.M), (what, printed)
+    assert re.search(r"^network refused: OSError$", printed, re.M), printed  # no interface: unreachable
     assert "planted mistakes: READ 0" in printed, printed  # the module is there, empty
     assert graded["scores"]["rex"] == 0.0
 
@@ -391,7 +420,7 @@ def test_no_solution_and_nothing_of_the_course_can_be_read(graded):
 @needs_isolation
 def test_a_submission_cannot_change_the_config_the_source_or_the_suite(graded):
     printed = _my_cell(graded, "wes")
-    for what in ("config, relative", "config", "source notebook", "gradebook", "the suite"):
+    for what in ("config, relative", "config", "source notebook", "gradebook", "the suite", "chroot"):
         assert re.search(rf"^{what} refused: \w+Error$", printed, re.M), (what, printed)
     assert graded["after"] == graded["before"]
 

@@ -24,7 +24,6 @@ from pathlib import Path
 from pagedkv_lab.exercises import check
 from pagedkv_lab.exercises.catalog import EXERCISES, get
 from pagedkv_lab.exercises.files import build_notebook, default_dir, load_solution, load_stub
-from pagedkv_lab.exercises.instructor_notes import write_notes
 from pagedkv_lab.exercises.nbgrader_course import write_course
 from pagedkv_lib import runtime
 
@@ -129,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         _build(folder)
         return 0
     if args.command == "notes":
+        from pagedkv_lab.exercises.instructor_notes import write_notes  # instructor-only: not in a learner's wheel
+
         print(f"wrote {write_notes(folder=folder)}")
         return 0
     if args.command == "nbgrader":
