@@ -15,7 +15,10 @@ the same run:
 
 It prints, per exercise and route, the seconds of each submission (nbgrader's whole
 ``autograde`` of one learner: copying, the gradebook, executing, saving), their mean,
-and the ratio of the means; every submission must score full marks in both routes.
+the ratio of the means, and each submission's score (a fraction of full marks): every
+one must score full marks in the sandbox. In nbgrader's kernel a check cell that writes
+to stderr scores 0 whatever it says, and exercise 08's reference solution does (a NumPy
+warning): the baseline's score is reported, not required.
 Results go to ``<out>/bench_grading.json``.
 """
 
@@ -78,7 +81,7 @@ def bench(exercise: str, learners: int, work: Path) -> dict:
         names = [f"learner{i}" for i in range(learners)]
         for name in names:
             _hand_in(course, source, name)
-        seconds = []
+        seconds, scores = [], []
         for name in names:
             start = time.perf_counter()
             with quiet_gradebook():
@@ -87,13 +90,13 @@ def bench(exercise: str, learners: int, work: Path) -> dict:
             assert reply["success"], reply.get("error")
             with Gradebook(api.coursedir.db_url, COURSE_ID) as gradebook:
                 submission = gradebook.find_submission(stem, name)
-                assert submission.score == submission.max_score, (route, name, submission.score)
+                scores.append(submission.score / submission.max_score)
         out[route] = {"seconds": [round(s, 2) for s in seconds], "mean_s": round(statistics.mean(seconds), 2)}
-        print(
-            f"{stem} {route:>8}: "
-            + ", ".join(f"{s:.1f}" for s in seconds)
-            + f" s (mean {statistics.mean(seconds):.1f} s)"
-        )
+        out[route]["scores"] = scores
+        shown = ", ".join(f"{s:.1f}" for s in seconds)
+        print(f"{stem} {route:>8}: {shown} s (mean {statistics.mean(seconds):.1f} s); scores {scores}")
+        if route == "sandbox" and scores != [1.0] * learners:
+            raise AssertionError(f"the reference solution of {stem} did not score full marks in the sandbox: {scores}")
     out["ratio_sandbox_to_nbgrader"] = round(out["sandbox"]["mean_s"] / out["nbgrader"]["mean_s"], 2)
     print(f"{stem}: sandbox / nbgrader = {out['ratio_sandbox_to_nbgrader']:.2f}")
     return out

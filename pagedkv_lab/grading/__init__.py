@@ -6,9 +6,10 @@ from what that kernel says; a learner can rebind ``check``, read the solutions, 
 ``nbgrader_config.py`` or kill the grader. Here the work is split in two processes:
 
 * the **learner process** (:mod:`.learner`) runs the learner's cells, and then only
-  answers calls of their functions; it runs inside :mod:`.sandbox` (its own namespaces,
-  a user of its own, a root filesystem holding the Python, the suite and nothing else,
-  no network, limits, a deadline);
+  answers calls of their functions; it runs inside the sandbox (:mod:`.sandbox`: its own
+  namespaces, a user of its own, a root filesystem holding the Python, the suite and
+  nothing else, no network, limits, a deadline; built by :mod:`.sandbox_root`), forked
+  from a warm Python (:mod:`.zygote`) or started on its own (:mod:`.launch`);
 * the **checker** (:mod:`.remote`), in the grader's process, runs the exercise's check
   with stand-ins for the learner's functions: each call is sent to the learner process
   as data and its result comes back as data (:mod:`.wire`, no pickle). The grade is

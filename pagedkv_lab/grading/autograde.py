@@ -96,13 +96,15 @@ class GradeInSandbox(NbGraderPreprocessor):
         exercise = get(resources["nbgrader"]["notebook"])
         check_id = f"check_{exercise.name}"
         code = [c for c in nb.cells if c.cell_type == "code"]
-        checks = [c for c in code if c.metadata.get("nbgrader", {}).get("grade_id") == check_id]
-        learner = [c for c in code if c not in checks]
+        is_check = [c.metadata.get("nbgrader", {}).get("grade_id") == check_id for c in code]
+        checks = [c for c, check in zip(code, is_check) if check]
+        # the learner's cells run in files named by their place among the code cells ("In [n]")
+        learner = [(f"cell_{n:02d}", c) for n, (c, check) in enumerate(zip(code, is_check), 1) if not check]
         start = time.perf_counter()
         preload = KERNEL_PRELOAD if exercise.runs_kernels else ()
         with LearnerProcess(self.timeout, isolation, preload) as process:
-            cells = [(f"cell_{i:02d}", c.source) for i, c in enumerate(code, 1) if c in learner]
-            for cell, run in zip(learner, process.run_cells(cells)):
+            runs = process.run_cells([(name, c.source) for name, c in learner])
+            for (_, cell), run in zip(learner, runs):
                 cell.outputs = _cell_outputs(run)
             functions = [process.function(name) for name in exercise.functions]
             if exercise.runs_kernels:

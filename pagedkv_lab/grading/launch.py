@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 
 from pagedkv_lab.grading import sandbox
 
@@ -134,7 +135,8 @@ class _Zygote:
         else:
             problem = ""
         if not answer:
-            raise RuntimeError(f"the grading sandbox's zygote ended: {problem or _last_line(self.stderr)}")
+            self.proc.poll()
+            raise RuntimeError(f"the grading sandbox's zygote ended: {_last_line(self.stderr) or problem}")
         return json.loads(answer)
 
     def alive(self) -> bool:
@@ -152,6 +154,7 @@ class _Zygote:
 
 
 _ZYGOTES: dict[str, _Zygote] = {}
+_NO_ZYGOTE: set[str] = set()  # levels whose zygote failed to start in this process
 
 
 @atexit.register
@@ -199,9 +202,15 @@ def launch(isolation: sandbox.Isolation, deadline_s: float, output_fd: int, prel
     """A learner process at ``isolation``, whose every process ends by ``deadline_s``
     seconds, its stdout and stderr going to ``output_fd``; ``preload``: modules the
     zygote imports first, once (where there is one)."""
-    if isolation.level == "none":
+    if isolation.level == "none" or isolation.level in _NO_ZYGOTE:
         return _OnItsOwn(isolation, deadline_s, output_fd)
     zygote = _ZYGOTES.get(isolation.level)
     if zygote is None or not zygote.alive():
         zygote = _ZYGOTES[isolation.level] = _Zygote(isolation)
-    return _Forked(zygote, deadline_s, output_fd, preload)
+    try:
+        return _Forked(zygote, deadline_s, output_fd, preload)
+    except RuntimeError as err:  # no zygote here: each learner then starts its own Python, as at level none
+        warnings.warn(f"{err}; each learner's process starts on its own (slower)", stacklevel=2)
+        _NO_ZYGOTE.add(isolation.level)
+        _ZYGOTES.pop(isolation.level).close()
+        return _OnItsOwn(isolation, deadline_s, output_fd)

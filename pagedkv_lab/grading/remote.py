@@ -231,7 +231,7 @@ class LearnerProcess:
             err = LearnerProcessEnded.__new__(LearnerProcessEnded)
             err.message = f"the process running your notebook {why}, while {self.where}"
             err.args = (err.message,)
-            err.learner_hint = _ENDED_HINT if "within" not in why else _TIMEOUT_HINT
+            err.learner_hint = _TIMEOUT_HINT if "within" in why else _GARBLED_HINT if "reply" in why else _ENDED_HINT
             self._ended = err
         return self._ended
 
@@ -278,7 +278,7 @@ class LearnerProcess:
     def _reply(self):
         (n,) = HEAD.unpack(self._receive(HEAD.size))
         if n > MAX_FRAME_BYTES:
-            raise self.ended(f"answered {n} bytes, more than the {MAX_FRAME_BYTES} a reply may hold")
+            raise self.ended(f"answered something that is not a reply (a frame of {n} bytes announced)")
         try:
             return unpack(self._receive(n))
         except WireError as err:
@@ -359,6 +359,10 @@ class LearnerProcess:
 _TIMEOUT_HINT = (
     "your code did not return: look for a loop that never ends (a while loop whose condition never "
     "changes, a page or slot that is never reached)."
+)
+_GARBLED_HINT = (
+    "your code wrote into the grader's channel (a file descriptor it did not open itself), or returned something "
+    "that cannot be sent back: print what you want to see, and return plain values (numbers, lists, tensors)."
 )
 _ENDED_HINT = (
     "your code ended its own process (os._exit, a signal, a crash in a kernel): the grader runs each "

@@ -23,8 +23,9 @@ grading command (:attr:`Isolation.summary`):
   course are open to it: grade in a container.
 
 ``PAGEDKV_GRADER_ISOLATION=namespaces`` (or ``none``) asks for at most that level.
-This module runs as the sandbox's first process too (``python -m
-pagedkv_lab.grading.sandbox SPEC``), before any learner code: standard library only.
+Here: the levels, the probe, the command that starts a sandbox and what it binds; the
+sandbox's first process itself is :mod:`.sandbox_root`, the learners' warm parent
+:mod:`.zygote`. Standard library only.
 """
 
 from __future__ import annotations
