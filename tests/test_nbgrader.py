@@ -436,15 +436,30 @@ def test_a_learner_who_forks_without_end_is_stopped_and_leaves_nothing_behind(gr
     found = re.search(r"fork refused after (\d+) children: BlockingIOError", printed)
     assert found and int(found.group(1)) < sandbox.LIMITS["RLIMIT_NPROC"], printed
     assert _check_message(graded, "fox").startswith("FAIL kv_bytes"), _check_message(graded, "fox")
-    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _uid(p) == sandbox.LEARNER_UID]
+    left = [pid for pid, (uid, _) in _descendants(os.getpid()).items() if uid == sandbox.LEARNER_UID]
     assert left == [], f"processes of the learners' user still running: {left}"
 
 
-def _uid(proc: Path) -> int | None:
-    try:
-        return int(re.search(r"^Uid:\s+(\d+)", (proc / "status").read_text(), re.M).group(1))
-    except (OSError, AttributeError):
-        return None
+def _descendants(root: int) -> dict[int, tuple[int, int]]:
+    """``{pid: (uid, ppid)}`` of every process below ``root`` (this test's, not another
+    session's grading on the same machine)."""
+    procs = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            status = (proc / "status").read_text()
+        except OSError:
+            continue
+        if proc.name.isdigit():
+            uid = int(re.search(r"^Uid:\s+(\d+)", status, re.M).group(1))
+            procs[int(proc.name)] = (uid, int(re.search(r"^PPid:\s+(\d+)", status, re.M).group(1)))
+    below, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, (_, ppid) in procs.items():
+            if ppid in below and pid not in below:
+                below.add(pid)
+                grew = True
+    return {pid: procs[pid] for pid in below - {root} if pid in procs}
 
 
 def test_a_hang_costs_its_budget_and_a_zero(graded):
