@@ -30,7 +30,7 @@ tests skip; ``PAGEDKV_GRADER_SANDBOX=required`` (CI) makes that a failure.
 Cost: the learners' processes are forked from one warm Python (the zygote, whose torch
 import the first learner waits for), so a learner costs about 0.5 s; creating the
 gradebook (nbgrader, 5-13 s), the first learner (3-6 s) and hal's 5 s are most of the
-module fixture (about 35 s on a busy 2-core machine). ``-m slow`` adds a run of
+module fixture (29-34 s on a busy 2-core machine, load 5-8; the file 41-48 s). ``-m slow`` adds a run of
 nbgrader's own command line (which runs the course's ``nbgrader_config.py``) and two
 kernel exercises graded in the sandbox.
 """
