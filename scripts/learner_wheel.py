@@ -35,6 +35,11 @@ from pagedkv_lab.grading.sandbox import HIDDEN_MODULES  # noqa: E402
 PACKAGES = {"pagedkv_lib": ROOT, "pagedkv_kernels": ROOT / "kernels", "pagedkv_engine": ROOT, "pagedkv_lab": ROOT}
 
 
+def _in_checkout(folder: str, name: str) -> str:
+    """The path of ``folder/name`` as a package path (``pagedkv_lab/exercises/x.py``)."""
+    return (Path(folder) / name).relative_to(ROOT).as_posix().removeprefix("kernels/")
+
+
 def stage(dest: Path) -> list[Path]:
     """Copy what the learner wheel is built from into ``dest``; returns the files copied
     (relative to ``dest``). The kernels' package sits in ``kernels/`` as in the checkout."""
@@ -46,11 +51,7 @@ def stage(dest: Path) -> list[Path]:
         shutil.copytree(
             parent / package,
             target,
-            ignore=lambda folder, names: {
-                n
-                for n in names
-                if n == "__pycache__" or (Path(folder) / n).relative_to(ROOT).as_posix().removeprefix("kernels/") in hidden
-            },
+            ignore=lambda folder, names: {n for n in names if n == "__pycache__" or _in_checkout(folder, n) in hidden},
         )
     return sorted(p.relative_to(dest) for p in dest.rglob("*") if p.is_file())
 
@@ -89,7 +90,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "dist")
     wheel = build(parser.parse_args().out)
     count = len(zipfile.ZipFile(wheel).namelist())
-    print(f"{wheel}: {wheel.stat().st_size / 1e6:.1f} MB, {count} files; no exercises/, no solutions, no planted mistakes")
+    size = wheel.stat().st_size / 1e6
+    print(f"{wheel}: {size:.1f} MB, {count} files; no exercises/, no solutions, no planted mistakes")
 
 
 if __name__ == "__main__":

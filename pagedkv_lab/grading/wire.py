@@ -36,7 +36,7 @@ __all__ = ["pack", "unpack", "WireError", "Opaque", "OBJECT_CLASSES", "MAX_FRAME
 
 HEAD = struct.Struct(">Q")  # the length of a frame's rest
 _HEADER_LEN = struct.Struct(">I")
-MAX_FRAME_BYTES = 1 << 30  # a kernel exercise's pools are kilobytes; a learner's reply is refused past 1 GiB
+MAX_FRAME_BYTES = 256 << 20  # a kernel exercise's pools are kilobytes to megabytes; a larger reply is refused
 MAX_DEPTH = 64
 
 # Objects whose state crosses as attributes: what the exercises hand a learner's function.
