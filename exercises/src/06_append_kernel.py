@@ -85,5 +85,4 @@ check("append_kernel", append)
 # %% [markdown]
 # **Stuck?** Start from notebook 06's step (a), which assumes contiguous rows; here the
 # strides are all given. A masked `tl.load` needs no `other` when its store uses the same
-# mask. Solution: `exercises/solutions/06_append_kernel.py`; the suite's production
-# kernel is `kernels/pagedkv_kernels/write.py: append_kernel`.
+# mask. The suite's production kernel is `kernels/pagedkv_kernels/write.py: append_kernel`.

@@ -73,6 +73,5 @@ check("merge_kernel", merge)
 # **Stuck?** `tl.max(x, axis=0)` and `tl.sum(x, axis=0)` reduce a tile; `tl.where(cond,
 # a, b)` picks per lane. When every `lse` is `-inf`, `M` is `-inf` too and `-inf - -inf` is
 # NaN: subtract 0 instead in that case, and divide by 1 where the weights sum to 0.
-# Solution: `exercises/solutions/07_merge_kernel.py`; the suite's is
-# `kernels/pagedkv_kernels/merge.py: merge_kernel`; FlashInfer's is `merge_states` in
-# `flashinfer/cascade.py`.
+# The suite's is `kernels/pagedkv_kernels/merge.py: merge_kernel`; FlashInfer's is
+# `merge_states` in `flashinfer/cascade.py`.

@@ -98,5 +98,5 @@ check("decode_kernel", decode)
 # **Stuck?** Build it in the order of notebook 07: first a sequence that fits one tile,
 # then the block-table lookup, then the masks, then the rescale by `alpha` across tiles.
 # The checker's picture shows the rows the failing sequence must read, numbered by tile.
-# Solution: `exercises/solutions/08_decode_kernel.py`; the suite's production kernel is
-# `kernels/pagedkv_kernels/decode.py: decode_split_kernel` (it adds GQA groups per program and split-KV).
+# The suite's production kernel is `kernels/pagedkv_kernels/decode.py: decode_split_kernel`
+# (it adds GQA groups per program and split-KV).

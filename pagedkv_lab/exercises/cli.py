@@ -6,6 +6,8 @@
 * ``list``: the exercises in order;
 * ``build``: rebuild ``exercises/NN_name.ipynb`` from ``exercises/src`` (developers);
 * ``nbgrader OUT``: write an nbgrader course directory (:mod:`.nbgrader_course`);
+* ``grade COURSE ASSIGNMENT``: autograde a class, each learner's notebook in a sandboxed
+  process of its own (:mod:`pagedkv_lab.grading.class_grading`, ``docs/grading.md``);
 * ``notes``: rewrite ``exercises/INSTRUCTOR.md`` (:mod:`.instructor_notes`), measuring
   each check's time.
 """
@@ -22,7 +24,6 @@ from pathlib import Path
 from pagedkv_lab.exercises import check
 from pagedkv_lab.exercises.catalog import EXERCISES, get
 from pagedkv_lab.exercises.files import build_notebook, default_dir, load_solution, load_stub
-from pagedkv_lab.exercises.instructor_notes import write_notes
 from pagedkv_lab.exercises.nbgrader_course import write_course
 from pagedkv_lib import runtime
 
@@ -70,6 +71,19 @@ def _build(folder: Path) -> None:
         print(f"built {target}")
 
 
+def _grade(parser: argparse.ArgumentParser, args) -> int:
+    from pagedkv_lab.grading.class_grading import grade_class
+
+    try:
+        graded = grade_class(args.course, args.assignment, args.learners, args.timeout)
+    except ValueError as err:
+        parser.error(str(err))
+    failed = [g.learner for g in graded if g.score is None]
+    print(f"graded {len(graded) - len(failed)} of {len(graded)} learner(s)", end="")
+    print(f"; NOT graded: {', '.join(failed)}" if failed else "")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pagedkv_lab.exercises",
@@ -95,7 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("names", nargs="*", help="exercise names or numbers (default: all)")
     p_grade.add_argument("--points", type=int, default=1, help="points of each exercise's check (default: 1)")
     sub.add_parser("notes", help="rewrite exercises/INSTRUCTOR.md from planted mistakes, timing each check")
+    p_class = sub.add_parser("grade", help="autograde a class, each learner sandboxed (docs/grading.md)")
+    p_class.add_argument("course", type=Path, help="the course directory (after nbgrader generate_assignment)")
+    p_class.add_argument("assignment", help="the assignment, e.g. 03_cow_append")
+    p_class.add_argument("--learner", action="append", dest="learners", help="only this learner (repeatable)")
+    p_class.add_argument("--timeout", type=float, default=600, help="seconds each learner may take (default: 600)")
     args = parser.parse_args(argv)
+    if args.command == "grade":
+        return _grade(parser, args)
     folder = args.dir or default_dir()
     if args.command != "list" and not (folder / "src").is_dir():
         parser.error(f"no exercises folder at {folder} (it lives in a source checkout); give it with --dir")
@@ -107,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         _build(folder)
         return 0
     if args.command == "notes":
+        from pagedkv_lab.exercises.instructor_notes import write_notes  # instructor-only: not in a learner's wheel
+
         print(f"wrote {write_notes(folder=folder)}")
         return 0
     if args.command == "nbgrader":
@@ -115,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             parser.error(str(err))
         print(f"wrote {args.out}/nbgrader_config.py and {len(written)} assignment(s) under {args.out}/source/")
-        print(f"then: cd {args.out} && nbgrader generate_assignment <stem> (release/), collect, autograde, export")
+        print(
+            f"then: cd {args.out} && nbgrader generate_assignment <stem>, release_assignment, collect; "
+            "python -m pagedkv_lab.exercises grade . <stem>; nbgrader generate_feedback, release_feedback, export"
+        )
         return 0
     try:
         names = [get(n).name for n in args.names]

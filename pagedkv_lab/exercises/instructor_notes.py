@@ -5,7 +5,7 @@ Per exercise: what it teaches, the reference solution's lines (the bodies the le
 writes, as :func:`.nbgrader_course.solution_cell` marks them), a table of common mistakes
 with the case each fails on and the checker's hint, the full message a learner sees for
 each, and the measured check time of the reference solution. Then what to say when a
-learner's kernel dies.
+learner's kernel dies, and how a class is graded.
 
 ``python -m pagedkv_lab.exercises notes`` rewrites the file (measuring the check times:
 the three kernel checks run in Triton's interpreter, seconds each);
@@ -60,9 +60,44 @@ CUDA context is lost until the kernel restarts). What to say:
    mask that lets padding (`slot = -1`) or the tail of a tile through, or an offset built
    in int32 that overflowed. Ask the learner to print `slot`, `page`, `row` with
    `tl.device_print` for one program, or to run the check with one case shape.
-3. **Grading (nbgrader)**: a submission whose kernel dies fails that learner's
-   `nbgrader autograde` run and scores 0 for the assignment; the other learners are graded
-   as usual. Regrade it by hand from the submitted notebook, or ask for a resubmission.
+3. **Grading**: each submission runs in a process of its own, so a kernel that kills it
+   costs that learner alone: the check fails on the case it was running ("the process
+   running your notebook was killed by SIGSEGV, while running the check") and scores 0;
+   the other learners are graded as usual.
+"""
+
+_GRADING = """
+## Grading a class
+
+Autograding runs the learners' code. nbgrader's own `autograde` runs every cell, the check
+cell included, in a Jupyter kernel with your rights and takes the grade from what that
+kernel prints: a learner could rebind `check`, read `source/` and the solutions, rewrite
+`nbgrader_config.py` or kill the grader. The course `python -m pagedkv_lab.exercises
+nbgrader COURSE` writes grades differently (its `nbgrader_config.py` says so, and
+`docs/grading.md` says how and at what cost):
+
+- each submission's cells run in a sandboxed process of its own (where the machine allows:
+  its own namespaces and user, no network, a root filesystem with the Python and the suite
+  and nothing else: not the course, not `exercises/`), with a time budget;
+- the check runs in the grader, on what the learner's functions return: the check cell's
+  output in the graded notebook is the checker's message, whatever the learner's code did.
+
+The loop, in `COURSE`:
+
+```text
+nbgrader generate_assignment 03_cow_append      # release/: solutions stripped, no solution file named
+nbgrader release_assignment 03_cow_append       # to the exchange (c.Exchange.root)
+nbgrader collect 03_cow_append
+python -m pagedkv_lab.exercises grade . 03_cow_append   # or: nbgrader autograde 03_cow_append
+nbgrader generate_feedback 03_cow_append        # HTML; formulas as MathML, no network needed
+nbgrader release_feedback 03_cow_append         # learners: nbgrader fetch_feedback
+nbgrader export                                 # grades.csv
+```
+
+`grade` prints what isolation this machine allows (a warning where it is less than a user
+and namespaces of its own) and one line per learner: score, seconds, the check's first line.
+Learners install the suite from a wheel without `exercises/` (`make learner-wheel`), never
+from this checkout, which holds the solutions.
 """
 
 
@@ -144,7 +179,7 @@ def render_notes(mistakes: Iterable[Mistake] = MISTAKES, folder: Path | None = N
     for e in EXERCISES.values():
         body += _section(e, folder, [m for m in mistakes if m.exercise == e.name], times[e.name])
     # a failed kernel check saves its picture in a fresh temporary folder: name none
-    return _PICTURE_FOLDER.sub("<a temporary folder>/", text + "\n".join(body) + _KERNEL_DIES)
+    return _PICTURE_FOLDER.sub("<a temporary folder>/", text + "\n".join(body) + _KERNEL_DIES + _GRADING)
 
 
 _PICTURE_FOLDER = re.compile(r"\S*pagedkv-exercises-[A-Za-z0-9_]+/")

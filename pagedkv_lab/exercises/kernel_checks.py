@@ -57,7 +57,11 @@ def save_picture(fig, name: str) -> Path:
 
 def poisoning(fn, on: bool, seen: list | None = None):
     """``fn`` (the learner's launcher) run with masked lanes poisoned (``on``) or reading 0;
-    each :class:`~pagedkv_kernels.interpreter.poison.PoisonedLoad` it poisons is added to ``seen``."""
+    each :class:`~pagedkv_kernels.interpreter.poison.PoisonedLoad` it poisons is added to ``seen``.
+    A stand-in for a function that runs in another process (the grader's
+    :class:`~pagedkv_lab.grading.remote.RemoteFunction`) is asked to poison there."""
+    if hasattr(fn, "with_poison"):
+        return fn.with_poison(on, seen)
 
     def poisoned(*args, **kwargs):
         with masked_lanes_poisoned(on) as loads:

@@ -16,7 +16,8 @@ Each source notebook is the exercise notebook with nbgrader's cell metadata (sch
 
 The exercise sources and solutions stay the one source of truth: nothing here is
 written by hand, and ``tests/test_nbgrader.py`` grades a class of generated learners.
-Writing the course needs no nbgrader; grading it does (``pip install -e '.[dev]'``).
+Writing the course needs no nbgrader; grading it does (``pip install -e '.[dev]'``), and
+grading runs no learner's code in nbgrader's kernel (:mod:`pagedkv_lab.grading`).
 """
 
 from __future__ import annotations
@@ -28,20 +29,51 @@ from pathlib import Path
 from pagedkv_lab.exercises.catalog import EXERCISES, Exercise, get
 from pagedkv_lab.exercises.files import default_dir, notebook_of, parse_percent
 
-__all__ = ["BEGIN", "END", "NBGRADER_CONFIG", "solution_cell", "course_notebook", "write_course"]
+__all__ = ["BEGIN", "END", "NBGRADER_CONFIG", "GRADEBOOK_WARNING", "solution_cell", "course_notebook", "write_course"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
-NBGRADER_CONFIG = '''\
+# nbgrader 0.9's gradebook builds a submission's rows before it adds them to its
+# SQLAlchemy 2 session, and adds them just after: SQLAlchemy warns of the first step.
+GRADEBOOK_WARNING = r"Object of type <\w+> not in session"
+
+NBGRADER_CONFIG = f'''\
 """nbgrader configuration of the pagedkv exercises (written by
-python -m pagedkv_lab.exercises nbgrader; regenerate rather than edit)."""
+python -m pagedkv_lab.exercises nbgrader; regenerate rather than edit).
+docs/grading.md says what autograding runs, where, and with what rights."""
+
+import warnings
 
 c = get_config()  # noqa: F821  (nbgrader defines it)
 c.CourseDirectory.course_id = "pagedkv"  # run nbgrader from this folder
-# A kernel exercise runs its check in Triton's interpreter on a CPU: seconds per cell,
-# a few minutes for a slow laptop; nbgrader's default of 30 s would cut it off.
-c.Execute.timeout = 600
-# The learner's kernel needs pagedkv (pip install -e '.[dev]') in the grading kernel's Python.
+# `nbgrader autograde` runs no learner's code in nbgrader's own kernel: each submission's
+# cells run in a sandboxed process of their own and its check runs here, on what the
+# learner's functions return (GradeInSandbox in place of nbgrader's Execute, which would
+# run every cell with your rights and take the grade from the learner's own kernel).
+c.Autograde.autograde_preprocessors = [
+    "pagedkv_lab.grading.autograde.GradeInSandbox",
+    "nbgrader.preprocessors.IgnorePattern",
+    "nbconvert.preprocessors.ClearMetadataPreprocessor",
+    "nbgrader.preprocessors.LimitOutput",
+    "nbgrader.preprocessors.SaveAutoGrades",
+    "nbgrader.preprocessors.AssignLatePenalties",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]
+# Seconds one learner's notebook may take in all: a kernel exercise's check runs in
+# Triton's interpreter on a CPU (about a minute for the decode kernel).
+c.GradeInSandbox.timeout = 600
+# Feedback whose formulas render offline (MathML instead of MathJax from a CDN).
+c.GenerateFeedback.preprocessors = [
+    "nbgrader.preprocessors.GetGrades",
+    "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
+    "pagedkv_lab.grading.feedback.MathAsMathML",
+]
+# release_assignment, collect, release_feedback and the learners' fetch_feedback meet in
+# the exchange folder (nbgrader's default /srv/nbgrader/exchange):
+# c.Exchange.root = "/srv/nbgrader/exchange"
+# nbgrader 0.9's gradebook adds a submission's rows to its SQLAlchemy 2 session just after
+# building them; SQLAlchemy warns of the moment between, with nothing for you to do.
+warnings.filterwarnings("ignore", message={GRADEBOOK_WARNING!r}, module="nbgrader")
 '''
 
 

@@ -54,7 +54,11 @@ def call(name: str, fn, *args, **kwargs):
 
 def where_in_learner_code(error: BaseException) -> str:
     """``file:line: code`` of the innermost frame outside the library and site-packages
-    (the learner's cell or kernel), following chained exceptions ("" if none)."""
+    (the learner's cell or kernel), following chained exceptions ("" if none). An
+    exception that came from another process (the grader's learner process) says it
+    itself, as ``learner_where``."""
+    if getattr(error, "learner_where", ""):
+        return error.learner_where
     seen, found = set(), ""
     while error is not None and id(error) not in seen:
         seen.add(id(error))
