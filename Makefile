@@ -96,12 +96,16 @@ run: setup
 
 # JupyterLab serves the checkout (notebooks/ and exercises/ both reachable) and opens the
 # learner's index; scripts/lab/overrides.json (copied into the environment's JupyterLab)
-# shows Markdown as a page, not as its source, and asks the network for no news.
+# shows Markdown as a page, not as its source, and asks the network for no news. A learner
+# gets no grading interface: scripts/lab/learner/ (a Jupyter config folder) turns nbgrader's
+# JupyterLab and server extensions off. An instructor: make lab INSTRUCTOR=1.
 LAB_OVERRIDES := $(BIN)/../share/jupyter/lab/settings/overrides.json
+INSTRUCTOR ?=
 lab: setup
 	@$(BIN)/jupyter trust notebooks/*.ipynb exercises/*.ipynb >/dev/null  # stored widget views render only in trusted notebooks
 	@mkdir -p $(dir $(LAB_OVERRIDES)) && cp scripts/lab/overrides.json $(LAB_OVERRIDES)
-	$(BIN)/jupyter lab --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root) \
+	$(if $(INSTRUCTOR),,JUPYTER_CONFIG_PATH=$(CURDIR)/scripts/lab/learner) $(BIN)/jupyter lab \
+	  --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root) \
 	  --ServerApp.root_dir=$(CURDIR) --ServerApp.default_url=/lab/tree/notebooks/README.md
 
 # Each notebook is executed once, by nbval (which keeps its executed copy); the browser test
