@@ -18,14 +18,18 @@ from pagedkv_lib import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFILL = ROOT / "kernels" / "pagedkv_kernels" / "prefill.py"
-FIXED_BF16 = """            p_big = p.to(tl.bfloat16)
-            p_small = (p - p_big.to(tl.float32)).to(tl.bfloat16)
-            acc += tl.dot(p_big, v) + tl.dot(p_small, v)"""
-# What kernels/pagedkv_kernels/prefill.py held before: the int32 key range p_lo/p_hi reused for the bf16
-# split inside the loop. The interpreter rebinds names; the compiler refuses.
-BROKEN_BF16 = """            p_hi = p.to(tl.bfloat16)
-            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-            acc += tl.dot(p_hi, v) + tl.dot(p_lo, v)"""
+PREFILL_TILE = ROOT / "kernels" / "pagedkv_kernels" / "device" / "prefill_tile.py"
+# The bf16 split of P both prefill kernels take (pagedkv_kernels.device.prefill_tile.attend_keys).
+FIXED_BF16 = """        p_big = p.to(tl.bfloat16)
+        p_small = (p - p_big.to(tl.float32)).to(tl.bfloat16)
+        acc += tl.dot(p_big, v) + tl.dot(p_small, v)"""
+# The bug this test was built for: the prefill kernel's key loop once held that split, bound
+# to p_hi/p_lo, the names of the int32 key range computed before the loop. The interpreter
+# rebinds names; the compiler refuses a loop-carried name whose type changes. The split now
+# lives in a helper with names of its own, so the test plants the same rebinding in the
+# plain kernel's loop: its int32 prologue name ``past`` bound to a bf16 tensor.
+LOOP_END = "        tile += 1\n"
+BROKEN_LOOP_END = "        past = l_i.to(tl.bfloat16)\n        tile += 1\n"
 
 PTXAS_LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_other' for 'sm_90a'
@@ -111,36 +115,37 @@ def _compile_in_child(record: dict, files: dict, arch: int) -> dict:
 
 INDEX_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "kv_indptr_ptr", "kv_indices_ptr", "kv_last_page_len_ptr")
 INDEX_POINTERS += ("qo_indptr_ptr", "tile_request_ptr", "tile_row_ptr")
-INT_ARGS = ("stride_qt", "stride_qh", "stride_kp", "stride_kn", "stride_kh", "stride_kd", "stride_kx", "stride_vp")
-INT_ARGS += ("stride_vn", "stride_vh", "stride_vd", "stride_kv", "stride_knt", "stride_knh", "stride_knd")
-INT_ARGS += ("stride_vnt", "stride_vnh", "stride_vnd", "stride_table")
+INT_ARGS = ("stride_qt", "stride_qh", "stride_page", "stride_kv", "stride_n", "stride_h", "stride_table")
 INT_ARGS += ("stride_ot", "stride_oh", "group", "head_dim", "page_size", "sink_tokens", "bubble_len")
-INT_ARGS += ("cyclic_cache_len", "window_recent", "stride_lt", "stride_lh", "stride_tree_t", "tree_words")
+INT_ARGS += ("cyclic_cache_len", "window_recent", "stride_lt", "stride_lh")
 
 
 def _bf16_prefill_record(path: Path) -> dict:
-    """A record of one bf16 tl.dot prefill launch (as launch_record writes them)."""
-    args = {name: ["t", "int32", True] for name in (*INDEX_POINTERS, "tree_ptr")}
-    args |= {name: ["t", "bfloat16", True] for name in ("q_ptr", "k_ptr", "v_ptr", "k_new_ptr", "v_new_ptr", "out_ptr")}
+    """A record of one bf16 tl.dot launch of the plain prefill kernel (as launch_record writes them)."""
+    args = {name: ["t", "int32", True] for name in INDEX_POINTERS}
+    args |= {name: ["t", "bfloat16", True] for name in ("q_ptr", "cache_ptr", "out_ptr")}
     args["lse_ptr"] = ["t", "float32", True]
     args |= {name: ["i", "i32"] for name in INT_ARGS}
-    args |= {name: ["i", "1"] for name in ("stride_qd", "stride_od")} | {"qk_scale": ["f"]}
+    args |= {name: ["i", "1"] for name in ("stride_qd", "stride_d", "stride_od")} | {"qk_scale": ["f"]}
     consts = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 64, "WINDOW": 0, "IS_CSR": False, "DOT": 3}
-    consts |= {"CAUSAL": True, "WRITE_LSE": False, "NEW_KV": False, "KEY_X": 1, "V_AFTER_K": True, "TREE": False}
+    consts |= {"CAUSAL": True, "WRITE_LSE": False}
     args |= {k: ["c", v] for k, v in consts.items()}
     return {"kernel": "prefill_kernel", "module": None, "file": str(path), "args": args, "options": {"num_warps": 4}}
 
 
-def test_bf16_prefill_compiles_for_sm90_and_the_rebound_loop_names_would_not():
-    """The bug this check was built for: compiled from kernels/pagedkv_kernels/prefill.py's text as it is,
-    the bf16 tl.dot prefill compiles for sm_90; with the bf16 split bound to the names of
-    the int32 key range, as before the fix, the compiler refuses the loop."""
+def test_bf16_prefill_compiles_for_sm90_and_a_rebound_loop_name_would_not():
+    """The bug this check was built for: compiled from kernels/pagedkv_kernels/prefill.py's
+    text as it is (its key loop taking the bf16 split of P from device/prefill_tile.py),
+    the bf16 tl.dot prefill compiles for sm_90 within budget; with a name of the int32
+    prologue rebound to a bf16 tensor inside the loop, as the split once did, the
+    compiler refuses the loop."""
+    assert FIXED_BF16 in PREFILL_TILE.read_text(), "device/prefill_tile.py changed: update this test's bf16 split"
     text = PREFILL.read_text()
-    assert FIXED_BF16 in text, "kernels/pagedkv_kernels/prefill.py changed: update this test's copy of the bf16 split"
+    assert text.count(LOOP_END) == 1 and "past = seq_len - q_len" in text, "prefill.py's key loop changed"
     fixed = _compile_in_child(_bf16_prefill_record(PREFILL), {str(PREFILL): text}, 90)
     assert fixed["error"] is None and fixed["registers"] < 255 and fixed["spill_stores"] == 0, fixed
     broken_path = PREFILL.with_name("prefill_broken_for_test.py")  # never written: its text travels in the record
     broken = _compile_in_child(
-        _bf16_prefill_record(broken_path), {str(broken_path): text.replace(FIXED_BF16, BROKEN_BF16)}, 90
+        _bf16_prefill_record(broken_path), {str(broken_path): text.replace(LOOP_END, BROKEN_LOOP_END)}, 90
     )
     assert broken["error"] and "Loop-carried variable" in broken["error"], broken

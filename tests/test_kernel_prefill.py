@@ -19,6 +19,7 @@ from pagedkv_lab import faults, verify
 from pagedkv_lab.verify.compare import DTYPES, TOLERANCES, compare
 from pagedkv_lab.verify.prefill_checks import prefill_case, prefill_grid, prefill_inputs
 from pagedkv_lib import PagedKVPool, RingWindow, formats, reference, runtime
+from pagedkv_lib.cache_layouts import kv_cache_view, to_native
 
 # isort: split
 from gpu_plans import skip_interpreted_bf16_dot
@@ -238,6 +239,47 @@ def test_keys_between_the_sinks_and_the_window_are_never_read():
     assert_within_tolerance(out, oracle(q, cache, qo, table, lens, window=window), torch.float32)
 
 
+# ----------------------------------------------------------------------------- the plain kernel and its variants
+
+
+@pytest.mark.parametrize(
+    "dtype, layout, extra, csr, causal",
+    [("bf16", "HND", {"window": (10, 3)}, False, True), ("fp32", "NHD", {"window_left": 6}, True, False)],
+    ids=["ring-padded", "linear-csr-non-causal"],
+)
+def test_on_the_pool_the_any_layout_kernel_gives_the_plain_kernels_bits(dtype, layout, extra, csr, causal):
+    """The variants layer on the plain kernel, they do not fork it: the plan of a call on
+    the suite's pool runs ``prefill_kernel``, and ``prefill_any_layout_kernel`` launched
+    on that plan (K and V through the pool's view, V after K) writes the same output and
+    log-sum-exp, bit for bit (each case: two launches of two tiles, about 0.2 s)."""
+    skip_interpreted_bf16_dot(dtype)
+    q, cache, qo, table, lens, win = case_inputs([(30, 6), (0, 0), (11, 3)], dtype=dtype, layout=layout,
+                                                 head_dim=32, page_size=5, hk=1, **extra)  # fmt: skip
+    if csr:
+        plan = kernels.plan_prefill_csr(*dev(q, cache, qo, *formats.block_table_to_csr(table, lens, 5)), layout,
+                                        causal=causal, window=win)  # fmt: skip
+    else:
+        plan = kernels.plan_prefill(*dev(q, cache, qo, table, lens), layout, window=win, causal=causal)
+    assert plan.plain, "a call on the suite's pool, with no tree and no new tokens apart, runs the plain kernel"
+    q, cache = dev(q, cache)
+    out, lse = kernels.run_prefill(plan, q, cache, return_lse=True)
+    out_any, lse_any = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    prefill.launch_any_layout(plan, q, kv_cache_view(cache, layout), None, None, out_any, lse_any, True)
+    assert torch.equal(out_any, out) and torch.equal(lse_any, lse)
+    assert lse.isfinite().all() and not out.isnan().any()
+
+
+def test_the_plan_picks_the_plain_kernel_for_the_pool_and_the_any_layout_one_otherwise():
+    q, cache, qo, table, lens, _ = case_inputs([(12, 4)], page_size=4)
+    pool = kernels.plan_prefill(*dev(q, cache, qo, table, lens))
+    pair = kernels.plan_prefill(*dev(q), to_native(cache.to(DEV), "kv_tuple"), *dev(qo, table, lens))
+    tree = kernels.plan_prefill(*dev(q, cache, qo, table, lens), tree_mask=torch.ones(4, 4, dtype=torch.bool).tril()
+                                .to(DEV))  # fmt: skip
+    k_new, v_new = (torch.zeros(4, 2, 64, device=DEV) for _ in range(2))
+    apart = kernels.plan_prefill(*dev(q, cache, qo, table, lens), k_new=k_new, v_new=v_new)
+    assert [p.plain for p in (pool, pair, tree, apart)] == [True, False, False, False]
+
+
 # ----------------------------------------------------------------------------- product modes
 
 
@@ -320,7 +362,8 @@ def test_prefill_repro_line_replays_a_failure():
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    monkeypatch.setattr(prefill, "prefill_kernel", NoLaunch())
+    for kernel in ("prefill_kernel", "prefill_any_layout_kernel"):
+        monkeypatch.setattr(prefill, kernel, NoLaunch())
 
 
 def _args():

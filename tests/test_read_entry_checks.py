@@ -33,6 +33,7 @@ def no_launch(monkeypatch):
     for module, name in (
         (decode, "decode_split_kernel"),
         (prefill, "prefill_kernel"),
+        (prefill, "prefill_any_layout_kernel"),
         (quant_decode, "quant_decode_split_kernel"),
         (mla_decode, "head_matvec_kernel"),
         (mla_decode, "mla_split_kernel"),

@@ -1,8 +1,11 @@
 """The plots of notebooks 09 and 10 read at notebook width (text >= 9 pt, nothing drawn
-outside the data range, legends outside the data, horizontal labels), and the source
-call-outs the notebooks assert on find the lines they name."""
+outside the data range, legends outside the data, horizontal labels), the source
+call-outs the notebooks assert on find the lines they name, and the kernel notebook 10
+shows whole is no longer than the one notebook 07 shows."""
 
+import ast
 import inspect
+from pathlib import Path
 
 import matplotlib
 
@@ -80,3 +83,34 @@ def test_find_lines_gives_file_line_numbers_and_lesson_lines_refuses_a_missing_n
     assert f"{want:4d}  " in viz.lesson_lines(_sample, ["the lesson line"]).data
     with pytest.raises(ValueError, match="not there"):
         viz.lesson_lines(_sample, ["not there"])
+
+
+NOTEBOOK_SOURCES = Path(__file__).resolve().parents[1] / "notebooks" / "src"
+
+
+def _shown_whole(name: str) -> dict[str, int]:
+    """The line count of every block notebook ``name`` shows whole (``viz.source_code(x)``),
+    by the expression ``x`` as written, resolved through the notebook's own imports of
+    ``pagedkv_kernels``. Reads the notebook's source; runs no cell."""
+    tree = ast.parse((NOTEBOOK_SOURCES / name).read_text())
+    namespace = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and "pagedkv_kernels" in ast.unparse(node):
+            exec(ast.unparse(node), namespace)
+    shown = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "viz.source_code":
+            expr = ast.unparse(node.args[0])
+            shown[expr] = len(viz.source_code(eval(expr, namespace)).data.splitlines())
+    return shown
+
+
+def test_the_kernel_notebook_10_shows_is_no_longer_than_the_one_notebook_07_shows():
+    """Notebook 10 shows the plain prefill kernel whole, as notebook 07 shows the decode
+    kernel; its variants (other layouts, new tokens apart, trees) layer on it elsewhere,
+    so the listing stays within 07's and within the 40 lines a listing may take."""
+    decode = _shown_whole("07_triton_read.py")["production.decode_split_kernel"]
+    shown = _shown_whole("10_chunked_prefill.py")
+    assert "production.prefill_kernel" in shown, f"notebook 10 no longer shows the plain prefill kernel: {shown}"
+    assert max(shown.values()) <= decode, f"notebook 10 shows {shown}, notebook 07's kernel is {decode} lines"
+    assert shown["production.prefill_kernel"] <= 40, f"the prefill kernel shown is {shown} lines, over 40"

@@ -227,7 +227,8 @@ def test_a_table_that_covers_only_the_context_is_enough():
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    monkeypatch.setattr(prefill, "prefill_kernel", NoLaunch())
+    for kernel in ("prefill_kernel", "prefill_any_layout_kernel"):
+        monkeypatch.setattr(prefill, kernel, NoLaunch())
 
 
 def _bad_calls():

@@ -11,8 +11,9 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
   :mod:`~pagedkv_kernels.v_tail` (zero the unwritten V rows of last pages),
   :mod:`~pagedkv_kernels.decode` (paged decode: split-KV, GQA, windows),
   :mod:`~pagedkv_kernels.merge` (split-KV stage 2),
-  :mod:`~pagedkv_kernels.prefill` (many queries per sequence) and its plan
-  :mod:`~pagedkv_kernels.prefill_plan`,
+  :mod:`~pagedkv_kernels.prefill` (many queries per sequence: the plain kernel) with its
+  plan :mod:`~pagedkv_kernels.prefill_plan` and its variants
+  :mod:`~pagedkv_kernels.prefill_any_layout` (other engines' K/V, new tokens apart, trees),
   :mod:`~pagedkv_kernels.cascade` (``merge_state(s)``, cascade attention),
   :mod:`~pagedkv_kernels.quant_write` and :mod:`~pagedkv_kernels.quant_decode` (FP8 /
   NVFP4 pools), :mod:`~pagedkv_kernels.mla_write`, :mod:`~pagedkv_kernels.mla_decode`
@@ -23,7 +24,8 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
 * **device helpers** (``device/``: ``@triton.jit`` code several families call, every
   rule once): :mod:`~pagedkv_kernels.device.addressing` (token to page, row, offset),
   :mod:`~pagedkv_kernels.device.attention_core` (span, visible range, splits, online
-  softmax), :mod:`~pagedkv_kernels.device.rope`, :mod:`~pagedkv_kernels.device.rounding`,
+  softmax), :mod:`~pagedkv_kernels.device.prefill_tile` (the prefill kernels' steps),
+  :mod:`~pagedkv_kernels.device.rope`, :mod:`~pagedkv_kernels.device.rounding`,
   :mod:`~pagedkv_kernels.device.quant_codes` (FP8 / E2M1 codes);
 * **host launch helpers** (``host/``): :mod:`~pagedkv_kernels.host.launch` (index
   copies, parallel units, fingerprints), :mod:`~pagedkv_kernels.host.validate` (what a

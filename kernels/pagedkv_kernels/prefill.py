@@ -11,11 +11,19 @@ and sees keys ``0 .. that position`` (the causal mask aligned bottom-right), or,
 a ring window, the sinks and the last ``window - sinks`` of them, or, with a linear
 window (FlashInfer's ``window_left``), keys ``position - window_left .. position``.
 Speculative verification of draft trees (``tree_mask``, :mod:`pagedkv_lib.draft_tree`)
-narrows the causal mask over the request's new tokens to each draft's ancestors: the
-``TREE`` branch ANDs each (row, new key) with one bit of the row's mask, packed in int32
-words by the plan (:func:`pagedkv_lib.draft_tree.pack_tree_mask`: a few word loads per
-row and key tile, no ``[BLOCK_M, BLOCK_N]`` gather); the tiles and key ranges stay the
-causal ones.
+narrows the causal mask over the request's new tokens to each draft's ancestors.
+
+Two kernels, one loop. :func:`prefill_kernel` is the plain paged prefill over the
+suite's 5-D pool: padded or CSR tables, causal or not, ring and linear windows, GQA,
+the product modes, the log-sum-exp; it is short enough to read whole (notebook 10 shows
+it). Its variants layer on it in :mod:`pagedkv_kernels.prefill_any_layout`:
+:func:`~pagedkv_kernels.prefill_any_layout.prefill_any_layout_kernel` runs the same
+steps through the same helpers, with K and V read from other engines' layouts, the new
+tokens' K/V given apart, and draft trees. The steps both take (the tile's rows, its key
+range, each key tile's mask and attention, the store) are the ``@triton.jit`` helpers
+of :mod:`pagedkv_kernels.device.prefill_tile`, beside the attention core's
+(:mod:`pagedkv_kernels.device.attention_core`). The plan picks the kernel
+(:attr:`PrefillPlan.plain`); both give the same bits on the suite's pool.
 
 Tiles. One program owns a tile of ``BLOCK_M`` *rows* of one request and one KV head,
 a row being a (query, GQA head) pair: row ``r`` is query ``r // group``, query head
@@ -72,12 +80,13 @@ tile loads are all written positions, so ``0 * v`` of a key masked for one row o
 is exactly 0. A bf16 output is rounded to nearest in fp32 bits before the cast
 (:func:`pagedkv_kernels.device.rounding.round_to`), because the interpreter's cast truncates.
 
-Layouts: K and V are read in place through their own bases and strides
-(:func:`pagedkv_kernels.device.attention_core.load_kv_tile`), so ``cache`` is the suite's 5-D pool,
-FlashInfer's ``(k_cache, v_cache)`` tuple or vLLM's x-packed pair
+Layouts: :func:`prefill_kernel` reads K and V from the pool as the decode kernel does
+(V ``stride_kv`` after each K element); the any-layout kernel reads them through their own
+bases and strides (:func:`pagedkv_kernels.device.attention_core.load_kv_tile`), so
+``cache`` may also be FlashInfer's ``(k_cache, v_cache)`` tuple or vLLM's x-packed pair
 (:func:`pagedkv_lib.cache_layouts.kv_cache_view`), never copied. With ``k_new``/``v_new``
-(vLLM's ``context_attention_fwd`` form, :mod:`pagedkv_kernels.adapters.prefix_prefill`) the new tokens'
-keys come from those (constexpr ``NEW_KV``) and the cache holds the context only.
+(vLLM's ``context_attention_fwd`` form, :mod:`pagedkv_kernels.adapters.prefix_prefill`) the
+new tokens' keys come from those and the cache holds the context only.
 
 The key loop is a ``while`` loop: Triton 3.6's interpreter cannot ``range()`` over a
 runtime bound.
@@ -96,26 +105,20 @@ import triton.language as tl
 
 from pagedkv_lib import checks
 from pagedkv_lib.cache_layouts import kv_cache_view
+from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.window import Window
 
-from .device.attention_core import (
-    load_kv_tile,
-    new_kv_rows,
-    online_softmax_step,
-    row_lse,
-    sequence_span,
-    softmax_state,
-    visible_keys,
-    visible_range,
-)
-from .device.rounding import round_to
+from .device.attention_core import load_kv_tile, sequence_span, softmax_state, visible_keys
+from .device.prefill_tile import attend_keys, key_mask, load_rows, store_rows, tile_key_range, tile_rows
 from .host.launch import PageTable
 from .host.read_plan import window_args, window_kind
 from .host.validate import check_cache_launch, check_device, check_planned_read, host_copy
+from .prefill_any_layout import prefill_any_layout_kernel
 from .prefill_plan import DOT_MODES, PrefillPlan, dot_mode, make_prefill_plan
 
 __all__ = [
     "prefill_kernel",
+    "prefill_any_layout_kernel",
     "DOT_MODES",
     "dot_mode",
     "PrefillPlan",
@@ -129,169 +132,48 @@ __all__ = [
 # --------------------------------------------------------------------------- device code
 
 
+# fmt: off
 @triton.jit
 def prefill_kernel(
-    # pointers: the queries; K and V (the pool's two halves, FlashInfer's tuple or vLLM's
-    # pair); the new tokens' K and V when given apart; the page table (padded or CSR), the
-    # ragged query index, the tile list, the output
-    q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr,
-    block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
-    qo_indptr_ptr, tile_request_ptr, tile_row_ptr,
-    out_ptr, lse_ptr,
-    # strides (elements): q [total_q, heads, dim]; K's page, row, head, feature (group of
-    # KEY_X) and feature within the group; V's page, row, head, feature, and with
-    # V_AFTER_K (the pool) V's step from K; k_new, v_new [total_q, kv_heads, dim]
-    stride_qt, stride_qh, stride_qd,
-    stride_kp, stride_kn, stride_kh, stride_kd, stride_kx,
-    stride_vp, stride_vn, stride_vh, stride_vd, stride_kv,
-    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
-    stride_table,
-    # strides: the output [total_q, heads, dim] and its lse [total_q, heads]
-    stride_ot, stride_oh, stride_od,
-    stride_lt, stride_lh,
-    # the draft tree's mask, bits packed in int32 words [total_q, tree_words] (TREE)
-    tree_ptr, stride_tree_t, tree_words,
-    # sizes
-    qk_scale, group, head_dim, page_size,
-    # window (pagedkv_kernels.host.read_plan.window_args)
-    sink_tokens, bubble_len, cyclic_cache_len, window_recent,
-    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; pagedkv_kernels.host.read_plan.window_kind;
-    # KEY_X: vLLM's x, 1 for the other layouts; V_AFTER_K: the pool, V stride_kv after K)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOW: tl.constexpr, IS_CSR: tl.constexpr, DOT: tl.constexpr,
-    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False, NEW_KV: tl.constexpr = False,
-    KEY_X: tl.constexpr = 1, V_AFTER_K: tl.constexpr = True, TREE: tl.constexpr = False,
-):  # fmt: skip
-    """Program ``(tile, kv_head)``: the output rows of the tile's ``BLOCK_M`` (query, GQA
-    head) rows of one request; with ``WRITE_LSE`` also their base-2 log-sum-exp
-    (:func:`pagedkv_kernels.device.attention_core.row_lse`). ``CAUSAL=False`` (never with a ring):
-    every row sees all ``seq_len`` keys of its request (with a linear window, those from
-    its position ``- window_left`` on). ``NEW_KV`` (never with a ring): the keys at
-    positions ``>= seq_len - q_len`` come from ``k_new``/``v_new`` (row ``q_start + pos -
-    (seq_len - q_len)``), the older ones from the cache; a CSR table then holds the
-    context only, and ``seq_len`` is its length plus ``q_len``. ``TREE`` (causal only): a
-    key among the request's new tokens is seen only where the row's draft-tree mask says
-    so."""
-    tile_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    b = tl.load(tile_request_ptr + tile_id)
-    row0 = tl.load(tile_row_ptr + tile_id)  # first (query, head) row of this tile in its request
-    q_start = tl.load(qo_indptr_ptr + b)
-    q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
-    seq_len, table_row = sequence_span(
-        b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
-        page_size, IS_CSR,
-    )  # fmt: skip
-    if NEW_KV and IS_CSR:
-        seq_len += q_len
+    # pointers: the queries, the pool, the page table (padded or CSR), the tile list, the outputs
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    qo_indptr_ptr, tile_request_ptr, tile_row_ptr, out_ptr, lse_ptr,
+    # strides (elements): q [total_q, heads, dim]; the pool's page, K/V, row, head, feature; out; lse [total_q, heads]
+    stride_qt, stride_qh, stride_qd, stride_page, stride_kv, stride_n, stride_h, stride_d, stride_table,
+    stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+    # sizes; window (pagedkv_kernels.host.read_plan.window_args)
+    qk_scale, group, head_dim, page_size, sink_tokens, bubble_len, cyclic_cache_len, window_recent,
+    # constexprs (WINDOW: 0 none, 1 ring, 2 linear; DOT: the product mode, an index of DOT_MODES)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
+    IS_CSR: tl.constexpr, DOT: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Program ``(tile, kv_head)``: the output (and lse) of the tile's (query, GQA head) rows of one request."""
+    b, kv_head, q_start, q_len, row0, qi, heads, m_valid = tile_rows(tile_request_ptr, tile_row_ptr, qo_indptr_ptr,
+                                                                     group, BLOCK_M)
+    seq_len, table_row = sequence_span(b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr,
+                                       kv_indices_ptr, kv_last_page_len_ptr, page_size, IS_CSR)
     past = seq_len - q_len  # absolute position of the request's query 0
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = row0 + offs_m
-    qi = rows // group  # query index within the request
-    heads = kv_head * group + (rows - qi * group)
-    m_valid = qi < q_len
-    d_mask = offs_d < head_dim
     qpos = past + qi  # absolute positions: the causal mask compares keys with these
-
-    q_ptrs = (
-        q_ptr
-        + (q_start + qi).to(tl.int64)[:, None] * stride_qt
-        + heads.to(tl.int64)[:, None] * stride_qh
-        + offs_d[None, :] * stride_qd
-    )
-    q = tl.load(q_ptrs, mask=m_valid[:, None] & d_mask[None, :], other=0.0)
-    if DOT <= 1:
-        q = q.to(tl.float32)
-
-    # Keys this tile may need: up to its last query's position (the causal limit), and
-    # with a window only the sinks and the recent range of its first query onwards.
-    p_lo = past + row0 // group
-    if CAUSAL:
-        p_hi = past + tl.minimum((row0 + BLOCK_M - 1) // group, q_len - 1)
-    else:
-        p_hi = seq_len - 1  # every key of the request
-    n_sink, recent_start, n_vis = visible_range(p_hi + 1, p_lo + 1, sink_tokens, window_recent, WINDOW)
-    num_key_tiles = tl.cdiv(n_vis, BLOCK_N)
-
-    # Per-feature offsets, once per program. vLLM's key packs features in groups of KEY_X
-    # (16 bytes); a constexpr, so that each group is known contiguous and loads as a vector.
-    kh = kv_head.to(tl.int64)
-    d64 = offs_d.to(tl.int64)
-    k_off = kh * stride_kh + (d64 // KEY_X) * stride_kd + (d64 % KEY_X) * stride_kx
-    v_off = kh * stride_vh + d64 * stride_vd
-    if TREE:
-        tree_rows = tree_ptr + (q_start + qi).to(tl.int64) * stride_tree_t  # each row's packed mask
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim  # head_dim 80 runs in BLOCK_D = 128 lanes
+    q = load_rows(q_ptr, q_start + qi, heads, offs_d, m_valid, d_mask, stride_qt, stride_qh, stride_qd, DOT <= 1)
+    n_sink, recent_start, n_vis, num_key_tiles = tile_key_range(past, q_len, seq_len, row0, group, sink_tokens,
+                                                                window_recent, BLOCK_M, BLOCK_N, WINDOW, CAUSAL)
+    head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
+    offs_n = tl.arange(0, BLOCK_N)
     m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     tile = 0
     while tile < num_key_tiles:
-        pos, row, valid = visible_keys(
-            tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len, cyclic_cache_len, BLOCK_N, WINDOW
-        )
-        if NEW_KV:  # the cache holds the context; the new tokens' keys come from k_new/v_new
-            k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid & (pos < past), k_off, v_off, d_mask,
-                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, stride_kv,
-                                False, V_AFTER_K)  # fmt: skip
-            k, v = new_kv_rows(k, v, k_new_ptr, v_new_ptr, q_start + pos - past, valid & (pos >= past),
-                               kh, d64, d_mask,
-                               stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd)  # fmt: skip
-        else:
-            k, v = load_kv_tile(k_ptr, v_ptr, table_row, row, valid, k_off, v_off, d_mask,
-                                page_size, stride_kp, stride_kn, stride_vp, stride_vn, stride_kv,
-                                False, V_AFTER_K)  # fmt: skip
-        if DOT <= 1:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if DOT == 0:
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        elif DOT == 1:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # 16-bit operands, exact products, fp32 accumulation
-        s = s * qk_scale  # scale * log2(e): base-2 scores for exp2
-
-        if CAUSAL:
-            see = valid[None, :] & (pos[None, :] <= qpos[:, None])
-        else:
-            see = valid[None, :] & m_valid[:, None]
-        if WINDOW:  # a linear window has no sinks (sink_tokens 0): its left edge alone
-            see = see & ((pos[None, :] < sink_tokens) | (pos[None, :] > qpos[:, None] - window_recent))
-        if TREE:  # new token j = pos - past is bit j % 32 of word j // 32 of the row's mask
-            new = pos - past
-            seen = (new < 0)[None, :]  # the context: no bit, always seen
-            w0 = tl.min(new, axis=0) >> 5  # the tile's keys are contiguous: a few words per row
-            for k in tl.static_range((BLOCK_N - 1) // 32 + 2):
-                w = w0 + k + tl.zeros_like(qi)  # word w0 + k of every row
-                words = tl.load(tree_rows + w, mask=m_valid & (w >= 0) & (w < tree_words), other=0)
-                hit = ((words[:, None] >> (new & 31)[None, :]) & 1) != 0
-                seen = seen | (hit & ((new >> 5) == w0 + k)[None, :])
-            see = see & seen
-        m_i, l_i, acc, p = online_softmax_step(s, see, m_i, l_i, acc, v, DOT == 0)
-        if DOT == 1:
-            acc += tl.dot(p, v, input_precision="ieee")
-        elif DOT == 2:
-            acc += tl.dot(p.to(tl.float16), v)
-        elif DOT == 3:
-            # New names: rebinding p_lo/p_hi (the int32 key range above) inside the loop
-            # makes them loop-carried with a new type, which the compiler refuses.
-            p_big = p.to(tl.bfloat16)
-            p_small = (p - p_big.to(tl.float32)).to(tl.bfloat16)
-            acc += tl.dot(p_big, v) + tl.dot(p_small, v)
+        pos, row, valid = visible_keys(tile, offs_n, n_sink, recent_start, n_vis, sink_tokens, bubble_len,
+                                       cyclic_cache_len, BLOCK_N, WINDOW)
+        k, v = load_kv_tile(cache_ptr, cache_ptr, table_row, row, valid, head_off, head_off, d_mask, page_size,
+                            stride_page, stride_n, stride_page, stride_n, stride_kv, False, True)
+        see = key_mask(pos, valid, qpos, m_valid, sink_tokens, window_recent, CAUSAL, WINDOW)
+        m_i, l_i, acc = attend_keys(q, k, v, see, m_i, l_i, acc, qk_scale, DOT)
         tile += 1
-
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = (
-        out_ptr
-        + (q_start + qi).to(tl.int64)[:, None] * stride_ot
-        + heads.to(tl.int64)[:, None] * stride_oh
-        + offs_d[None, :] * stride_od
-    )
-    tl.store(o_ptrs, round_to(o, out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
-    if WRITE_LSE:
-        lse_ptrs = lse_ptr + (q_start + qi).to(tl.int64) * stride_lt + heads.to(tl.int64) * stride_lh
-        tl.store(lse_ptrs, row_lse(m_i, l_i), mask=m_valid)
+    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, q_start + qi, heads, offs_d, m_valid, d_mask,
+               stride_ot, stride_oh, stride_od, stride_lt, stride_lh, WRITE_LSE)
+# fmt: on
 
 
 # --------------------------------------------------------------------------- planning
@@ -362,7 +244,9 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache, return_lse: bool = Fa
     ``q.dtype`` (``out`` itself when given: written in place, vLLM's ``o``), with
     ``return_lse=True`` ``(out, lse)`` (``lse [total_q, num_q_heads]`` fp32, base 2, see
     :func:`paged_prefill_attention`). ``q``, ``cache``, ``k_new``, ``v_new`` must match
-    the plan (ValueError otherwise)."""
+    the plan (ValueError otherwise). The plan picks the kernel: :func:`prefill_kernel` for
+    the suite's pool, else :func:`~pagedkv_kernels.prefill_any_layout.prefill_any_layout_kernel`
+    (:attr:`PrefillPlan.plain`)."""
     checks.check_flag("return_lse", return_lse)
     view = check_planned_read(plan, q, cache, k_new, v_new, out)
     # Every row belongs to one request, whose tiles cover all its (query, head) rows.
@@ -371,37 +255,67 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, cache, return_lse: bool = Fa
     lse = torch.empty((plan.total_q, plan.num_q_heads), dtype=torch.float32, device=q.device) if return_lse else out
     if plan.num_tiles == 0:  # no queries at all
         return (out, lse) if return_lse else out
+    if plan.plain:
+        # fmt: off
+        prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
+            # pointers
+            q, cache, *plan.table.pointers(),
+            plan.qo_indptr, plan.tile_request, plan.tile_row, out, lse,
+            # strides
+            *q.stride(), *cache_strides(cache, plan.layout), plan.table.stride,
+            *out.stride(), *(lse.stride() if return_lse else (0, 0)),
+            # sizes; window
+            *_sizes(plan), *window_args(plan.window),
+            # constexprs
+            **_constexprs(plan, return_lse), num_warps=plan.num_warps,
+        )
+        # fmt: on
+    else:
+        launch_any_layout(plan, q, view, k_new, v_new, out, lse, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def launch_any_layout(plan: PrefillPlan, q, view, k_new, v_new, out, lse, return_lse: bool) -> None:
+    """Launch :func:`~pagedkv_kernels.prefill_any_layout.prefill_any_layout_kernel` for a
+    checked plan that :func:`prefill_kernel` does not run (a pair, new tokens apart, a
+    tree): the arguments of :func:`run_prefill`, ``view`` the cache's
+    :class:`~pagedkv_lib.cache_layouts.KVCacheView`."""
     new_k, new_v = (k_new, v_new) if plan.new_kv else (q, q)  # unread without NEW_KV
     tree = plan.tree_mask is not None
     # fmt: off
-    prefill_kernel[(plan.num_tiles, plan.num_kv_heads)](
+    prefill_any_layout_kernel[(plan.num_tiles, plan.num_kv_heads)](
         # pointers
-        q, view.key, view.value, new_k, new_v,
+        q, view.key, view.value, new_k, new_v, plan.tree_mask if tree else out,
         *plan.table.pointers(),
-        plan.qo_indptr, plan.tile_request, plan.tile_row,
-        out, lse,
+        plan.qo_indptr, plan.tile_request, plan.tile_row, out, lse,
         # strides
         *q.stride(),
-        *view.key_strides,
-        *view.value_strides, view.kv_step,
+        *view.key_strides, *view.value_strides, view.kv_step,
         *(new_k.stride() if plan.new_kv else (0, 0, 0)), *(new_v.stride() if plan.new_kv else (0, 0, 0)),
-        plan.table.stride,
-        *out.stride(),
-        *(lse.stride() if return_lse else (0, 0)),
-        *((plan.tree_mask, plan.tree_mask.stride(0), plan.tree_mask.shape[1]) if tree else (out, 0, 0)),
-        # sizes
-        plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size,
-        # window
-        *window_args(plan.window),
+        *((plan.tree_mask.stride(0), plan.tree_mask.shape[1]) if tree else (0, 0)),
+        plan.table.stride, *out.stride(), *(lse.stride() if return_lse else (0, 0)),
+        # sizes; window
+        *_sizes(plan), *window_args(plan.window),
         # constexprs
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
-        CAUSAL=plan.causal, WRITE_LSE=return_lse, NEW_KV=plan.new_kv, KEY_X=view.key_x,
-        V_AFTER_K=view.cache_layout == "paged", TREE=tree,
+        **_constexprs(plan, return_lse),
+        KEY_X=view.key_x, V_AFTER_K=view.cache_layout == "paged", NEW_KV=plan.new_kv, TREE=tree,
         num_warps=plan.num_warps,
     )
     # fmt: on
-    return (out, lse) if return_lse else out
+
+
+def _sizes(plan: PrefillPlan) -> tuple:
+    """The sizes both prefill kernels take: ``(qk_scale, group, head_dim, page_size)``."""
+    return plan.scale * math.log2(math.e), plan.group, plan.head_dim, plan.page_size
+
+
+def _constexprs(plan: PrefillPlan, write_lse: bool) -> dict:
+    """The constexprs both prefill kernels take (the plain kernel's)."""
+    return dict(
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        WINDOW=window_kind(plan.window), IS_CSR=plan.table.is_csr, DOT=DOT_MODES.index(plan.dot_mode),
+        CAUSAL=plan.causal, WRITE_LSE=write_lse,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- entry points

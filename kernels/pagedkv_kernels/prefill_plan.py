@@ -56,6 +56,13 @@ class PrefillPlan(ReadPlan):
     new_kv: bool = False  # the new tokens' K/V come apart (k_new, v_new), the cache holds the context
     tree_mask: torch.Tensor | None = None  # [total_q, words] int32: the draft-tree mask, packed (pack_tree_mask)
 
+    @property
+    def plain(self) -> bool:
+        """Whether the plain kernel (:func:`pagedkv_kernels.prefill.prefill_kernel`) runs this
+        plan: the suite's pool, the new tokens' K/V in it, no draft tree. Else
+        :func:`pagedkv_kernels.prefill_any_layout.prefill_any_layout_kernel` does."""
+        return self.cache_layout == "paged" and not self.new_kv and self.tree_mask is None
+
 
 def dot_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     """The kernel's product mode (one of :data:`DOT_MODES`): ``"sum"`` in the

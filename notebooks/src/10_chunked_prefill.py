@@ -64,6 +64,7 @@ from IPython.display import display
 
 import pagedkv_kernels as kernels
 from pagedkv_kernels import prefill as production
+from pagedkv_kernels.device import prefill_tile
 from pagedkv_lab import faults, verify, viz
 from pagedkv_lib import KVCacheManager, PagedKVPool, RingWindow, formats, reference
 from pagedkv_lib.window import window_mask
@@ -235,32 +236,45 @@ assert torch.equal(tile[:q_len, : past + q_len], full), "the kernel's mask diffe
 assert not tile[q_len:].any() and not tile[:, past + q_len :].any(), "padding lanes must see nothing"
 
 # %% [markdown]
-# The production kernel, `pagedkv_kernels.prefill.prefill_kernel`, has the same two lines (one
-# program per tile of `BLOCK_M` (query, head) rows of one request, so `qi = rows //
-# group`), then walks its key tiles only up to its last query's position and applies the
-# mask inside the loop, with the window's band added when there is one. Below it, the
-# lines that are the lesson, called out from the module:
+# The production kernel, `pagedkv_kernels.prefill.prefill_kernel`, is the plain paged
+# prefill over the suite's pool: one program per tile of `BLOCK_M` (query, head) rows of
+# one request (`tile_rows` folds the GQA group into the rows, so `qi = rows // group`),
+# the same two lines `past` and `qpos`, then a loop over key tiles that stops at the
+# tile's last query's position (`tile_key_range`) and masks each tile (`key_mask`), with
+# the window's band added when there is one. Its steps are small helpers in
+# `pagedkv_kernels/device/prefill_tile.py`, beside those of notebook 07's attention core.
+# Other engines' K/V layouts (FlashInfer's tuple, vLLM's x-packed pair), new tokens given
+# apart from the cache and draft trees (notebook 13) layer on it:
+# `prefill_any_layout_kernel` (`pagedkv_kernels/prefill_any_layout.py`) takes the same steps
+# with its own loads and the tree's bits. First the kernel, then the lines that are the
+# lesson, called out from the kernel and its helpers:
 
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
 display(viz.source_code(production.prefill_kernel))
-mask_lines = [
-    "past = seq_len - q_len",
-    "qpos = past + qi",
-    "see = valid[None, :] & (pos[None, :] <= qpos[:, None])",
-    "p_hi = past + tl.minimum",
-]
-display(viz.lesson_lines(production.prefill_kernel, mask_lines))
+kernel_lines = ["past = seq_len - q_len", "qpos = past + qi", "see = key_mask("]
+mask_line, limit_line = "see = valid[None, :] & (pos[None, :] <= qpos[:, None])", "p_hi = past + tl.minimum"
+display(viz.lesson_lines(production.prefill_kernel, kernel_lines))
+display(viz.lesson_lines(prefill_tile.key_mask, [mask_line]))
+display(viz.lesson_lines(prefill_tile.tile_key_range, [limit_line]))
+variant_lines = ["if NEW_KV:", "see = key_mask(", "if TREE:  # new token", "see = see & seen"]
+display(viz.lesson_lines(production.prefill_any_layout_kernel, variant_lines))
 
 # %%
 kernel = production.prefill_kernel
-at = {line: viz.find_lines(kernel, line) for line in mask_lines}
-loop, loop_end = viz.find_lines(kernel, "while tile < num_key_tiles")[0], viz.find_lines(kernel, "tile += 1")[0]
-print(f"the causal mask against qpos = past + qi is inside the key loop: {loop < at[mask_lines[2]][0] < loop_end}")
+at = {line: viz.find_lines(kernel, line) for line in kernel_lines}
+inside = {}
+for name, fn in (("prefill_kernel", kernel), ("prefill_any_layout_kernel", production.prefill_any_layout_kernel)):
+    loop, loop_end = viz.find_lines(fn, "while tile < num_key_tiles")[0], viz.find_lines(fn, "tile += 1")[0]
+    inside[name] = [loop < line < loop_end for line in viz.find_lines(fn, "see = key_mask(")] == [True]
+print(f"the causal mask against qpos = past + qi is inside the key loop: {inside}")
 assert all(len(lines) == 1 for lines in at.values()), f"each lesson line should appear once: {at}"
-assert at[mask_lines[0]][0] < at[mask_lines[1]][0] < loop, "past, then qpos = past + qi, before the key loop"
-assert loop < at[mask_lines[2]][0] < loop_end, "the causal mask against qpos is applied inside the key loop"
-assert not viz.find_lines(kernel, "<= qi[:, None]"), "no mask may compare keys with the chunk-local index qi"
+assert at[kernel_lines[0]][0] < at[kernel_lines[1]][0] < min(at[kernel_lines[2]]), "past, then qpos = past + qi"
+assert all(inside.values()), f"both prefill kernels apply the mask once, inside their key loop: {inside}"
+assert len(viz.find_lines(prefill_tile.key_mask, mask_line)) == 1, "key_mask compares keys with qpos"
+assert len(viz.find_lines(prefill_tile.tile_key_range, limit_line)) == 1, "the key range ends at the last query"
+chunk_local = [f for f in (kernel, prefill_tile.key_mask) if viz.find_lines(f, "<= qi[:, None]")]
+assert not chunk_local, "no mask may compare keys with the chunk-local index qi"
 
 # %% [markdown]
 # The fault `chunk_local_mask` of the bug zoo (`pagedkv_lab.faults`) wraps a prefill
@@ -528,7 +542,7 @@ plt.show()
 # | query `p` sees keys `0..p`; window 24 / 4 sinks: 24 keys, cutting the chunk's triangle | mask `assert`s |
 # | 7 windowed chunks of at most 16 through a ring equal one windowed attention | `assert` < 1e-5 |
 # | a small kernel's mask (`pos <= seq_len - q_len + i`) equals the absolute-position mask | `torch.equal` |
-# | the production kernel has those lines, the mask inside its key loop, none against `qi` | line positions |
+# | both prefill kernels have those lines, the mask inside their key loops, none against `qi` | line positions |
 # | the chunk-local mask is right on chunk 1, wrong on chunks 2 and 3 | per-chunk error `assert` |
 # | the harness passes the kernel and fails every prefill case with `chunk_local_mask` | report `assert` |
 # | a 21-token prefix hit (shared page + copy-on-write), prefilled from page row 5 | `assert` < 1e-5 |

@@ -62,7 +62,7 @@ from pagedkv_engine import Engine, SamplingParams, weights
 from pagedkv_engine import check as oracle
 from pagedkv_engine.parts import EngineParts
 from pagedkv_engine.speculative import RecordingManager, propose_ngram, stats_line
-from pagedkv_kernels.prefill import prefill_kernel
+from pagedkv_kernels.prefill_any_layout import prefill_any_layout_kernel
 from pagedkv_lab import faults, viz
 from pagedkv_lib import PagedKVPool, reference
 from pagedkv_lib.compare import TOLERANCES, bits, compare
@@ -296,16 +296,17 @@ plt.show()
 # %% [markdown]
 # ### The mask in the prefill kernel
 #
-# The prefill kernel of notebook 10 takes it as `tree_mask [total_q, max_q_len]`
+# The prefill of notebook 10 takes it as `tree_mask [total_q, max_q_len]`
 # (`batch_tree_mask` stacks one tree per request; `None` for a request that is a plain
 # chunk). The plan packs each row into int32 words, one bit per new token (the form of
-# TensorRT-LLM's `spec_decoding_packed_mask`), and the kernel ANDs one bit into the
-# causal mask of every key among the new tokens; the context keys have no bit and are
-# always seen. The tiles and key ranges stay the causal ones: a tree never sees further
-# than a chain.
+# TensorRT-LLM's `spec_decoding_packed_mask`), and launches the variants' kernel,
+# `prefill_any_layout_kernel`: notebook 10's plain kernel, step for step, with the tree's
+# bits added. It ANDs one bit into the causal mask of every key among the new tokens;
+# the context keys have no bit and are always seen. The tiles and key ranges stay the
+# causal ones: a tree never sees further than a chain.
 
 # %%
-display(viz.lesson_lines(prefill_kernel, ["if TREE:  # new token", "seen = (new < 0)", "see = see & seen"]))
+display(viz.lesson_lines(prefill_any_layout_kernel, ["if TREE:  # new token", "seen = (new < 0)", "see = see & seen"]))
 
 # %% [markdown]
 # The tree after its 5 cached tokens, on a pool of pages of 4 (fp32, 1 KV head, 2 query
