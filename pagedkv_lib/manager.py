@@ -34,7 +34,7 @@ secondary entry whose block was the destination of an offload, counted as a drop
 bytes may be half overwritten, and a later hit must never restore them. Nothing leaks,
 no secondary entry names bytes that were never copied, no sequence is half admitted.
 
-(A little over 500 lines: one class whose operations share the invariants that
+(About 600 lines: one class whose operations share the invariants that
 :meth:`~KVCacheManager.check_integrity` holds them to.)
 """
 
