@@ -101,6 +101,7 @@ from pagedkv_lib.window import Window
 from .device.attention_core import (
     load_kv_tile,
     new_kv_rows,
+    normalised_rows,
     online_softmax_step,
     row_lse,
     sequence_span,
@@ -281,7 +282,7 @@ def prefill_kernel(
             acc += tl.dot(p_big, v) + tl.dot(p_small, v)
         tile += 1
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = normalised_rows(acc, l_i)
     o_ptrs = (
         out_ptr
         + (q_start + qi).to(tl.int64)[:, None] * stride_ot
@@ -477,7 +478,9 @@ def paged_prefill_attention(
         in fp32); with ``return_lse=True`` ``(out, lse)``, ``lse [total_q, num_q_heads]``
         fp32 in **base 2** (FlashInfer's definition): ``lse = log2(sum_j 2**(s_j))`` over
         the keys the row sees, ``s_j = scale * log2(e) * q.k_j``; ``-inf`` for a row with
-        no keys. :func:`pagedkv_kernels.cascade.merge_state` merges such ``(out, lse)`` pairs.
+        no keys, NaN for a row that saw a NaN (its output NaN too: never an empty row,
+        :mod:`pagedkv_kernels.device.attention_core`). :func:`pagedkv_kernels.cascade.merge_state`
+        merges such ``(out, lse)`` pairs.
 
     Raises:
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths, a
