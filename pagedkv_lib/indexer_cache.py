@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedkv_lib.formats import slot_mapping
+from pagedkv_lib.formats import check_has_values, slot_mapping
 from pagedkv_lib.indexing import split_slot
 from pagedkv_lib.quant import fp8_decode, fp8_encode, fp8_token_scales
 
@@ -170,6 +170,7 @@ def _check_slots(name: str, slots, num_tokens: int) -> torch.Tensor:
         raise ValueError(f"{name} must be a 1-D int32 or int64 tensor, got {_describe(slots)}")
     if slots.numel() != num_tokens:
         raise ValueError(f"{name} has {slots.numel()} entries but there are {num_tokens} tokens")
+    check_has_values(name, slots)
     host = slots.detach().cpu().long()
     if (host < -1).any():
         i = int(torch.nonzero(host < -1)[0])

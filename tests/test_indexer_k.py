@@ -186,6 +186,15 @@ def test_inputs_off_the_kernels_device_are_refused():
         indexer_k_cache_scatter(**args)
 
 
+@pytest.mark.parametrize("name", ["slot_fp8", "slot_scale"])
+def test_meta_slot_tensors_are_refused_by_name(name):
+    """They gave torch's NotImplementedError: Cannot copy out of meta tensor."""
+    args = {k: v.to(DEV) for k, v in _valid().items()}
+    args[name] = torch.zeros(2, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=f"{name} is on the meta device and holds no values"):
+        indexer_k_cache_scatter(**args)
+
+
 def test_run_refuses_a_pool_or_inputs_other_than_planned():
     args = {k: v.to(DEV) for k, v in _valid().items()}
     plan = plan_indexer_k_scatter(**args)

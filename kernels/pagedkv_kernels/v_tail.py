@@ -34,7 +34,7 @@ from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
 
 from .device.addressing import cache_offset
-from .host.launch import fingerprint
+from .host.launch import fingerprint, owned_copy
 from .host.tiles import write_tiles
 from .host.validate import (
     check_device,
@@ -94,8 +94,8 @@ class VTailPlan:
 
     ``targets`` are the :func:`pagedkv_kernels.host.launch.fingerprint` of each pool tensor zeroed
     (the MHA pool; or a quantized pool's codes and, if it has them, scales), all in
-    ``layout``; ``tables`` are ``(kv_indptr, kv_indices, kv_last_page_len)``, the
-    caller's device tensors made contiguous.
+    ``layout``; ``tables`` are ``(kv_indptr, kv_indices, kv_last_page_len)``, contiguous
+    copies of the caller's device tensors (the plan's own).
     """
 
     layout: str
@@ -104,8 +104,8 @@ class VTailPlan:
 
 
 def v_tail_tensors(cache, layout, zero_v_tail, written):
-    """The three V-tail tensors ``(kv_indptr, kv_indices, kv_last_page_len)`` made
-    contiguous, after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args`
+    """The three V-tail tensors ``(kv_indptr, kv_indices, kv_last_page_len)`` copied
+    contiguous (the plan's own), after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args`
     against ``cache`` in ``layout``, with ``written`` the slots this launch writes, or
     None) and the launch checks; raises ``ValueError`` naming the argument."""
     if not isinstance(zero_v_tail, tuple) or len(zero_v_tail) != 3:
@@ -113,7 +113,7 @@ def v_tail_tensors(cache, layout, zero_v_tail, written):
     for name, t in zip(_TABLES, zero_v_tail):
         check_index_tensor(name, t)
     checks.check_v_tail_args(cache, *zero_v_tail, layout=layout, written=written)
-    return tuple(t.contiguous() for t in zero_v_tail)
+    return tuple(owned_copy(t) for t in zero_v_tail)
 
 
 def v_tail_plan(targets, layout: str, tables) -> VTailPlan:
