@@ -104,23 +104,25 @@ class VTailPlan:
 
 
 def v_tail_tensors(cache, layout, zero_v_tail, written):
-    """The three V-tail tensors ``(kv_indptr, kv_indices, kv_last_page_len)`` copied
-    contiguous (the plan's own), after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args`
-    against ``cache`` in ``layout``, with ``written`` the slots this launch writes, or
-    None) and the launch checks; raises ``ValueError`` naming the argument."""
+    """The three V-tail tensors ``(kv_indptr, kv_indices, kv_last_page_len)`` made
+    contiguous (still the caller's, for the overlap checks; :func:`v_tail_plan` copies
+    them), after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args` against
+    ``cache`` in ``layout``, with ``written`` the slots this launch writes, or None) and
+    the launch checks; raises ``ValueError`` naming the argument."""
     if not isinstance(zero_v_tail, tuple) or len(zero_v_tail) != 3:
         raise ValueError("zero_v_tail must be a tuple (kv_indptr, kv_indices, kv_last_page_len)")
     for name, t in zip(_TABLES, zero_v_tail):
         check_index_tensor(name, t)
     checks.check_v_tail_args(cache, *zero_v_tail, layout=layout, written=written)
-    return tuple(owned_copy(t) for t in zero_v_tail)
+    return tuple(t.contiguous() for t in zero_v_tail)
 
 
 def v_tail_plan(targets, layout: str, tables) -> VTailPlan:
     """The :class:`VTailPlan` zeroing ``targets`` (pool tensors already checked by the
     caller; None entries are skipped) with ``tables`` already checked by
-    :func:`v_tail_tensors`."""
-    return VTailPlan(layout, tuple(fingerprint(t) for t in targets if t is not None), tables)
+    :func:`v_tail_tensors`, which the plan copies (its own: a caller's later change is not
+    seen)."""
+    return VTailPlan(layout, tuple(fingerprint(t) for t in targets if t is not None), tuple(map(owned_copy, tables)))
 
 
 def plan_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> VTailPlan:
