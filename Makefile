@@ -133,7 +133,8 @@ test-browser: setup
 GPU_PLAN_TESTS ?= tests/test_kernel_prefill.py tests/test_kernel_read.py tests/test_kernel_write.py \
 	tests/test_quant_kernels.py tests/test_mla_kernels.py tests/test_indexer_k.py tests/test_block_copy.py \
 	tests/test_lse_merge.py tests/test_noncausal_prefill.py tests/test_mla_latent.py tests/test_quant_conventions.py \
-	tests/test_kernel_window.py tests/test_rotary_positions.py tests/test_tree_attention.py tests/test_vllm_prefill.py
+	tests/test_kernel_window.py tests/test_rotary_positions.py tests/test_tree_attention.py tests/test_vllm_prefill.py \
+	tests/test_nan_states.py
 # Core cases: the argument checks (plan-independent) and the 216-case append grid (a copy;
 # its GPU tiles run in the verify grid under GPU plans, inside the compile check) are left out.
 GPU_PLAN_SELECT ?= not validation and not refuse and not bad_input and not bad_arguments and not test_append_matches_reference
@@ -173,7 +174,7 @@ test-oldest-triton: setup $(TRITON_OLDEST)/.installed
 	PAGEDKV_POISON_MASKED=1 $(OLDEST) -m pytest tests/test_kernel_*.py tests/test_checks_parity.py \
 	  tests/test_indexer_k.py tests/test_block_copy.py tests/test_rope.py tests/test_lse_merge.py \
 	  tests/test_noncausal_prefill.py tests/test_mla_latent.py tests/test_quant_conventions.py tests/test_interpreter_poison.py \
-	  tests/test_rotary_positions.py tests/test_tree_attention.py tests/test_vllm_prefill.py \
+	  tests/test_rotary_positions.py tests/test_tree_attention.py tests/test_vllm_prefill.py tests/test_nan_states.py \
 	  -q -p no:cacheprovider $(XDIST)
 	@# in-process: this run checks the kernels under the old Triton; crash isolation is
 	@# tested in the main run (and costs ~0.25 s a case: each child re-parses the kernels)

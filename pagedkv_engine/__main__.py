@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--offload-blocks",
-        type=int,
+        type=_non_negative_int,
         default=0,
         metavar="N",
         help="secondary pool of N blocks: evicted cached pages are offloaded there and restored on a hit (default 0)",

@@ -90,6 +90,15 @@ class BlockAllocator:
             raise ValueError(f"free of block {block}, which has {count} references; use decref")
         self.decref(block)
 
+    def snapshot(self) -> tuple:
+        """The allocator's whole state (free list in order, refcounts), for :meth:`restore`."""
+        return deque(self._free), list(self._refcount)
+
+    def restore(self, state: tuple) -> None:
+        """Put back a :meth:`snapshot` (in place: references to this allocator stay valid)."""
+        free, refcount = state
+        self._free, self._refcount = deque(free), list(refcount)
+
     def check_integrity(self) -> None:
         """Assert the allocator's own invariant: the free list is exactly the blocks at refcount 0."""
         free = set(self._free)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv_lib.formats import check_has_values
 from pagedkv_lib.pool import check_layout
 
 __all__ = ["COPY_DTYPES", "pool_dims", "check_block_copy_args", "copy_blocks"]
@@ -52,6 +53,7 @@ def _host_ids(name: str, t, num_pairs: int | None) -> torch.Tensor:
         raise ValueError(f"{name} must be a 1-D int32 or int64 tensor, got {got}")
     if num_pairs is not None and t.numel() != num_pairs:
         raise ValueError(f"{name} has {t.numel()} entries but src_blocks has {num_pairs}")
+    check_has_values(name, t)
     return t.detach().cpu().long()
 
 

@@ -21,6 +21,7 @@ from pagedkv_lib.window import RingWindow
 
 __all__ = [
     "PAD",
+    "check_has_values",
     "index_tensor",
     "padding_mask",
     "pad_block_tables",
@@ -40,6 +41,13 @@ PAD = -1  # the padding value of block tables, slot mappings, batch indices and 
 _NOT_INTEGER = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
 
 
+def check_has_values(name: str, x) -> None:
+    """A ``meta`` tensor holds no values to check: ValueError naming it (torch would raise
+    NotImplementedError on the first copy of it)."""
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and holds no values")
+
+
 def index_tensor(name: str, x, dims: int) -> torch.Tensor:
     """``x`` (a tensor, list or array of integers) as a ``dims``-D int64 tensor on the host.
 
@@ -49,8 +57,7 @@ def index_tensor(name: str, x, dims: int) -> torch.Tensor:
     """
     if x is None:
         raise ValueError(f"{name} is None; expected a {dims}-D integer tensor")
-    if isinstance(x, torch.Tensor) and x.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device and holds no values")
+    check_has_values(name, x)
     try:
         t = torch.as_tensor(x)
     except (TypeError, ValueError, RuntimeError) as err:

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedkv_lib.formats import slot_mapping
+from pagedkv_lib.formats import check_has_values, slot_mapping
 from pagedkv_lib.indexing import split_slot
 from pagedkv_lib.quant import fp8_decode, fp8_encode, fp8_token_scales
 
@@ -170,6 +170,7 @@ def _check_slots(name: str, slots, num_tokens: int) -> torch.Tensor:
         raise ValueError(f"{name} must be a 1-D int32 or int64 tensor, got {_describe(slots)}")
     if slots.numel() != num_tokens:
         raise ValueError(f"{name} has {slots.numel()} entries but there are {num_tokens} tokens")
+    check_has_values(name, slots)
     host = slots.detach().cpu().long()
     if (host < -1).any():
         i = int(torch.nonzero(host < -1)[0])
@@ -217,7 +218,7 @@ def check_indexer_scatter_args(k_cache, codes, scales, slot_fp8, slot_scale) -> 
         )
     numel = k_cache.numel()
     for name, slots, size in (("slot_fp8", fp8, head_dim), ("slot_scale", sc, SCALE_BYTES)):
-        bad = slots + size > numel
+        bad = slots > numel - size  # not slots + size > numel: a slot near 2**63 would wrap around
         if bad.any():
             i = int(torch.nonzero(bad)[0])
             raise ValueError(
@@ -287,6 +288,8 @@ def indexer_topk(q, weights, k_cache, block_table, seq_len: int, head_dim: int, 
         raise ValueError(f"weights must be [{q.shape[0]}] (one per indexer head), got {_describe(weights)}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k={top_k!r} must be a positive int")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len={seq_len!r} must be an int >= 0")
     block_size = k_cache.shape[1]
     table = torch.as_tensor(block_table).view(1, -1)
     pos = torch.arange(seq_len)

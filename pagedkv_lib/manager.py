@@ -25,13 +25,23 @@ free primary block first. Those copies, and copy-on-write, then go through the
 ``copy_fn`` the manager is given, at once (while it plans, before the step writes
 anything), so :meth:`~KVCacheManager.pop_copies` only reports copies already made.
 
-(A little over 500 lines: one class whose operations share the invariants that
+A copy function may fail (an exception, a ``KeyboardInterrupt`` in a notebook): an
+:meth:`~KVCacheManager.admit` or :meth:`~KVCacheManager.append_tokens` whose copy raises
+is undone whole, and the exception propagates. The manager is then exactly as before the
+call, except that a cached block whose storage a started copy was writing is forgotten
+(a prefix-cache entry whose page was the destination of a restore or copy-on-write, a
+secondary entry whose block was the destination of an offload, counted as a drop): its
+bytes may be half overwritten, and a later hit must never restore them. Nothing leaks,
+no secondary entry names bytes that were never copied, no sequence is half admitted.
+
+(About 600 lines: one class whose operations share the invariants that
 :meth:`~KVCacheManager.check_integrity` holds them to.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from pagedkv_lib.allocator import BlockAllocator, OutOfBlocksError
@@ -120,6 +130,8 @@ class KVCacheManager:
         self.prefix_cache = PrefixCache() if prefix_cache else None
         self._seqs: dict[object, _Sequence] = {}
         self._copies: list[tuple[int, int, int]] = []
+        # While an operation that copies runs: its snapshot and the destinations of the copies started.
+        self._undo: tuple[tuple, list[tuple[str, list[int]]]] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -188,6 +200,51 @@ class KVCacheManager:
             raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
         self._seqs[seq_id] = _Sequence()
 
+    # ------------------------------------------------------------------ failed copies
+
+    @contextmanager
+    def _undone_on_failure(self, copies: bool):
+        """Run the body as one transaction when it may call ``copy_fn`` (``copies``): on
+        any exception, put the state back as it was and forget the cached blocks whose
+        storage a started copy was writing (see the module docstring), then re-raise.
+        A body without copies changes nothing before its checks pass, so it needs no
+        snapshot (the decode steps' appends, which would pay for one on every token)."""
+        if not copies or self._undo is not None:  # nothing to undo, or an outer transaction has it
+            yield
+            return
+        secondary = None if self.secondary is None else self.secondary.snapshot()
+        cache = None if self.prefix_cache is None else self.prefix_cache.snapshot()
+        seqs = {k: replace(v, block_table=list(v.block_table), token_ids=list(v.token_ids),
+                           block_hashes=list(v.block_hashes)) for k, v in self._seqs.items()}  # fmt: skip
+        self._undo = ((self.allocator.snapshot(), cache, secondary, seqs, list(self._copies)), [])
+        try:
+            yield
+        except BaseException:
+            (allocator, cache, secondary, seqs, copies), started = self._undo
+            self.allocator.restore(allocator)
+            if cache is not None:
+                self.prefix_cache.restore(cache)
+            if secondary is not None:
+                self.secondary.restore(secondary)
+            self._seqs, self._copies = seqs, copies
+            self._forget_overwritten(started)
+            raise
+        finally:
+            self._undo = None
+
+    def _forget_overwritten(self, started: list[tuple[str, list[int]]]) -> None:
+        """After an undo: forget what the destinations of the started copies held before the
+        call. An offload writes secondary blocks; a restore or copy-on-write writes fresh
+        primary blocks, which were free or cached blocks nobody used (evictable)."""
+        for kind, dst in started:
+            for block in dst:
+                if kind == "offload":
+                    if self.secondary.holds(block):
+                        self.secondary.forget(block)
+                elif self.prefix_cache is not None and block in self.prefix_cache:
+                    self.prefix_cache.forget(block)
+                    self.allocator.decref(block)  # the cache's own reference: the block is free
+
     def _reserve(self, n: int) -> list[int]:
         """Allocate ``n`` blocks, evicting cached blocks nobody uses if the free list is
         short. All or nothing: raises OutOfBlocksError before anything changes."""
@@ -205,6 +262,8 @@ class KVCacheManager:
 
     def _copy(self, kind: str, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
         assert kind in COPY_KINDS
+        assert self._undo is not None, "a copy outside a transaction could not be undone"
+        self._undo[1].append((kind, list(dst)))  # before the call: a failing copy may have written some of dst
         self.copy_fn(kind, src, dst, num_tokens)
 
     def append_tokens(self, seq_id, n: int, token_ids: list[int] | None = None) -> list[int]:
@@ -219,7 +278,9 @@ class KVCacheManager:
         Raises KeyError for an unknown ``seq_id``; ValueError, before anything changes,
         if ``n`` is not an int >= 0, a token id is not an int (``token_ids[i]`` named), the
         count of ids is not ``n``, or ``n`` exceeds a ring window's chunk; and
-        OutOfBlocksError with the manager unchanged.
+        OutOfBlocksError with the manager unchanged. A ``copy_fn`` that raises (a
+        copy-on-write, an eviction's offload) undoes the append and propagates (the module
+        docstring says what is forgotten).
         """
         seq = self._get(seq_id)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -235,18 +296,21 @@ class KVCacheManager:
             )
         start, ps = seq.num_tokens, self.page_size
         targets, new_blocks, to_copy = self._plan_append(seq, n)
-        filled = self._rows(start)
-        fresh = self._reserve(new_blocks + len(to_copy))
-        for j in to_copy:
-            src, dst = seq.block_table[j], fresh.pop()
-            rows = min(ps, max(filled - j * ps, 0))
-            if rows:
-                self._copies.append((src, dst, rows))
-                if self.copy_fn is not None:
-                    self._copy("cow", [src], [dst], [rows])
-            self.allocator.decref(src)
-            seq.block_table[j] = dst
-        seq.block_table.extend(fresh)
+        need = new_blocks + len(to_copy)
+        copies = self.copy_fn is not None and (bool(to_copy) or need > self.allocator.num_free)
+        with self._undone_on_failure(copies):  # a copy-on-write, or an eviction's offload
+            filled = self._rows(start)
+            fresh = self._reserve(need)
+            for j in to_copy:
+                src, dst = seq.block_table[j], fresh.pop()
+                rows = min(ps, max(filled - j * ps, 0))
+                if rows:
+                    self._copies.append((src, dst, rows))
+                    if self.copy_fn is not None:
+                        self._copy("cow", [src], [dst], [rows])
+                self.allocator.decref(src)
+                seq.block_table[j] = dst
+            seq.block_table.extend(fresh)
         seq.num_tokens += n
         if token_ids is not None and seq.tracked:
             seq.token_ids.extend(token_ids)
@@ -329,6 +393,8 @@ class KVCacheManager:
         reorder, no lookup counted): ValueError without a prefix cache, for a live
         ``seq_id``, an empty prompt or a token id that is not an int
         (``prompt_token_ids[i]`` named); OutOfBlocksError if the new blocks do not fit.
+        A ``copy_fn`` that raises (a restore, an eviction's offload) undoes the admission
+        and propagates (the module docstring says what is forgotten).
         """
         if self.prefix_cache is None:
             raise ValueError("admit() needs KVCacheManager(..., prefix_cache=True)")
@@ -350,6 +416,16 @@ class KVCacheManager:
         room = self.allocator.num_free + cache.num_evictable - reused
         if need > room:
             raise OutOfBlocksError(need, room)
+        copies = self.copy_fn is not None and (restores > 0 or need > self.allocator.num_free)
+        with self._undone_on_failure(copies):  # restores, evictions' offloads
+            slots = self._admit_hits(seq_id, prompt, hits, queries, found)
+        return Admission(len(hits) * ps, slots)
+
+    def _admit_hits(self, seq_id, prompt: list[int], hits: list, queries: int, found: int) -> list[int]:
+        """The changes of an admission that fits (:meth:`admit`): the sequence made of the
+        cache hits (secondary ones restored), then the rest of the prompt appended; returns
+        the slots of the rest."""
+        cache, ps = self.prefix_cache, self.page_size
         cache.record_lookups(queries, found)
         # Secondary hits leave the secondary map first (so no offload below drops them),
         # primary hits are held first (so no restore below evicts them).
@@ -366,8 +442,7 @@ class KVCacheManager:
         cached = len(hits) * ps
         seq.num_tokens = seq.num_committed = cached
         seq.token_ids = prompt[:cached]
-        slots = self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])  # fits: checked above
-        return Admission(cached, slots)
+        return self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])  # fits: checked above
 
     def _plan_hits(self, prompt: list[int]) -> tuple[list[tuple[int, list[int], int | None]], int]:
         """The prompt's leading run of cached full blocks, with peeks only (nothing may

@@ -71,7 +71,7 @@ from pagedkv_lib.checks import (
 from pagedkv_lib.formats import PAD, index_tensor
 from pagedkv_lib.indexing import locate, split_slot
 from pagedkv_lib.memory import ModelSpec
-from pagedkv_lib.reference import masked_softmax, rope_reference
+from pagedkv_lib.reference import base2_lse, masked_softmax, rope_reference
 
 __all__ = [
     "MLAShape",
@@ -433,7 +433,7 @@ def mla_latent_attention_ref(
     the softmax-weighted sum of the visible ``c_kv`` rows under scores ``scale * (q_nope .
     c_kv + q_pe . k_pe)``, ``lse`` their base-2 log-sum-exp (FlashInfer's); a row that
     sees no key gives zeros and ``-inf``. A NaN in a visible row or in a query reaches
-    ``o`` (nothing is masked but positions).
+    ``o`` (nothing is masked but positions), and makes the row's ``lse`` NaN.
     """
     qo, indptr, indices, _, lens = check_mla_latent_csr_args(
         q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len, causal, scale
@@ -450,8 +450,9 @@ def mla_latent_attention_ref(
             if seen <= 0:
                 continue
             scores = scale * (q_nope[r].cpu().double() @ ckv[:seen].T + q_pe[r].cpu().double() @ kpe[:seen].T)
-            o[r] = torch.softmax(scores, dim=-1) @ ckv[:seen]
-            lse[r] = torch.logsumexp(scores, dim=-1) / math.log(2.0)
+            every = torch.ones_like(scores, dtype=torch.bool)
+            o[r] = masked_softmax(scores, every) @ ckv[:seen]
+            lse[r] = base2_lse(scores, every)  # NaN for a row that saw a NaN (the kernels' rule)
     return o, lse
 
 

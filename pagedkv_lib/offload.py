@@ -76,6 +76,10 @@ class SecondaryPool:
         """``(secondary block, hash, token ids)`` of every used block, least recently used first."""
         return [(block, h, tokens) for block, (h, tokens) in self._entry_of.items()]
 
+    def holds(self, block: int) -> bool:
+        """Whether secondary ``block`` holds a findable hash."""
+        return block in self._entry_of
+
     def peek(self, h: int, tokens: tuple[int, ...]) -> int | None:
         """Secondary block holding hash ``h`` with exactly ``tokens``, or None; changes nothing."""
         block = self._block_of.get(h)
@@ -128,6 +132,28 @@ class SecondaryPool:
         """A restore has read ``block``: it is free again."""
         self._taken.remove(block)
         self._free.append(block)
+
+    def forget(self, block: int) -> None:
+        """Drop used ``block``'s hash for good (counted in ``stats.drops``): a copy that
+        failed may have overwritten its bytes. The block is free again."""
+        h, _ = self._entry_of.pop(block)
+        del self._block_of[h]
+        self._free.append(block)
+        self.stats.drops += 1
+
+    def snapshot(self) -> tuple:
+        """The pool's whole state (free list, maps in LRU order, taken blocks, counters),
+        for :meth:`restore`."""
+        stats = dict(vars(self.stats))
+        return list(self._free), dict(self._block_of), OrderedDict(self._entry_of), set(self._taken), stats
+
+    def restore(self, state: tuple) -> None:
+        """Put back a :meth:`snapshot` (in place: references to this pool and to its
+        ``stats`` stay valid)."""
+        free, block_of, entry_of, taken, stats = state
+        self._free, self._block_of, self._taken = list(free), dict(block_of), set(taken)
+        self._entry_of = OrderedDict(entry_of)
+        vars(self.stats).update(stats)
 
     def check_integrity(self) -> None:
         """Assert: every block is exactly one of free, used, taken; the hash map and the

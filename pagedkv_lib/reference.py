@@ -32,6 +32,7 @@ from pagedkv_lib.checks import (
 )
 from pagedkv_lib.formats import PAD, index_tensor
 from pagedkv_lib.indexing import locate, split_slot
+from pagedkv_lib.merge_state import merge_lse_weighted
 from pagedkv_lib.pool import cache_dims
 from pagedkv_lib.window import RingWindow, Window, window_mask
 
@@ -252,22 +253,25 @@ def _sequence_kv(cache, layout, table_row, seq_len: int, window: Window | None):
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim of ``scores`` with invisible keys (``mask`` False,
-    broadcast to ``scores``) removed. A row with no visible key returns zeros (the
-    kernels' convention: an empty sequence attends to nothing); any other row is an
-    honest softmax, so NaN in the query or in a visible key's score comes back NaN, as
-    it does from the kernels (``nan_to_num`` would hide it)."""
-    mask = mask.expand_as(scores)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+    broadcast to ``scores``) removed. An empty row, one whose softmax mass is 0 (no
+    visible key, or every visible score ``-inf``), returns zeros (the kernels'
+    convention: an empty sequence attends to nothing); any other row is an honest
+    softmax, so NaN in the query or in a visible key's score (or a ``+inf`` score)
+    comes back NaN, as it does from the kernels (``nan_to_num`` would hide it)."""
+    masked = scores.masked_fill(~mask.expand_as(scores), float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    return probs.masked_fill((masked == float("-inf")).all(dim=-1, keepdim=True), 0.0)
 
 
 def base2_lse(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """FlashInfer's log-sum-exp in base 2 over the last dim, in float64: ``log2(sum_j
     2**(s_j))`` with ``s_j = scores_j * log2(e)`` (``scores`` in natural units, ``scale *
     q.k``) over the keys ``mask`` (broadcast) keeps, which is ``logsumexp(scores) /
-    ln 2``; ``-inf`` for a row with no key."""
+    ln 2``; ``-inf`` for an empty row (:func:`masked_softmax`), NaN for a row with a NaN
+    or ``+inf`` score among its visible keys (whose output is NaN too)."""
     masked = scores.double().masked_fill(~mask.expand_as(scores), float("-inf"))
-    return torch.logsumexp(masked, dim=-1) / math.log(2.0)
+    lse = torch.logsumexp(masked, dim=-1) / math.log(2.0)
+    return lse.masked_fill(torch.isposinf(lse) | masked.isnan().any(dim=-1), float("nan"))
 
 
 def _attend(q, k, v, mask, scale: float, dtype: torch.dtype):
@@ -499,17 +503,14 @@ def merge_partials(partials, lse):
 
     ``partials [batch, heads, splits, head_dim]`` are each split's softmax-normalised
     output and ``lse [batch, heads, splits]`` its base-2 log-sum-exp of the scaled
-    scores (``-inf`` for a split that saw no key). A split of weight 0 contributes
-    nothing, even if its partial holds NaN; a row whose splits are all ``-inf``
-    becomes zeros. Returns ``[batch, heads, head_dim]`` float64.
+    scores (``-inf`` for a split that saw no key, NaN for one that saw a NaN). An empty
+    split contributes nothing, even if its partial holds NaN; a row whose splits are
+    all ``-inf`` becomes zeros; a split whose lse is NaN or ``+inf`` makes its row NaN
+    (:func:`pagedkv_lib.merge_state.merge_lse_weighted`). Returns ``[batch, heads,
+    head_dim]`` float64.
     """
     check_merge_args(partials, lse)
-    lse, part = lse.detach().cpu().double(), partials.detach().cpu().double()
-    m = lse.max(dim=-1, keepdim=True).values
-    w = torch.exp2(lse - torch.where(m == float("-inf"), 0.0, m))  # exactly 0 for -inf splits
-    part = torch.where(w[..., None] > 0, part, 0.0)  # 0 * NaN would be NaN
-    den = w.sum(-1, keepdim=True)
-    return (w[..., None] * part).sum(-2) / torch.where(den > 0, den, 1.0)
+    return merge_lse_weighted(partials, lse)[0]
 
 
 # --------------------------------------------------------------------------- rope

@@ -148,6 +148,21 @@ class PrefixCache:
         del self._block_of[h]
         return block, h, tokens
 
+    def forget(self, block: int) -> None:
+        """Drop ``block``'s entry (evictable or not): its bytes are no longer its hash's K/V."""
+        h, _ = self._entry_of.pop(block)
+        del self._block_of[h]
+        self._evictable.pop(block, None)
+
+    def snapshot(self) -> tuple:
+        """The cache's whole state (maps, LRU order, lookup counters), for :meth:`restore`."""
+        return dict(self._block_of), dict(self._entry_of), OrderedDict(self._evictable), self.queries, self.hits
+
+    def restore(self, state: tuple) -> None:
+        """Put back a :meth:`snapshot` (in place: references to this cache stay valid)."""
+        block_of, entry_of, evictable, self.queries, self.hits = state
+        self._block_of, self._entry_of, self._evictable = dict(block_of), dict(entry_of), OrderedDict(evictable)
+
     def entry_of(self, block: int) -> tuple[int, tuple[int, ...]] | None:
         """``(hash, token ids)`` cached for ``block``, or None."""
         return self._entry_of.get(block)

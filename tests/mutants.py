@@ -145,6 +145,36 @@ ROTARY_MUTANTS = [
     )
 ]
 
+# The rule NaN broke before issue 36: a row whose running sum is NaN counted as empty
+# (``l_i > 0`` false: LSE -inf), and the merge weighed it 0 like an empty split, so a NaN
+# in a visible key gave NaN with one split and a plausible finite answer with several.
+_LSE_NOW = """    empty = l_i == 0.0
+    return tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))"""
+_LSE_OLD = """    has = l_i > 0.0
+    return tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))"""
+_NAN_ROW = 'nan_row = tl.max(tl.where(lse < float("inf"), 0, 1), axis=0) != 0\n'
+_INVALID_AS_EMPTY = (
+    '    lse = tl.where(lse < float("inf"), lse, float("-inf"))  # the rest merges as if that split were empty\n'
+)
+NAN_IS_EMPTY = Mutant(
+    "nan_is_empty",
+    "a NaN row counts as empty: LSE -inf where l_i > 0 fails, and the merge drops it with the empty splits",
+    {
+        "device.attention_core": (
+            (_LSE_NOW, _LSE_OLD),
+            ("acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]", "acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]"),
+        ),
+        "merge": (
+            (_NAN_ROW + _INVALID_AS_EMPTY, _NAN_ROW.replace("0, 1)", "0, 0)")),
+            (
+                'part = tl.where(lse[:, None] == float("-inf"), 0.0, part)',
+                "part = tl.where(w[:, None] > 0.0, part, 0.0)",
+            ),
+        ),
+    },
+    "paged_decode_attention",
+)
+
 _BUILT: dict[str, object] = {}
 _TMP = Path(tempfile.mkdtemp(prefix="pagedkv-mutants-"))
 
@@ -203,3 +233,9 @@ def mla_append_one_row_past_its_page(ckv, kpe, ckv_cache, kpe_cache, slot_mappin
     slots = _past_its_page(slot_mapping, page_size, ckv_cache.shape[0] * page_size)
     kwargs = {} if rope is None else {"rope": rope, "positions": positions}
     mla.append_paged_mla_kv(ckv, kpe, ckv_cache, kpe_cache, slots, **kwargs)
+
+
+def package(mutant: Mutant):
+    """The mutant's whole package (built by :func:`build`), for its other entry points."""
+    build(mutant)
+    return sys.modules[f"kernels_mutant_{mutant.name}"]

@@ -28,7 +28,8 @@ READ_KERNELS = {
 CORE_CALLS = ("sequence_span(", "softmax_state(", "online_softmax_step(")
 SPLIT_KV_CALLS = ("split_tiles(", "store_partial(")
 # Text that only the core may hold: the guard of a row with no key yet, the rescaling,
-# FlashInfer's last-page-length rule, the split arithmetic, the lse formula.
+# FlashInfer's last-page-length rule, the split arithmetic, the lse formula, the test of
+# an empty row (l == 0; never l > 0, which NaN fails too: issue 36).
 CORE_ONLY = (
     'm_new == float("-inf")',
     "m_safe",
@@ -36,6 +37,8 @@ CORE_ONLY = (
     "num_pages - 1",
     "tiles_per_split",
     "tl.log2(",
+    "l_i == 0",
+    "l_i > 0",
 )
 
 

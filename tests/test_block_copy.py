@@ -163,6 +163,34 @@ def test_pools_that_overlap_or_do_not_match_are_refused():
         copy_paged_blocks(cache, **one, layout="NDH")
 
 
+@pytest.mark.parametrize("name", ["src_blocks", "dst_blocks", "num_tokens"])
+@pytest.mark.parametrize("written", ["cache", "dst_cache"])
+def test_index_tensors_inside_the_pool_the_copy_writes_are_refused(name, written):
+    """An index tensor viewing the pool being written (int32 ids stored in its bytes) was
+    accepted: the kernel read its pairs from memory it was overwriting. The indexer
+    scatter already refused this."""
+    source, target = _pool(), _pool()
+    pool = source if written == "cache" else target
+    ids = pool.view(torch.int32).flatten()
+    ids[:3] = torch.tensor([0, 1, 0], dtype=torch.int32)  # valid pairs, stored in the pool's first bytes
+    args = {"src_blocks": torch.tensor([0], device=DEV), "dst_blocks": torch.tensor([1], device=DEV),
+            "num_tokens": torch.tensor([0], device=DEV)}  # fmt: skip
+    args[name] = ids[("src_blocks", "dst_blocks", "num_tokens").index(name)].reshape(1)
+    snapshot = pool.clone()
+    with pytest.raises(ValueError, match=f"{name} overlaps the memory of {written}"):
+        copy_paged_blocks(source, **args, dst_cache=None if written == "cache" else target)
+    assert torch.equal(bits(pool), bits(snapshot))
+
+
+@pytest.mark.parametrize("name", ["src_blocks", "dst_blocks", "num_tokens"])
+def test_meta_index_tensors_are_refused_by_name(name):
+    """They gave torch's NotImplementedError: Cannot copy out of meta tensor."""
+    args = {k: torch.tensor([v], device=DEV) for k, v in (("src_blocks", 0), ("dst_blocks", 1), ("num_tokens", 0))}
+    args[name] = torch.zeros(1, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=f"{name} is on the meta device and holds no values"):
+        copy_paged_blocks(_pool(), **args)
+
+
 def test_run_refuses_pools_other_than_planned():
     cache = _pool()
     one = {k: torch.tensor([v], device=DEV) for k, v in (("src_blocks", 0), ("dst_blocks", 1), ("num_tokens", 0))}

@@ -463,6 +463,20 @@ def test_a_prompt_past_the_models_context_is_refused_before_loading_the_weights(
     assert "Traceback" not in err
 
 
+def test_a_negative_offload_block_count_is_refused_before_loading_the_weights(monkeypatch, capsys):
+    """It used to load the weights and then end in a traceback from Engine; now it is a
+    one-line usage error, exit status 2."""
+    from pagedkv_engine import weights
+    from pagedkv_engine.__main__ import main
+
+    monkeypatch.setattr(weights, "load_tokenizer", _WordTokenizer)
+    monkeypatch.setattr(weights, "load", lambda: pytest.fail("the weights were loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--raw", "--prompt", "a few words", "--offload-blocks", "-1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--offload-blocks: -1 must be >= 0" in err and "Traceback" not in err
+
+
 def _fake_model_file(tmp_path, monkeypatch, content: bytes):
     """A stand-in GGUF file and a conversion that only writes the cache's files (and
     counts its calls), so the cache's keying is tested without transformers' minute."""

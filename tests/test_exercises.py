@@ -3,8 +3,14 @@ message, planted bugs are reported with their case and a hint, and the notebooks
 learner opens are built from their sources, without outputs."""
 
 import json
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +117,92 @@ def test_a_kernel_that_crashes_the_process_fails_its_case_with_how_it_ended():
     assert "the kernel crashed the process (SIG" in result.message and "your notebook lives on" in result.message
 
 
+def _hanging_append(k, v, cache, slot_mapping, layout="NHD"):
+    """A learner's append that never returns (a while loop whose bound never comes); it
+    writes its process id to ``$HANG_PID_FILE`` first, if set."""
+    if pid_file := os.environ.get("HANG_PID_FILE"):
+        Path(pid_file).write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+
+def _wait_for_pid(pid_file: Path, timeout_s: float = 120.0) -> int | None:
+    """The process id the hanging append wrote, once it runs (None after ``timeout_s``)."""
+    for _ in range(int(timeout_s * 10)):
+        if pid_file.exists() and pid_file.read_text():
+            return int(pid_file.read_text())
+        time.sleep(0.1)
+    return None
+
+
+def test_a_hanging_kernel_fails_its_case_within_the_case_timeout_with_a_hang_hint(monkeypatch):
+    """The learner used to wait 900 s with no output, then read that the process died.
+    About 3 s (a 2 s case timeout)."""
+    from pagedkv_lab.exercises import cases
+
+    monkeypatch.setattr(cases, "CASE_TIMEOUT_S", 2.0)
+    start = time.perf_counter()
+    result = check("append_kernel", _hanging_append)
+    assert time.perf_counter() - start < 15
+    assert not result.passed and result.failure.case == 1, result.message
+    assert "no answer within 2 s" in result.message and "did not finish this case" in result.message
+    assert "died" not in result.message, result.message
+
+
+def test_an_interrupted_check_leaves_no_child_running(tmp_path, monkeypatch):
+    """A stop button (SIGINT) while a hanging kernel runs in the check's child: the
+    KeyboardInterrupt reaches the learner and the child is gone, not left at 100 % CPU
+    until the notebook's kernel exits. About 3 s."""
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("HANG_PID_FILE", str(pid_file))
+    parent = os.getpid()
+    threading.Thread(target=lambda: _wait_for_pid(pid_file) and os.kill(parent, signal.SIGINT), daemon=True).start()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            check("append_kernel", _hanging_append)
+        child = int(pid_file.read_text())
+        assert not _running(child), "the check's child outlived the interrupted check"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for child in multiprocessing.active_children():
+            child.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_checks_child_dies_with_the_process_that_started_it(tmp_path):
+    """A notebook kernel killed outright (SIGKILL: no exception, no cleanup) while its
+    check's child hangs: the child must die too. About 10 s (a fresh Python process)."""
+    pid_file = tmp_path / "child.pid"
+    code = "from test_exercises import _hanging_append, check; check('append_kernel', _hanging_append)"
+    env = {**os.environ, "HANG_PID_FILE": str(pid_file), "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=FOLDER.parent, env=env)
+    child = None
+    try:
+        child = _wait_for_pid(pid_file)
+        assert child is not None, "the check never called the learner's function"
+        parent.kill()
+        parent.wait()
+        for _ in range(50):
+            if not _running(child):
+                break
+            time.sleep(0.1)
+        assert not _running(child), "the check's child outlived the process that started it"
+    finally:
+        parent.kill()
+        if child is not None and _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
 def test_the_in_process_path_stays_an_explicit_option(monkeypatch):
     from pagedkv_lab.exercises import cases
 
@@ -173,6 +265,16 @@ def test_a_decode_numerics_failure_comes_without_the_rows_to_read_picture():
     result = check("decode_kernel", *[space[name] for name in EXERCISES["decode_kernel"].functions])
     assert not result.passed and "use qk_scale as given" in result.message, result.message
     assert result.failure.picture is None and "picture" not in result.message
+
+
+def test_an_infinite_decode_output_is_not_blamed_on_nan_from_unused_rows():
+    """A running sum that never grows, divided by without a guard: +-inf, no NaN. The hint
+    used to say NaN from the pool's unused rows got in."""
+    no_sum = ("l_i = l_i * alpha + tl.sum(p, axis=0)", "l_i = l_i * alpha")
+    space = load_solution(EXERCISES["decode_kernel"], replace=[no_sum, ("tl.where(l_i > 0, l_i, 1.0)", "l_i")])
+    result = check("decode_kernel", *[space[name] for name in EXERCISES["decode_kernel"].functions])
+    assert not result.passed and "the output is infinite (no NaN)" in result.message, result.message
+    assert "unused rows" not in result.message, result.message
 
 
 def test_locate_pow2_with_a_wrong_shift_gets_the_shift_and_mask_hint():

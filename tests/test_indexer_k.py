@@ -152,6 +152,9 @@ BAD = {
     "two tokens on one slot": ("slot_fp8", lambda a: a["slot_fp8"][:1].repeat(2), "write the same bytes"),
     "codes over a scale": ("slot_fp8", lambda a: torch.tensor([0, 64]), "write the same bytes"),
     "slot below -1": ("slot_fp8", lambda a: torch.tensor([-2, 16]), "slot_fp8[0]=-2"),
+    # slot + size wrapped around int64 and passed the bound check; the kernel then segfaulted
+    "slot near 2**63": ("slot_fp8", lambda a: torch.tensor([2**63 - 8, 16]), "slot_fp8[0]=9223372036854775800"),
+    "scale slot near 2**63": ("slot_scale", lambda a: torch.tensor([2**63 - 2, 84]), "slot_scale[0]=922337203685477"),
     "padding in one mapping only": ("slot_scale", lambda a: torch.tensor([-1, 84]), "a padding token is -1 in both"),
     "float slots": ("slot_fp8", lambda a: a["slot_fp8"].float(), "slot_fp8 must be"),
     "slot count": ("slot_scale", lambda a: a["slot_scale"][:1], "slot_scale has 1 entries"),
@@ -183,6 +186,15 @@ def test_inputs_off_the_kernels_device_are_refused():
         indexer_k_cache_scatter(**args)
 
 
+@pytest.mark.parametrize("name", ["slot_fp8", "slot_scale"])
+def test_meta_slot_tensors_are_refused_by_name(name):
+    """They gave torch's NotImplementedError: Cannot copy out of meta tensor."""
+    args = {k: v.to(DEV) for k, v in _valid().items()}
+    args[name] = torch.zeros(2, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=f"{name} is on the meta device and holds no values"):
+        indexer_k_cache_scatter(**args)
+
+
 def test_run_refuses_a_pool_or_inputs_other_than_planned():
     args = {k: v.to(DEV) for k, v in _valid().items()}
     plan = plan_indexer_k_scatter(**args)
@@ -191,6 +203,13 @@ def test_run_refuses_a_pool_or_inputs_other_than_planned():
         run_indexer_k_scatter(plan, contiguous, args["codes"], args["scales"])
     with pytest.raises(ValueError, match="codes.dtype=torch.int8"):
         run_indexer_k_scatter(plan, args["k_cache"], args["codes"].view(torch.int8), args["scales"])
+
+
+@pytest.mark.parametrize("seq_len", [-1, 2.0, True])
+def test_topk_refuses_a_seq_len_that_is_not_a_count_by_name(seq_len):
+    pool = IndexerKPool(3, 4, 8, num_layers=1)
+    with pytest.raises(ValueError, match=re.escape(f"seq_len={seq_len!r} must be an int >= 0")):
+        indexer_topk(torch.zeros((2, 8)), torch.ones(2), pool.cache(0), torch.tensor([0, 1]), seq_len, 8, top_k=1)
 
 
 def test_topk_scores_relu_per_indexer_head_then_weights():

@@ -8,6 +8,7 @@ import torch
 
 from pagedkv_lib.block_copy import copy_blocks
 from pagedkv_lib.manager import KVCacheManager
+from pagedkv_lib.sharing import block_hash
 
 PS, LAYERS = 2, 3
 
@@ -139,6 +140,170 @@ def test_secondary_blocks_need_a_prefix_cache_and_a_copy_fn():
         KVCacheManager(4, PS, prefix_cache=True, secondary_blocks=2)
     with pytest.raises(ValueError, match="secondary_blocks"):
         KVCacheManager(4, PS, secondary_blocks=-1)
+
+
+# --------------------------------------------------------------------------- a copy that fails
+# A copy function may raise (a KeyboardInterrupt in a notebook, a device error) after
+# writing some of its destinations. The operation is then undone: the manager is exactly
+# as before, except entries whose storage a started copy wrote are forgotten, and no
+# entry that remains names bytes other than its hash's K/V.
+
+
+class Interrupted(Pools):
+    """Pools whose copy function, on its ``fail_at``-th call, fills the call's destination
+    blocks with NaN (a copy that died half way) and raises KeyboardInterrupt."""
+
+    fail_at = 0
+
+    def copy(self, kind, src, dst, num_tokens):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls != self.fail_at:
+            return super().copy(kind, src, dst, num_tokens)
+        (self.secondary if kind == "offload" else self.primary)[:, dst] = float("nan")
+        raise KeyboardInterrupt
+
+
+def state(mgr) -> dict:
+    """Everything the manager keeps: tables, refcounts, free lists in order, both levels'
+    entries in LRU order, counters, pending copies."""
+    cache, sec, alloc = mgr.prefix_cache, mgr.secondary, mgr.allocator
+    return {
+        "tables": {s: (mgr.block_table(s), mgr.seq_len(s), mgr.committed_len(s)) for s in mgr.sequences},
+        "refcounts": [mgr.refcount(b) for b in range(mgr.num_blocks)],
+        "free": list(alloc._free),
+        "cache": {b: cache.entry_of(b) for b in range(mgr.num_blocks) if b in cache},
+        "evictable": cache.evictable_blocks(),
+        "lookups": (cache.queries, cache.hits),
+        "secondary": sec.entries(),
+        "secondary_free": list(sec._free),
+        "stats": dict(vars(sec.stats)),
+        "pending": list(mgr._copies),
+    }
+
+
+def truth_of(mgr, pools) -> dict:
+    """Hash -> the K/V bytes (every layer) of each cached block of either level."""
+    truth = {h: pools.secondary[:, b].clone() for b, h, _ in mgr.secondary.entries()}
+    for b in range(mgr.num_blocks):
+        if (entry := mgr.prefix_cache.entry_of(b)) is not None:
+            truth[entry[0]] = pools.primary[:, b].clone()
+    return truth
+
+
+def assert_entries_hold_their_bytes(mgr, pools, truth):
+    for b, h, _ in mgr.secondary.entries():
+        assert torch.equal(pools.secondary[:, b], truth[h]), f"secondary block {b} does not hold hash {h}'s K/V"
+    for b in range(mgr.num_blocks):
+        if (entry := mgr.prefix_cache.entry_of(b)) is not None:
+            assert torch.equal(pools.primary[:, b], truth[entry[0]]), f"cached page {b} does not hold its K/V"
+
+
+def roomy(pools):
+    """8 pages, 4 secondary blocks: a's two full blocks offloaded into free secondary
+    blocks by b's admission (b never committed, so freeing it frees all 8 pages)."""
+    mgr = KVCacheManager(8, PS, prefix_cache=True, copy_fn=pools.copy, secondary_blocks=4)
+    serve(mgr, pools, "a", [1, 2, 3, 4, 5], seed=0)
+    mgr.free_sequence("a")
+    return mgr
+
+
+def admit_b(mgr, pools):  # evicts a's two blocks into free secondary blocks: 2 offloads
+    pools.write(mgr.admit("b", list(range(20, 35))).slots, seed=1)
+
+
+def offload_two(mgr, pools):
+    return lambda: admit_b(mgr, pools)
+
+
+def restore_two(mgr, pools):  # a's two blocks come back into free pages: 2 restores
+    admit_b(mgr, pools)
+    mgr.free_sequence("b")
+    return lambda: mgr.admit("c", [1, 2, 3, 4, 5, 6])
+
+
+def copy_on_write(mgr, pools):  # a fork's first write into its shared partial page: 1 copy
+    serve(mgr, pools, "d", [7, 8, 9], seed=3)
+    mgr.fork("d", "e")
+    return lambda: mgr.append_tokens("e", 1, [10])
+
+
+OPERATIONS = {
+    "offload": offload_two,
+    "restore": restore_two,
+    "copy_on_write": copy_on_write,
+}
+
+
+@pytest.mark.parametrize(
+    "operation, fail_at", [("offload", 1), ("offload", 2), ("restore", 1), ("restore", 2), ("copy_on_write", 1)]
+)
+def test_a_copy_that_raises_into_free_storage_leaves_the_manager_exactly_as_before(operation, fail_at):
+    """Every destination was free before the call: nothing may be forgotten. The same
+    operation then succeeds, and every entry holds its K/V (well under 0.1 s each)."""
+    pools = Interrupted(8, 4)
+    mgr = roomy(pools)
+    call = OPERATIONS[operation](mgr, pools)
+    before, truth = state(mgr), truth_of(mgr, pools)
+    pools.calls, pools.fail_at = 0, fail_at
+    with pytest.raises(KeyboardInterrupt):
+        call()
+    assert state(mgr) == before
+    mgr.check_integrity()
+    assert_entries_hold_their_bytes(mgr, pools, truth)
+    pools.fail_at = 0
+    call()
+    mgr.check_integrity()
+
+
+def tight():
+    """3 pages and 2 secondary blocks (the first test's pools): a's two blocks offloaded
+    by b's admission; c's admission of a's prefix then restores them while evicting b's
+    (restore into the free page, offload b2 over a1's secondary block, restore into b2's
+    page, offload b1 over a2's block)."""
+    pools = Interrupted(3, 2)
+    mgr = KVCacheManager(3, PS, prefix_cache=True, copy_fn=pools.copy, secondary_blocks=2)
+    serve(mgr, pools, "a", [1, 2, 3, 4, 5], seed=0)
+    mgr.free_sequence("a")
+    serve(mgr, pools, "b", [9, 8, 7, 6, 5], seed=1)
+    mgr.free_sequence("b")
+    return mgr, pools
+
+
+A1, A2 = block_hash(None, [1, 2]), block_hash(block_hash(None, [1, 2]), [3, 4])
+B2 = block_hash(block_hash(None, [9, 8]), [7, 6])  # b's last full block: freed last, evicted first
+
+
+@pytest.mark.parametrize(
+    "fail_at, forgotten",
+    [(1, set()), (2, {A1}), (3, {A1, B2}), (4, {A1, A2, B2})],
+    ids=["restore_into_a_free_page", "offload_over_a1", "restore_into_b2s_page", "offload_over_a2"],
+)
+def test_a_copy_that_raises_forgets_only_the_entries_whose_storage_it_wrote(fail_at, forgotten):
+    """Each copy of c's admission raises in turn, after writing NaN into its destination.
+    Undone, the manager equals its state before the call with exactly the entries whose
+    storage a started copy wrote forgotten (the rest of their state as before), and a
+    later hit never restores garbage (well under 0.1 s each)."""
+    mgr, pools = tight()
+    before, truth = state(mgr), truth_of(mgr, pools)
+    pools.calls, pools.fail_at = 0, fail_at
+    with pytest.raises(KeyboardInterrupt):
+        mgr.admit("c", [1, 2, 3, 4, 5])
+    mgr.check_integrity()
+    after = state(mgr)
+    for level in ("cache", "secondary"):
+        before_hashes = {e[0] for e in before[level].values()} if level == "cache" else {h for _, h, _ in before[level]}
+        after_hashes = {e[0] for e in after[level].values()} if level == "cache" else {h for _, h, _ in after[level]}
+        assert before_hashes - after_hashes == forgotten & before_hashes, level
+        assert after_hashes <= before_hashes, level
+    kept = {b: e for b, e in before["cache"].items() if e[0] not in forgotten}
+    assert after["cache"] == kept and after["tables"] == before["tables"] and after["lookups"] == before["lookups"]
+    assert after["secondary"] == [e for e in before["secondary"] if e[1] not in forgotten]
+    assert after["stats"]["drops"] == before["stats"]["drops"] + len(forgotten & {A1, A2})
+    assert_entries_hold_their_bytes(mgr, pools, truth)
+    pools.fail_at = 0
+    adm = serve(mgr, pools, "c", [1, 2, 3, 4, 5], seed=2)
+    assert adm.num_cached_tokens == (0 if A1 in forgotten else 4 if A2 not in forgotten else 2)
+    assert_entries_hold_their_bytes(mgr, pools, truth | truth_of(mgr, pools))
 
 
 # --------------------------------------------------------------------------- the engine

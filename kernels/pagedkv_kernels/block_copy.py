@@ -29,6 +29,7 @@ from .host.launch import fingerprint, int32_on_device
 from .host.tiles import write_tiles
 from .host.validate import (
     check_device,
+    check_disjoint,
     check_in_storage,
     check_index_tensor,
     check_no_overlap,
@@ -106,11 +107,14 @@ def plan_block_copy(cache, src_blocks, dst_blocks, num_tokens, layout: str = "NH
             check_device(name, t)
     for name, t in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks), ("num_tokens", num_tokens)):
         check_index_tensor(name, t)
-    check_no_self_overlap("dst_cache" if dst_cache is not None else "cache", written)
+    written_name = "dst_cache" if dst_cache is not None else "cache"
+    check_no_self_overlap(written_name, written)
     check_in_storage("cache", cache)
     if dst_cache is not None:
         check_in_storage("dst_cache", dst_cache)
         check_no_overlap("dst_cache", dst_cache, "cache", cache)
+    pairs = [("src_blocks", src_blocks), ("dst_blocks", dst_blocks), ("num_tokens", num_tokens)]
+    check_disjoint([(written_name, written)], pairs)  # ids stored in the pool being written
     _, _, page_size, heads, head_dim = pool_dims(cache, layout)
     device = cache.device
     return BlockCopyPlan(
@@ -173,6 +177,7 @@ def copy_paged_blocks(cache, src_blocks, dst_blocks, num_tokens, layout: str = "
     :func:`pagedkv_lib.block_copy.copy_blocks` bit for bit. Raises ValueError naming
     the argument before anything is launched: a block id outside its pool, a count
     above ``page_size``, two pairs writing one block, inside one pool a destination
-    that is also a source, pools that overlap, wrong dtypes, shapes or devices.
+    that is also a source, pools that overlap, an index tensor inside the pool written,
+    wrong dtypes, shapes or devices.
     """
     run_block_copy(plan_block_copy(cache, src_blocks, dst_blocks, num_tokens, layout, dst_cache), cache, dst_cache)

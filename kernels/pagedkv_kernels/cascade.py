@@ -12,7 +12,9 @@ returns). The states of disjoint key sets merge into the state of their union:
 
 An empty state (no keys: ``s = -inf``) weighs exactly 0 and its ``v`` is never
 multiplied (``0 * NaN`` would be NaN); a row whose states are all empty merges to ``v =
-0``, ``s = -inf`` (FlashInfer leaves that case undefined). The merge is the
+0``, ``s = -inf`` (FlashInfer leaves that case undefined). NaN is never an empty state:
+a state whose ``s`` is NaN (its keys held a NaN) or ``+inf`` makes the merged row NaN,
+``v`` and ``s`` (:mod:`pagedkv_kernels.merge` says how it is detected). The merge is the
 split-KV merge's kernel (:func:`pagedkv_kernels.merge.merge_kernel`), with the merged log-sum-exp
 written too; :func:`pagedkv_lib.merge_state.merge_states` is the float64 twin.
 
@@ -29,13 +31,17 @@ from __future__ import annotations
 from pagedkv_lib import runtime  # noqa: F401  (must run before triton is imported)
 
 # isort: split
+import re
+
 import torch
 
 from pagedkv_lib import checks
+from pagedkv_lib.cache_layouts import kv_cache_view
+from pagedkv_lib.formats import index_tensor
 
-from .host.validate import MAX_SPLITS, check_device
+from .host.validate import MAX_SPLITS, check_device, host_copy
 from .merge import launch_merge
-from .prefill import paged_prefill_attention
+from .prefill import plan_prefill, run_prefill
 
 __all__ = ["merge_state", "merge_states", "cascade_attention"]
 
@@ -52,7 +58,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     Returns:
         ``(v_merged [seq_len, num_heads, head_dim]`` in ``v.dtype``, ``s_merged
         [seq_len, num_heads]`` fp32``)`` by the formula of the module docstring; all
-        states empty gives zeros and ``-inf``.
+        states empty gives zeros and ``-inf``; a state with ``s`` NaN or ``+inf`` gives
+        NaN for its row's ``v_merged`` and ``s_merged``.
 
     Raises:
         ValueError naming the argument (shapes, dtypes, device, 1 to ``MAX_SPLITS``
@@ -74,8 +81,8 @@ def merge_state(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention states (FlashInfer's ``merge_state``): ``v_a, v_b [seq_len,
     num_heads, head_dim]`` (one dtype), ``s_a, s_b [seq_len, num_heads]`` fp32 base-2
     log-sum-exps. Returns ``(v [seq_len, num_heads, head_dim]`` in ``v_a.dtype``, ``s
-    [seq_len, num_heads]`` fp32``)`` as :func:`merge_states` of the two; ValueError
-    naming the argument on bad input."""
+    [seq_len, num_heads]`` fp32``)`` as :func:`merge_states` of the two (empty states,
+    NaN and ``+inf`` as there); ValueError naming the argument on bad input."""
     checks.check_state_pair(v_a, s_a, v_b, s_b)
     return merge_states(torch.stack((v_a, v_b), dim=1), torch.stack((s_a, s_b), dim=1))
 
@@ -112,17 +119,49 @@ def cascade_attention(
     so every prefix K/V tile is loaded once for all requests) and its suffix up to
     itself (a causal pass); :func:`merge_state` joins the two. Returns ``[total_q,
     num_q_heads, head_dim]`` in ``q.dtype``, equal within the prefill tolerances to
-    attention over ``prefix + suffix``. ValueError naming the argument from either pass.
+    attention over ``prefix + suffix``; a NaN in a query, or in a key it sees (prefix or
+    suffix), makes its row NaN. Raises ValueError naming the argument (these names, not
+    the passes' own) before either pass is launched.
     """
+    prefix_table, prefix_lens, all_q = _prefix_pass_args(q, cache, layout, shared_pages, shared_len)
+    suffix_names = {"block_tables": "suffix_tables", "seq_lens": "suffix_lens"}
+    with _named_as(suffix_names):
+        suffix = plan_prefill(q, cache, qo_indptr, suffix_tables, suffix_lens, layout, None, scale, causal=True)
+    with _named_as({"block_tables[0, ": "shared_pages[", "seq_lens[0]": "shared_len"}):
+        prefix = plan_prefill(q, cache, all_q, prefix_table, prefix_lens, layout, None, scale, causal=False)
+    v_suf, s_suf = run_prefill(suffix, q, cache, return_lse=True)
+    v_pre, s_pre = run_prefill(prefix, q, cache, return_lse=True)
+    return merge_state(v_pre, s_pre, v_suf, s_suf)[0]
+
+
+def _prefix_pass_args(q, cache, layout: str, shared_pages, shared_len: int) -> tuple:
+    """``(block_tables [1, pages], seq_lens [1], qo_indptr [2])`` of the prefix pass (one
+    request of every query, on ``q``'s device), after checking ``shared_len`` and that
+    ``shared_pages`` is a 1-D integer tensor with a page for every prefix token."""
     if not isinstance(shared_len, int) or isinstance(shared_len, bool) or shared_len < 0:
         raise ValueError(f"shared_len={shared_len!r} must be an int >= 0")
-    prefix_table = torch.as_tensor(shared_pages).reshape(1, -1)
-    prefix_lens = torch.tensor([shared_len], dtype=torch.int32, device=prefix_table.device)
-    all_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=prefix_table.device)
-    v_suf, s_suf = paged_prefill_attention(
-        q, cache, qo_indptr, suffix_tables, suffix_lens, layout, None, scale, causal=True, return_lse=True
-    )
-    v_pre, s_pre = paged_prefill_attention(
-        q, cache, all_q, prefix_table, prefix_lens, layout, None, scale, causal=False, return_lse=True
-    )
-    return merge_state(v_pre, s_pre, v_suf, s_suf)[0]
+    pages = index_tensor("shared_pages", host_copy(shared_pages), 1)
+    page_size = kv_cache_view(cache, layout).dims.page_size
+    if pages.numel() * page_size < shared_len:
+        raise ValueError(f"shared_pages has {pages.numel()} pages of {page_size} tokens; shared_len={shared_len}")
+    device = shared_pages.device if isinstance(shared_pages, torch.Tensor) else q.device
+    table = torch.as_tensor(shared_pages, device=device).reshape(1, -1)
+    lens = torch.tensor([shared_len], dtype=torch.int32, device=device)
+    return table, lens, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=device)
+
+
+class _named_as:
+    """Re-raise a ValueError of a pass with the cascade's names for its arguments
+    (``names``: the pass's text -> the cascade's)."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self.pattern = re.compile("|".join(rf"\b{re.escape(k)}" for k in names))
+        self.names = names
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if kind is ValueError:
+            raise ValueError(self.pattern.sub(lambda m: self.names[m.group(0)], str(err))) from None
+        return False

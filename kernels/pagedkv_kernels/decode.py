@@ -15,9 +15,10 @@ Split-KV (flash-decoding) runs in two stages:
 1. grid ``(batch, num_kv_heads, num_splits)``: split ``s`` handles a contiguous run of
    tiles and writes its normalised partial output ``o_s`` and log-sum-exp ``lse_s``
    (base 2); a split that starts past the sequence's end writes ``o_s = 0`` and
-   ``lse_s = -inf``;
+   ``lse_s = -inf``, a split whose keys held a NaN ``lse_s = NaN``;
 2. the merge (:mod:`pagedkv_kernels.merge`): ``out = sum_s 2**(lse_s - m) o_s / sum_s 2**(lse_s - m)``
-   with ``m = max_s lse_s``; a row whose splits are all empty (length 0) becomes zeros.
+   with ``m = max_s lse_s``; a row whose splits are all empty (length 0) becomes zeros,
+   a row with a NaN split NaN (so every split count gives NaN where one split does).
 
 With one split, stage 1 writes the final output directly and the merge is skipped.
 
@@ -369,8 +370,9 @@ def paged_decode_attention(
         ``[batch, num_q_heads, head_dim]`` in ``q.dtype`` (softmax and accumulation in fp32);
         with ``return_lse=True`` ``(out, lse)``, ``lse [batch, num_q_heads]`` fp32 in
         **base 2** (FlashInfer's definition): ``lse = log2(sum_j 2**(s_j))`` over the
-        visible keys, ``s_j = scale * log2(e) * q.k_j``; ``-inf`` for length 0. With
-        several splits the splits' lse merge into it (:func:`pagedkv_kernels.merge.merge_kernel`).
+        visible keys, ``s_j = scale * log2(e) * q.k_j``; ``-inf`` for length 0, NaN for a
+        row that saw a NaN (its output NaN too, with any number of splits). With several
+        splits the splits' lse merge into it (:func:`pagedkv_kernels.merge.merge_kernel`).
 
     Raises:
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths,

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from pagedkv_lib.indexer_cache import SCALE_BYTES, check_indexer_scatter_args
 
-from .host.launch import fingerprint
+from .host.launch import fingerprint, owned_copy
 from .host.tiles import pow2
 from .host.validate import (
     check_device,
@@ -128,8 +128,8 @@ def plan_indexer_k_scatter(k_cache, codes, scales, slot_fp8, slot_scale) -> Inde
     device = k_cache.device
     return IndexerScatterPlan(
         cache=fingerprint(k_cache),
-        slot_fp8=slot_fp8.to(device=device, dtype=torch.int64).contiguous(),
-        slot_scale=slot_scale.to(device=device, dtype=torch.int64).contiguous(),
+        slot_fp8=owned_copy(slot_fp8, device, torch.int64),
+        slot_scale=owned_copy(slot_scale, device, torch.int64),
         num_tokens=codes.shape[0],
         head_dim=codes.shape[1],
     )

@@ -8,10 +8,21 @@ merge weighs them by their share of the row's softmax mass:
     out = sum_s 2**(lse_s - m) * o_s / sum_s 2**(lse_s - m),   m = max_s lse_s
     lse = m + log2(sum_s 2**(lse_s - m))                        (with WRITE_LSE)
 
-A split that saw no key has ``lse_s = -inf`` and weight exactly 0; its partial is
-never multiplied (``0 * NaN`` would be NaN), and a row whose splits are all empty
-becomes zeros (and ``lse = -inf``). :func:`pagedkv_lib.reference.merge_partials` and
-:func:`pagedkv_lib.merge_state.merge_states` are the float64 twins.
+NaN is never an empty state (the rule of :mod:`pagedkv_kernels.device.attention_core`):
+
+* an *empty* split (``lse_s = -inf``: it saw no key) weighs exactly 0 and its partial
+  is never multiplied (``0 * NaN`` would be NaN); a row whose splits are all empty
+  becomes zeros and ``lse = -inf``;
+* a split whose ``lse_s`` is NaN (it saw a NaN) or ``+inf`` (no finite scores give it)
+  makes the whole row NaN, output and ``lse``. It is detected explicitly, with an
+  ordered comparison (``lse_s < inf`` is false for both), not left to ``max``, which a
+  GPU computes without NaN (the NaN split would drop out and the others give a
+  plausible, wrong answer);
+* every other split is multiplied by its weight, even one that underflows to 0, so a
+  NaN in its partial (NaN in a visible value) reaches the output as it does unsplit.
+
+:func:`pagedkv_lib.reference.merge_partials` and :func:`pagedkv_lib.merge_state.merge_states`
+are the float64 twins.
 """
 
 from __future__ import annotations
@@ -56,20 +67,24 @@ def merge_kernel(
     s_mask = offs_s < num_splits
     d_mask = offs_d < head_dim
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=s_mask, other=float("-inf"))
+    # NaN or +inf: the row is NaN. Found by an ordered comparison, never by max (see above).
+    nan_row = tl.max(tl.where(lse < float("inf"), 0, 1), axis=0) != 0
+    lse = tl.where(lse < float("inf"), lse, float("-inf"))  # the rest merges as if that split were empty
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh exactly 0
     part_ptrs = part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd
     part = tl.load(part_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    part = tl.where(w[:, None] > 0.0, part, 0.0)  # a weightless split adds nothing, NaN included
+    part = tl.where(lse[:, None] == float("-inf"), 0.0, part)  # an empty split adds nothing, NaN included
     num = tl.sum(w[:, None] * part, axis=0)
     den = tl.sum(w, axis=0)
     has = den > 0.0
     out = num / tl.where(has, den, 1.0)  # every split empty (length 0): zeros, not NaN
+    out = tl.where(nan_row, float("nan"), out)
     out_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od
     tl.store(out_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=d_mask)
     if WRITE_LSE:
         merged = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
-        tl.store(out_lse_ptr + b * stride_olb + h * stride_olh, merged)
+        tl.store(out_lse_ptr + b * stride_olb + h * stride_olh, tl.where(nan_row, float("nan"), merged))
 
 
 def launch_merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor | None = None) -> None:
@@ -102,8 +117,9 @@ def launch_merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_l
 def merge_partials(partials: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Stage 2 alone: merge ``partials [batch, heads, splits, head_dim]`` fp32 with their
     base-2 ``lse [batch, heads, splits]`` fp32 into ``[batch, heads, head_dim]`` of
-    ``dtype`` (default fp32). Rows whose splits are all ``-inf`` become zeros; a split
-    of weight 0 contributes nothing even if its partial holds NaN. Raises ValueError
+    ``dtype`` (default fp32). Rows whose splits are all ``-inf`` become zeros; an empty
+    split contributes nothing even if its partial holds NaN; a split whose lse is NaN or
+    ``+inf`` makes its row NaN (the module docstring's rules). Raises ValueError
     naming the argument (shapes, dtypes other than fp32, device, 1 to ``MAX_SPLITS``
     splits)."""
     checks.check_merge_args(partials, lse)

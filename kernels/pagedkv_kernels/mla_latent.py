@@ -151,7 +151,8 @@ def mla_latent_attention(
 
     Returns ``o [batch, num_heads, kv_lora_rank]`` in ``q_nope.dtype``, the softmax-
     weighted sum of ``c_kv`` under scores ``scale * (q_nope . c_kv + q_pe . k_pe)`` (with
-    ``return_lse``: ``(o, lse [batch, num_heads] fp32)``); length 0 gives zeros, ``-inf``.
+    ``return_lse``: ``(o, lse [batch, num_heads] fp32)``); length 0 gives zeros, ``-inf``;
+    a row that saw a NaN gives NaN, ``o`` and ``lse``, with any number of splits.
 
     Raises ValueError naming the argument (shapes, a ``q_nope`` not as wide as the latent,
     dtypes, devices, page ids, lengths, ``scale``, ``num_splits``) before any launch.

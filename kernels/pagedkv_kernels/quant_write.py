@@ -282,15 +282,15 @@ def _check_inputs(k, v, pool, q) -> None:
         check_no_self_overlap("q", q)
 
 
-def _check_apart(plan: QuantAppendPlan, k, v, pool, q) -> None:
-    """Every tensor the launch reads (``k``, ``v``, the global scale, the planned index
-    and V-tail tensors) apart from every tensor it writes (codes, scales, ``q`` rotated
-    in place), and the written ones apart from each other."""
+def _check_apart(k, v, pool, q, index, v_tail) -> None:
+    """Every tensor the launch reads (``k``, ``v``, the global scale, the index
+    ``(name, tensor)`` pairs and the V-tail tables: the caller's when planning, the plan's
+    own copies when running) apart from every tensor it writes (codes, scales, ``q``
+    rotated in place), and the written ones apart from each other."""
     written = [("pool.data", pool.data), ("pool.scales", pool.scales), ("q", q)]
-    read = [("k", k), ("v", v), ("pool.global_scale", pool.global_scale)]
-    read += plan.index.named()
-    if plan.v_tail is not None:
-        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), plan.v_tail.tables))
+    read = [("k", k), ("v", v), ("pool.global_scale", pool.global_scale), *index]
+    if v_tail is not None:
+        read += list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), v_tail))
     check_disjoint(written, read)
 
 
@@ -332,6 +332,7 @@ def _memory_key(k, v, pool, q) -> tuple:
 
 
 def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppendPlan:
+    _check_apart(k, v, pool, q, index.items(), v_tail)
     num_q_heads = 0 if q is None else q.shape[1]
     plan = QuantAppendPlan(
         pool=pool_fingerprint(pool),
@@ -357,7 +358,6 @@ def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppe
         checked=_memory_key(k, v, pool, q),
         index=TokenIndex.of(**index),
     )
-    _check_apart(plan, k, v, pool, q)
     return plan
 
 
@@ -441,7 +441,7 @@ def _check_run_inputs(plan: QuantAppendPlan, k, v, pool, q) -> None:
     ):
         raise ValueError(f"q has shape {tuple(q.shape)} and {q.dtype}; the plan was made for another q")
     _check_inputs(k, v, pool, q)
-    _check_apart(plan, k, v, pool, q)
+    _check_apart(k, v, pool, q, plan.index.named(), None if plan.v_tail is None else plan.v_tail.tables)
 
 
 def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:

@@ -34,7 +34,7 @@ from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
 
 from .device.addressing import cache_offset
-from .host.launch import fingerprint
+from .host.launch import fingerprint, owned_copy
 from .host.tiles import write_tiles
 from .host.validate import (
     check_device,
@@ -94,8 +94,8 @@ class VTailPlan:
 
     ``targets`` are the :func:`pagedkv_kernels.host.launch.fingerprint` of each pool tensor zeroed
     (the MHA pool; or a quantized pool's codes and, if it has them, scales), all in
-    ``layout``; ``tables`` are ``(kv_indptr, kv_indices, kv_last_page_len)``, the
-    caller's device tensors made contiguous.
+    ``layout``; ``tables`` are ``(kv_indptr, kv_indices, kv_last_page_len)``, contiguous
+    copies of the caller's device tensors (the plan's own).
     """
 
     layout: str
@@ -105,9 +105,10 @@ class VTailPlan:
 
 def v_tail_tensors(cache, layout, zero_v_tail, written):
     """The three V-tail tensors ``(kv_indptr, kv_indices, kv_last_page_len)`` made
-    contiguous, after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args`
-    against ``cache`` in ``layout``, with ``written`` the slots this launch writes, or
-    None) and the launch checks; raises ``ValueError`` naming the argument."""
+    contiguous (still the caller's, for the overlap checks; :func:`v_tail_plan` copies
+    them), after the value checks (:func:`pagedkv_lib.checks.check_v_tail_args` against
+    ``cache`` in ``layout``, with ``written`` the slots this launch writes, or None) and
+    the launch checks; raises ``ValueError`` naming the argument."""
     if not isinstance(zero_v_tail, tuple) or len(zero_v_tail) != 3:
         raise ValueError("zero_v_tail must be a tuple (kv_indptr, kv_indices, kv_last_page_len)")
     for name, t in zip(_TABLES, zero_v_tail):
@@ -119,8 +120,9 @@ def v_tail_tensors(cache, layout, zero_v_tail, written):
 def v_tail_plan(targets, layout: str, tables) -> VTailPlan:
     """The :class:`VTailPlan` zeroing ``targets`` (pool tensors already checked by the
     caller; None entries are skipped) with ``tables`` already checked by
-    :func:`v_tail_tensors`."""
-    return VTailPlan(layout, tuple(fingerprint(t) for t in targets if t is not None), tables)
+    :func:`v_tail_tensors`, which the plan copies (its own: a caller's later change is not
+    seen)."""
+    return VTailPlan(layout, tuple(fingerprint(t) for t in targets if t is not None), tuple(map(owned_copy, tables)))
 
 
 def plan_v_tail(cache, kv_indptr, kv_indices, kv_last_page_len, layout: str = "NHD") -> VTailPlan:

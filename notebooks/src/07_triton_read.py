@@ -534,11 +534,14 @@ display(viz.source_code(production_merge.merge_kernel))
 # 2. **Masks for any group and head_dim.** `BLOCK_G = next_pow2(group)` and
 #    `BLOCK_D = next_pow2(head_dim)` lanes, masked: group 5 and head_dim 80 work, where
 #    our `tl.arange(0, HEAD_DIM)` needs a power of two.
-# 3. **Empty sequences and empty splits.** A length-0 sequence never enters the loop:
-#    step (a) then divides 0 by 0. Production keeps `m` finite for rows that saw no key
-#    (`m_safe` in `online_softmax_step`), stores zeros where `l_i == 0`
-#    (`attention_core.store_partial`), and its merge gives a weightless split
-#    nothing, even a NaN partial.
+# 3. **Empty sequences and empty splits, and NaN.** A length-0 sequence never enters the
+#    loop: step (a) then divides 0 by 0. Production keeps `m` finite for rows that saw no
+#    key (`m_safe` in `online_softmax_step`), stores zeros and LSE `-inf` where `l_i == 0`
+#    (`attention_core.normalised_rows`, `row_lse`), and its merge gives such an empty
+#    split nothing, even a NaN partial. A NaN is never an empty split: a NaN among the
+#    keys a row sees makes its `l_i` NaN, so its LSE is NaN and the merge makes the whole
+#    row NaN, whatever the split count (`l_i > 0` would have called it empty, and a
+#    plausible answer would come out of the other splits).
 # 4. **A split count chosen for the device.** `choose_num_splits` splits only when the
 #    batch alone leaves SMs idle, gives every split at least 256 tokens, and never splits
 #    in the interpreter, which runs programs one after another.

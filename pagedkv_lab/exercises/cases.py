@@ -6,7 +6,10 @@ The kernel exercises run their cases in a forked child process
 kernel that writes far outside its tensors (a heap corruption, ``free(): invalid
 size``) or hangs ends the child, not the learner's Jupyter kernel, and comes back as a
 message naming the case that was running. The child is forked, so it inherits the
-process's whole state: the learner's functions, the backend, every setting.
+process's whole state: the learner's functions, the backend, every setting. A case that
+runs longer than :data:`CASE_TIMEOUT_S` is a hang: the child is killed and the message
+says so, that many seconds after the case began; the child also dies with the check
+(a stop button, the notebook's kernel ending).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from pathlib import Path
 from pagedkv_lab.exercises.result import CheckResult, Failure, LearnerError, show, where_in_learner_code
 from pagedkv_lab.verify.isolation import can_isolate, run_isolated
 
-__all__ = ["Case", "Mismatch", "run_cases", "first_wrong_index", "as_ints", "CHECK_TIMEOUT_S"]
+__all__ = ["Case", "Mismatch", "run_cases", "first_wrong_index", "as_ints", "CASE_TIMEOUT_S"]
 
-CHECK_TIMEOUT_S = 900.0  # a whole isolated check; the slowest solution (decode) takes about a minute
+# Each case of an isolated check: the slowest case of a solution (a decode grid case, or
+# the first case, which pays the interpreter's warm-up) took 10 s on 2 loaded cores.
+CASE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -87,7 +92,7 @@ def _from_error(err: LearnerError) -> Mismatch:
 
 
 def run_cases(
-    exercise: str, cases: Iterable[Case], summary: str, isolate: bool = False, timeout_s: float = CHECK_TIMEOUT_S
+    exercise: str, cases: Iterable[Case], summary: str, isolate: bool = False, timeout_s: float | None = None
 ) -> CheckResult:
     """Run ``cases`` in order and stop at the first failure. An exception raised by the
     learner's code (wrapped by :func:`~pagedkv_lab.exercises.result.call`) fails its
@@ -97,11 +102,13 @@ def run_cases(
 
     ``isolate``: run the cases in one forked child (where the backend allows it: the
     interpreter on a platform with ``fork``; compiled on a GPU they run here, as the
-    harness's do). A child that crashes, exits or does not answer within ``timeout_s``
-    seconds fails the case it was running, with how it ended."""
+    harness's do). A child that crashes, exits, or spends more than ``timeout_s``
+    seconds (default :data:`CASE_TIMEOUT_S`) on one case fails the case it was
+    running, with how it ended."""
     cases = list(cases)
     if not (isolate and can_isolate()):
         return _run_here(exercise, cases, summary)
+    timeout_s = CASE_TIMEOUT_S if timeout_s is None else timeout_s
     progress = multiprocessing.get_context("fork").Value("i", 0)  # shared with the child: the case it runs
     start = time.perf_counter()
 
@@ -111,22 +118,36 @@ def run_cases(
         except Exception:  # a bug of the checker: carried back, raised in the parent
             return traceback.format_exc()
 
-    outcome = run_isolated(job, exercise, {}, timeout_s)
+    outcome = run_isolated(job, exercise, {}, timeout_s, progress)
     if isinstance(outcome, str):
         raise RuntimeError(f"the check of {exercise} raised in its child process:\n{outcome}")
     if isinstance(outcome, CheckResult):
         return outcome
     i = max(progress.value, 1)  # the child ended without answering: outcome.detail says how
     case = cases[i - 1]
-    hint = (
-        "your kernel wrote (or read) so far outside its tensors that the process died; the check ran in a "
-        "child process, so your notebook lives on. Look for an unmasked lane, a -1 slot or page used as an "
-        "index, or a wrong stride. " + case.hint
-    )
+    hung = outcome.detail.startswith("no answer within")
+    expected = f"your code to return within {timeout_s:g} s" if hung else "your code to return"
     failure = Failure(
-        i, len(cases), case.label, case.inputs, "your code to return", outcome.detail, "", hint.strip(), None
+        i, len(cases), case.label, case.inputs, expected, outcome.detail, "", _ended_hint(hung, case.hint), None
     )
     return CheckResult(exercise, False, i, time.perf_counter() - start, failure)
+
+
+def _ended_hint(hung: bool, case_hint: str) -> str:
+    """The hint for a child that ended without answering: it hung, or it died."""
+    if hung:
+        what = (
+            "your code did not finish this case (the check stopped it; your notebook lives on): look for a "
+            "while loop whose counter never reaches its bound (a tile index not advanced, a bound read as "
+            "garbage or -1), or a loop over far more tiles than the sequence has. "
+        )
+    else:
+        what = (
+            "your kernel wrote (or read) so far outside its tensors that the process died; the check ran in a "
+            "child process, so your notebook lives on. Look for an unmasked lane, a -1 slot or page used as an "
+            "index, or a wrong stride. "
+        )
+    return (what + case_hint).strip()
 
 
 def _run_here(exercise: str, cases: list[Case], summary: str, progress=None) -> CheckResult:

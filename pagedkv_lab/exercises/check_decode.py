@@ -154,13 +154,18 @@ def _guess_hint(out, q, cache, tables, lens, layout, block_n: int, atol: float, 
 def _nan_hint(out, b: int, h: int, n: int, poisoned: list) -> str | None:
     """The hint for a non-finite (or never stored) output of sequence ``b`` (length ``n``),
     query head ``h``; None when the output is finite."""
-    if poisoned and not torch.isfinite(out[b, h]).all() and n > 0:
+    if poisoned and out[b, h].isnan().any() and n > 0:
         return poisoned_hint(poisoned)  # before "stored nothing": all NaN is what poison gives too
     if out.isnan().all():
         return "every output is NaN, as the launcher leaves it: your kernel stored nothing."
     if not torch.isfinite(out[b, h]).all():
         if n == 0:
             return "a sequence of length 0 must return zeros: guard l == 0 (0 / 0 is NaN) and a max of -inf."
+        if not out[b, h].isnan().any():  # infinite, not NaN: no poison got in
+            return (
+                "the output is infinite (no NaN): a division by 0, such as by a running sum l that never grew "
+                "(l = l * alpha + sum(p) on every tile), or 2**s overflowing fp32 (subtract the running max first)."
+            )
         return (
             "NaN from the pool's unused rows got in: masked lanes must load 0 (other=0.0) *and* their scores "
             "must be -inf; 0 * NaN is NaN."

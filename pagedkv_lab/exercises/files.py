@@ -110,13 +110,14 @@ def load_stub(exercise: Exercise, folder: Path | None = None) -> dict:
     return _run_file(stub_code(folder / f"{exercise.stem}.ipynb"), f"stub_{exercise.stem}")
 
 
-def load_solution(exercise: Exercise, folder: Path | None = None, replace: tuple[str, str] | None = None) -> dict:
-    """Run ``solutions/<stem>.py`` and return its namespace. ``replace=(old, new)`` plants a
-    bug first (the text ``old`` must occur): the checker's own tests use it."""
+def load_solution(exercise: Exercise, folder: Path | None = None, replace=None) -> dict:
+    """Run ``solutions/<stem>.py`` and return its namespace. ``replace=(old, new)``, or a
+    list of such pairs, plants a bug first (each text ``old`` must occur): the checker's
+    own tests use it."""
     folder = folder or default_dir()
     code = (folder / "solutions" / f"{exercise.stem}.py").read_text()
-    if replace is not None:
-        if replace[0] not in code:
-            raise ValueError(f"{replace[0]!r} does not occur in the solution of {exercise.name}")
-        code = code.replace(replace[0], replace[1])
+    for old, new in [replace] if isinstance(replace, tuple) else replace or []:
+        if old not in code:
+            raise ValueError(f"{old!r} does not occur in the solution of {exercise.name}")
+        code = code.replace(old, new)
     return _run_file(code, f"solution_{exercise.stem}")

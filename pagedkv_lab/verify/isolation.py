@@ -8,15 +8,23 @@ killed by a signal (SIGSEGV, SIGABRT from a corrupted heap), one that exits with
 an answer, or one that does not answer within ``timeout_s`` becomes a failed result
 naming what happened. On a CUDA machine a forked child cannot use the GPU, so there
 the case runs in-process (guard regions still catch writes next to a tensor).
+
+The child never outlives its parent: an exception in the parent while it waits (a
+``KeyboardInterrupt`` from the notebook's stop button) kills it before propagating, and
+on Linux the kernel kills it when the parent process ends (``PR_SET_PDEATHSIG``), so a
+hanging kernel cannot keep a core busy after the notebook that started it is gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import multiprocessing
 import os
 import signal
+import sys
+import time
 from collections.abc import Callable
 
 from pagedkv_lab.verify.report import CaseResult
@@ -31,7 +39,23 @@ def can_isolate() -> bool:
     return runtime.BACKEND.interpreted and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _child(job: Callable[[], CaseResult], conn) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent ends; if the parent has already
+    ended (before the request took effect), end now."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl in this libc: the parent's kill on interrupt still holds
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _child(job: Callable[[], CaseResult], conn, parent: int) -> None:
+    _die_with_parent(parent)
     import torch
 
     torch.set_num_threads(1)  # a forked OpenMP pool is not to be trusted; one thread is
@@ -54,17 +78,35 @@ def _warm_parent() -> None:
     torch.unravel_index(torch.tensor(0), (1,))
 
 
-def run_isolated(job: Callable[[], CaseResult], check: str, case: dict, timeout_s: float) -> CaseResult:
+def _answered(receive, timeout_s: float, progress) -> bool:
+    """Wait for the child's answer: True once it can be read (or the child has died),
+    False when ``timeout_s`` passed without one, counted from the child's last step
+    (each change of ``progress.value``) when ``progress`` is given, else from now."""
+    if progress is None:
+        return receive.poll(timeout_s)
+    step, since = progress.value, time.monotonic()
+    while not receive.poll(min(0.5, max(since + timeout_s - time.monotonic(), 0.0))):
+        if progress.value != step:
+            step, since = progress.value, time.monotonic()
+        elif time.monotonic() - since >= timeout_s:
+            return False
+    return True
+
+
+def run_isolated(job: Callable[[], CaseResult], check: str, case: dict, timeout_s: float, progress=None) -> CaseResult:
     """Run ``job`` (a check of ``case``) in a forked child and return its result, or a
-    failed result saying how the child ended."""
+    failed result saying how the child ended. The child gets ``timeout_s`` seconds, or
+    that long for each of its steps when ``progress`` (a shared
+    ``multiprocessing.Value`` the child sets as it goes) is given. An exception while
+    waiting (``KeyboardInterrupt``) kills the child, then propagates."""
     _warm_parent()
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(job, send), daemon=True)
+    child = ctx.Process(target=_child, args=(job, send, os.getpid()), daemon=True)
     child.start()
     send.close()
     try:
-        if receive.poll(timeout_s):
+        if _answered(receive, timeout_s, progress):
             try:
                 return receive.recv()
             except EOFError:
@@ -73,6 +115,10 @@ def run_isolated(job: Callable[[], CaseResult], check: str, case: dict, timeout_
             child.kill()
             child.join()
             return CaseResult(check, case, False, math.inf, detail=f"no answer within {timeout_s:g} s (a hang?)")
+    except BaseException:
+        child.kill()  # never leave a hanging kernel running at 100 % CPU behind an interrupt
+        child.join()
+        raise
     finally:
         receive.close()
     child.join()

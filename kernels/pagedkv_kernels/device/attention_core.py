@@ -21,8 +21,20 @@ share are the ``@triton.jit`` helpers below, each kernel keeping only what is it
 5. :func:`softmax_state` and :func:`online_softmax_step`: the running max, sum and
    accumulator, and one tile's update of them, with the guard for rows that have seen
    no key yet;
-6. :func:`store_partial`: the final division and the store of a split's output and
-   base-2 log-sum-exp.
+6. :func:`normalised_rows` and :func:`row_lse`: a row's output and base-2 log-sum-exp
+   from its state, and :func:`store_partial`: their store for one split-KV split.
+
+Empty rows and NaN (the rule every read kernel, merge and reference follows): a row is
+*empty* when its softmax mass is 0, which is when no key is visible to it (or, with
+infinite inputs, when every visible score is ``-inf``): its output is 0 and its LSE
+``-inf``, the state every merge weighs 0. A NaN never makes a row empty: a NaN score
+(NaN in the query or in a visible key, ``inf * 0``) or a ``+inf`` one (``2**(inf -
+inf)``) makes the running sum ``l`` NaN, and a row whose ``l`` is NaN stores NaN in
+every feature and LSE NaN, with any number of splits. The rule reads the *sum*, not
+the running max: IEEE additions, products and ``exp2`` always carry a NaN on, while a
+GPU's ``max`` may drop it (``tl.maximum`` returns the other operand), so the sum is the
+explicit record that the row saw one. Empty is tested as ``l == 0``, never ``l > 0``
+(NaN fails both comparisons).
 
 The order of floating-point operations is the one each kernel had before this module
 existed, so the results are bit for bit the same. The helpers are few and coarse on
@@ -61,6 +73,7 @@ __all__ = [
     "online_softmax_step",
     "softmax_state",
     "row_lse",
+    "normalised_rows",
     "store_partial",
 ]
 
@@ -287,9 +300,18 @@ def softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 def row_lse(m_i, l_i):
     """fp32 ``[BLOCK_M]``: the base-2 log-sum-exp ``m_i + log2(l_i)`` of each row's scaled
     scores (FlashInfer's ``lse = log2(sum_j 2**(s_j))``, ``s_j = scale * log2(e) *
-    q.k_j``), ``-inf`` for a row without keys (``l_i == 0``)."""
-    has = l_i > 0.0
-    return tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    q.k_j``): ``-inf`` for an empty row (``l_i == 0``), NaN for a row that saw a NaN
+    (``l_i`` NaN; the module docstring's rule)."""
+    empty = l_i == 0.0
+    return tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+
+
+@triton.jit
+def normalised_rows(acc, l_i):
+    """fp32 ``[BLOCK_M, BLOCK_D]``: each row's output ``acc / l_i``; an empty row
+    (``l_i == 0``: no key, or a split without tiles) gives zeros, a row that saw a NaN
+    (``l_i`` NaN) NaN in every feature."""
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 
 @triton.jit
@@ -302,11 +324,11 @@ def store_partial(
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Store split ``split``'s normalised output ``out[b, heads, split, offs_d]`` (cast to
-    ``out``'s dtype) and, with ``WRITE_LSE``, its base-2 log-sum-exp ``m_i + log2(l_i)``
-    at ``lse[b, heads, split]`` (``-inf`` for a row without keys). With one split the
-    caller passes the final output and ``stride_os = 0``."""
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]  # an empty split (or length 0) stores zeros
+    ``out``'s dtype; :func:`normalised_rows`) and, with ``WRITE_LSE``, its base-2
+    log-sum-exp at ``lse[b, heads, split]`` (:func:`row_lse`: ``-inf`` for an empty split,
+    NaN for one that saw a NaN). With one split the caller passes the final output and
+    ``stride_os = 0``."""
+    o = normalised_rows(acc, l_i)
     b64 = b.to(tl.int64)
     o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])

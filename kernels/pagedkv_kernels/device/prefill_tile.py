@@ -29,7 +29,7 @@ from pagedkv_lib import runtime  # noqa: F401  (must run before triton is import
 import triton
 import triton.language as tl
 
-from .attention_core import online_softmax_step, row_lse, visible_range
+from .attention_core import normalised_rows, online_softmax_step, row_lse, visible_range
 from .rounding import round_to
 
 __all__ = ["tile_rows", "tile_key_range", "row_ptrs", "load_rows", "key_mask", "attend_keys", "store_rows"]
@@ -154,11 +154,12 @@ def store_rows(
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
-    """Store the rows' normalised outputs ``acc / l_i`` (a row without keys stores zeros),
+    """Store the rows' normalised outputs ``acc / l_i`` (a row without keys stores zeros, a
+    row that saw a NaN stores NaN: :func:`~pagedkv_kernels.device.attention_core.normalised_rows`),
     rounded to nearest in ``out``'s dtype (:func:`~pagedkv_kernels.device.rounding.round_to`:
     the interpreter's bf16 cast truncates), and with ``WRITE_LSE`` their base-2
     log-sum-exp (:func:`~pagedkv_kernels.device.attention_core.row_lse`) at ``lse[tokens, heads]``."""
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = normalised_rows(acc, l_i)
     o_ptrs = row_ptrs(out_ptr, tokens, heads, offs_d, stride_ot, stride_oh, stride_od)
     tl.store(o_ptrs, round_to(o, out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
     if WRITE_LSE:

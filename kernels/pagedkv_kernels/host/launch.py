@@ -3,8 +3,9 @@
 One home for the small host rules a kernel launch needs, so the write, decode,
 prefill, quantized and MLA modules cannot drift apart:
 
-* :func:`int32_on_device`: the int32 contiguous device copy of an index tensor that
-  a kernel indexes with (a table with no columns still gets a valid pointer);
+* :func:`owned_copy` and :func:`int32_on_device`: the contiguous device copy of an
+  index tensor that a kernel indexes with (int32 for the latter; a table with no
+  columns still gets a valid pointer);
 * :func:`parallel_units`: how many programs the device runs at once, the input of the
   split-KV choice (1 in the interpreter unless it plans as on a GPU);
 * :func:`fingerprint`: ``(shape, strides, dtype, device)`` of a tensor, which a plan
@@ -13,6 +14,12 @@ prefill, quantized and MLA modules cannot drift apart:
   so that a run given those very tensors need not check their memory again;
 * :class:`TokenIndex` and :class:`PageTable`: the index tensors a write plan addresses
   its tokens with, and a read plan's page table, as the kernels take them.
+
+A plan owns the index tensors it validated: every one of them goes through
+:func:`owned_copy`, which always copies (``.to(...).contiguous()`` returns the caller's
+tensor itself when it already has the dtype, device and layout). A caller that changes
+its table after planning therefore changes nothing a run does; with a reference kept,
+the run would write or read wherever the new values point, unchecked.
 
 The host copy of index tensors for the value checks is
 :func:`pagedkv_kernels.host.validate.host_copy` (it belongs with the checks that use it).
@@ -28,18 +35,37 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["int32_on_device", "parallel_units", "fingerprint", "memory_key", "TokenIndex", "PageTable"]
+__all__ = [
+    "owned_copy",
+    "int32_on_device",
+    "parallel_units",
+    "fingerprint",
+    "memory_key",
+    "TokenIndex",
+    "PageTable",
+]
+
+
+def owned_copy(x, device: torch.device | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new contiguous tensor holding ``x`` (a tensor, or anything :func:`torch.as_tensor`
+    takes) on ``device`` in ``dtype`` (default: ``x``'s): never ``x`` itself, so that a
+    plan's index tensors are its own (the module docstring)."""
+    t = torch.as_tensor(x)
+    out = torch.empty(t.shape, dtype=dtype or t.dtype, device=device or t.device)
+    out.copy_(t)
+    return out
 
 
 def int32_on_device(x, device: torch.device, min_len: int = 0) -> torch.Tensor:
-    """The int32 contiguous copy of ``x`` on ``device`` that a kernel indexes with.
+    """The int32 contiguous copy of ``x`` on ``device`` that a kernel indexes with (always
+    a copy: :func:`owned_copy`).
 
     ``x`` is a tensor (or anything :func:`torch.as_tensor` takes) whose values were
     already checked to fit in int32. A 2-D table with no columns becomes ``[rows, 1]``
     zeros, and a 1-D list shorter than ``min_len`` (an empty index list) becomes
     ``min_len`` zeros, so the kernel still gets a valid pointer (it never reads them).
     """
-    t = torch.as_tensor(x).to(device=device, dtype=torch.int32).contiguous()
+    t = owned_copy(x, device, torch.int32)
     if t.dim() == 2 and t.shape[1] == 0:
         t = torch.zeros((t.shape[0], 1), dtype=torch.int32, device=device)
     elif t.dim() == 1 and t.numel() < min_len:
@@ -103,8 +129,9 @@ class TokenIndex:
 
     @classmethod
     def of(cls, **tensors) -> TokenIndex:
-        """The index of ``tensors`` (already checked), each made contiguous."""
-        return cls(**{name: None if t is None else t.contiguous() for name, t in tensors.items()})
+        """The index of ``tensors`` (already checked), each copied contiguous
+        (:func:`owned_copy`: the plan's own)."""
+        return cls(**{name: None if t is None else owned_copy(t) for name, t in tensors.items()})
 
     @property
     def csr(self) -> bool:

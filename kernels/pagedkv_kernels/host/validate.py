@@ -60,12 +60,15 @@ def check_device(name: str, t: torch.Tensor) -> None:
 
 
 def host_copy(x):
-    """A host copy of ``x`` for the library's value checks (they build CPU index tensors);
-    anything else as it is. A ``meta`` tensor is passed through uncopied (it holds no
-    values to copy), so that the value checks refuse it by name
+    """A host copy of ``x`` for the library's value checks (they build CPU index tensors),
+    always a copy (``x.cpu()`` of a CPU tensor would be ``x`` itself, and a plan may keep
+    what was checked); anything else as it is. A ``meta`` tensor is passed through
+    uncopied (it holds no values to copy), so that the value checks refuse it by name
     (:func:`pagedkv_lib.formats.index_tensor`) instead of torch raising
     NotImplementedError."""
-    return x.cpu() if isinstance(x, torch.Tensor) and x.device.type != "meta" else x
+    if isinstance(x, torch.Tensor) and x.device.type != "meta":
+        return x.detach().to("cpu", copy=True)
+    return x
 
 
 def check_kernel_dtype(name: str, t: torch.Tensor) -> None:
