@@ -51,7 +51,7 @@ READS_ONE_PAST_THE_END = mutants.Mutant(
 IGNORES_THE_WINDOW = next(m for m in mutants.WINDOW_MUTANTS if m.name == "ignores_linear_window_decode")
 SEES_THE_FUTURE = mutants.Mutant(
     "prefill_sees_the_future", "a prefill without its causal mask",
-    {"prefill": (("see = valid[None, :] & (pos[None, :] <= qpos[:, None])", "see = valid[None, :]"),)},
+    {"device.prefill_tile": (("see = valid[None, :] & (pos[None, :] <= qpos[:, None])", "see = valid[None, :]"),)},
     "paged_prefill_attention",
 )  # fmt: skip
 

@@ -391,8 +391,7 @@ def paged_prefill_attention(
         in fp32); with ``return_lse=True`` ``(out, lse)``, ``lse [total_q, num_q_heads]``
         fp32 in **base 2** (FlashInfer's definition): ``lse = log2(sum_j 2**(s_j))`` over
         the keys the row sees, ``s_j = scale * log2(e) * q.k_j``; ``-inf`` for a row with no
-        keys, NaN for one that saw a NaN (never empty). :func:`~pagedkv_kernels.cascade.merge_state`
-        merges them.
+        keys, NaN for one that saw a NaN (never empty); ``cascade.merge_state`` merges them.
 
     Raises:
         ValueError naming the argument (shapes, dtypes, devices, page ids, lengths, a
