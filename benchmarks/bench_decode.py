@@ -9,7 +9,17 @@ For every (batch, seq_len) it times three routes to the same result
   torch ``scaled_dot_product_attention`` reads the copy;
 * ``contiguous sdpa``: SDPA on K/V that already sit contiguously (the no-paging baseline),
 
-and reports bytes moved (computed from the shapes, not measured), effective bandwidth
+and, with ``--route``, the read side's other two routes on the same batch (timed from
+plans validated beforehand, as the paged kernel):
+
+* ``page pointers``: :func:`kernels.run_page_pointers`, the host-flattened page
+  addresses of TensorRT-LLM's MMHA (one program per request and KV head, no splits);
+* ``descriptors``: :func:`kernels.run_descriptors`, page tiles loaded through a TMA
+  descriptor as XQA does (power-of-two page sizes and head dims);
+
+    python benchmarks/bench_decode.py --route "page pointers" descriptors
+
+It reports bytes moved (computed from the shapes, not measured), effective bandwidth
 (bytes / time) and the time ratios within the run. Results go to
 ``<out>/bench_decode.json`` and ``<out>/bench_decode.png``.
 
@@ -45,6 +55,10 @@ from pagedkv_lib.memory import kv_dtype  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ROUTES = ("paged", "gather+sdpa", "contiguous sdpa")
+READ_ROUTES = {  # --route: (plan, run) of the read side's other routes
+    "page pointers": (kernels.plan_page_pointers, kernels.run_page_pointers),
+    "descriptors": (kernels.plan_descriptors, kernels.run_descriptors),
+}
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -83,8 +97,11 @@ def route_bytes(batch, seq_len, num_kv_heads, group, head_dim, page_size, itemsi
     qo = 2 * batch * num_kv_heads * group * head_dim * itemsize
     table = batch * math.ceil(seq_len / page_size) * 4
     partials = 0 if num_splits == 1 else 2 * batch * num_kv_heads * group * num_splits * (head_dim + 1) * 4
+    pointers = batch * math.ceil(seq_len / page_size) * 2 * 8  # an int64 address for each page's K and V
     return {
         "paged": kv + qo + table + partials,
+        "page pointers": kv + qo + pointers,
+        "descriptors": kv + qo + table,
         "gather+sdpa": 3 * kv + qo + table,
         "contiguous sdpa": kv + qo,
         "kv": kv,
@@ -94,7 +111,9 @@ def route_bytes(batch, seq_len, num_kv_heads, group, head_dim, page_size, itemsi
 # ----------------------------------------------------------------------------- timing
 
 
-def bench_one(batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, layout, repeats, warmup, seed=0):
+def bench_one(
+    batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, layout, repeats, warmup, seed=0, read_routes=()
+):
     device = runtime.device()
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = math.ceil(seq_len / page_size)
@@ -126,6 +145,12 @@ def bench_one(batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, l
         "gather+sdpa": lambda: sdpa(*(as_bhld(t) for t in kernels.run_gather(gather_plan, cache)[:2])),
         "contiguous sdpa": lambda: sdpa(kc, vc),
     }
+    errors = {}
+    for name in read_routes:  # checked once against the paged kernel, then timed from a plan
+        plan_route, run_route = READ_ROUTES[name]
+        route_plan = plan_route(q, cache, table, lens, layout=layout)
+        errors[name] = float((run_route(route_plan, q, cache).float() - out_paged.float()).abs().max())
+        routes[name] = lambda run_route=run_route, route_plan=route_plan: run_route(route_plan, q, cache)
     seconds = {name: median_seconds(fn, repeats, warmup) for name, fn in routes.items()}
     nbytes = route_bytes(
         batch, seq_len, num_kv_heads, group, head_dim, page_size, cache.element_size(), plan.num_splits
@@ -136,14 +161,16 @@ def bench_one(batch, seq_len, num_kv_heads, group, head_dim, page_size, dtype, l
         "num_splits": plan.num_splits,
         "block_n": plan.block_n,
         "seconds": seconds,
-        "bytes": {name: nbytes[name] for name in ROUTES},
+        "bytes": {name: nbytes[name] for name in routes},
         "kv_bytes": nbytes["kv"],
-        "effective_GBps": {name: nbytes[name] / seconds[name] / 1e9 for name in ROUTES},
+        "effective_GBps": {name: nbytes[name] / seconds[name] / 1e9 for name in routes},
         "ratios": {
             "gather_route_over_paged": seconds["gather+sdpa"] / seconds["paged"],
             "paged_over_contiguous": seconds["paged"] / seconds["contiguous sdpa"],
+            **{f"{name}_over_paged": seconds[name] / seconds["paged"] for name in read_routes},
         },
         "max_abs_err_paged_vs_contiguous": float((out_paged.float() - out_contig.float()).abs().max()),
+        "max_abs_err_vs_paged": errors,
     }
 
 
@@ -158,13 +185,13 @@ def plot(results, meta, path: Path) -> None:
 
     fig, (ax_bw, ax_ratio) = plt.subplots(1, 2, figsize=(10, 4))
     batches = sorted({r["batch"] for r in results})
-    colors = {"paged": "C0", "gather+sdpa": "C1", "contiguous sdpa": "C2"}  # colour: route; line: batch
+    colors = {"paged": "C0", "gather+sdpa": "C1", "contiguous sdpa": "C2", "page pointers": "C3", "descriptors": "C4"}
     lines = ["-o", "--s", ":^", "-.v", "-D", "--x"]
     for i, b in enumerate(batches):
         rows = [r for r in results if r["batch"] == b]
         lens = [r["seq_len"] for r in rows]
         style = lines[i % len(lines)]
-        for name in ROUTES:
+        for name in rows[0]["seconds"]:  # colour: route; line: batch
             bw = [r["effective_GBps"][name] for r in rows]
             ax_bw.plot(lens, bw, style, color=colors[name], label=f"{name}, batch {b}")
         ax_ratio.plot(lens, [r["ratios"]["gather_route_over_paged"] for r in rows], style, label=f"batch {b}")
@@ -198,6 +225,10 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=("NHD", "HND"), default="NHD")
     p.add_argument("--repeats", type=int, default=20 if gpu else 3)
     p.add_argument("--warmup", type=int, default=3 if gpu else 1)
+    p.add_argument(
+        "--route", nargs="*", default=[], choices=sorted(READ_ROUTES),
+        help="also time the read side's other routes (page-pointer and TMA-descriptor decode)",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     meta = {
@@ -230,9 +261,10 @@ def main(argv=None) -> int:
                 args.layout,
                 args.repeats,
                 args.warmup,
+                read_routes=tuple(dict.fromkeys(args.route)),
             )
             results.append(r)
-            ms = "  ".join(f"{n} {r['seconds'][n] * 1e3:9.3f} ms" for n in ROUTES)
+            ms = "  ".join(f"{n} {t * 1e3:9.3f} ms" for n, t in r["seconds"].items())
             print(
                 f"batch {batch:3d} seq_len {seq_len:6d} splits {r['num_splits']:3d}: {ms}  "
                 f"gather/paged {r['ratios']['gather_route_over_paged']:.2f}x"

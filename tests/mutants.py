@@ -239,3 +239,32 @@ def package(mutant: Mutant):
     """The mutant's whole package (built by :func:`build`), for its other entry points."""
     build(mutant)
     return sys.modules[f"kernels_mutant_{mutant.name}"]
+
+# The read side's other two routes (tests/test_kernel_read_routes.py runs them on a few
+# small cases against the float64 reference): each bug is one the route's own code could have.
+ROUTE_MUTANTS = [
+    Mutant(
+        "pointers_v_is_k",
+        "the page-pointer kernel reads V through the K page addresses (the K/V entry of the array forgotten)",
+        {"decode_page_pointers": (("v_pages = k_pages + stride_pkv", "v_pages = k_pages"),)},
+        "paged_decode_attention_page_pointers",
+    ),
+    Mutant(
+        "descriptors_v_unmasked",
+        "the descriptor kernel multiplies the whole page tile's V rows by their probabilities: 0 * NaN of a row "
+        "past the sequence's end poisons the output",
+        {"decode_descriptors": (
+            ("v = tl.where(valid[:, None], v.to(tl.float32), 0.0)", "v = v.to(tl.float32)"),
+        )},
+        "paged_decode_attention_descriptors",
+    ),
+    Mutant(
+        "descriptors_ring_as_linear",
+        "the descriptor kernel takes a ring row for the position of the same number: keys the ring overwrote "
+        "and the bubble are attended to",
+        {"decode_descriptors": (
+            ("pos = ring_row_position(pos, seq_len, sink_tokens, bubble_len, cyclic_cache_len)", "pos = pos"),
+        )},
+        "paged_decode_attention_descriptors",
+    ),
+]  # fmt: skip

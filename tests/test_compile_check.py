@@ -149,3 +149,35 @@ def test_bf16_prefill_compiles_for_sm90_and_a_rebound_loop_name_would_not():
         _bf16_prefill_record(broken_path), {str(broken_path): text.replace(LOOP_END, BROKEN_LOOP_END)}, 90
     )
     assert broken["error"] and "Loop-carried variable" in broken["error"], broken
+
+
+def test_tma_check_fails_a_descriptor_decode_without_tma_copies_from_sm90_on():
+    """The rule the compile check applies to every sm_90 build of the descriptor decode;
+    its mutant is a build whose descriptor loads were lowered to ordinary loads."""
+    lowered = _result(ptx={"tma_loads": 0, "global_loads": 5, "address_ops": 43, "instructions": 1068})
+    assert "no TMA copy (cp.async.bulk.tensor) in its sm_90 PTX" in compile_check.check_tma(
+        "decode_descriptors_kernel", lowered
+    )
+    assert compile_check.check_tma("decode_descriptors_kernel", lowered | {"ptx": {"tma_loads": 2}}) is None
+    assert compile_check.check_tma("decode_descriptors_kernel", lowered | {"arch": 80}) is None  # no TMA before sm_90
+    assert compile_check.check_tma("decode_split_kernel", lowered) is None
+
+
+def test_read_routes_compile_and_the_descriptor_decode_is_tma_on_sm90_only():
+    """Route 2 (page pointers) and route 3 (TMA descriptors) planned as on a GPU and
+    compiled from kernels/ for sm_90 and sm_80: no error, no spill; the descriptor
+    decode's sm_90 PTX holds TMA copies (the compile check's rule, applied to a real
+    build) and its sm_80 build falls back to ordinary loads. About 25 s (4 child
+    processes)."""
+    from pagedkv_kernels.tools import route_ptx
+
+    routes = ("page pointers", "descriptors")
+    for arch in (90, 80):
+        built = route_ptx.compare_routes(arch, routes=routes)
+        for route in routes:
+            (result,) = built[route]
+            assert result["error"] is None and result["spill_stores"] == 0, (arch, route, result)
+            assert compile_check.check_tma(result["kernel"], result) is None, result
+        tma = built["descriptors"][0]["ptx"]["tma_loads"]
+        assert tma == (2 if arch >= 90 else 0), f"sm_{arch}: {tma} TMA copies in the descriptor decode (K and V: 2)"
+        assert built["page pointers"][0]["ptx"]["tma_loads"] == 0

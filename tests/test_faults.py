@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # The test that catches each fault of the engine and peer-kernel families (the harness
 # families are held to their checks by tests/test_verify.py::test_every_fault_has_a_check).
 CAUGHT_IN = {
+    ("read route", "page_pointers_element_stride"): (
+        "test_kernel_read_routes.py",
+        "test_a_page_pointer_array_built_with_an_element_stride_is_refused_before_launch",
+    ),
+    ("read route", "page_pointers_any_pool"): (
+        "test_kernel_read_routes.py",
+        "test_a_page_pointer_plan_is_refused_on_another_pool_or_after_its_pool_moved",
+    ),
     ("engine", "decode_rope_off_by_one"): (
         "test_engine_units.py",
         "test_planted_decode_rope_off_by_one_is_caught_at_the_first_decode",
@@ -122,7 +130,7 @@ def test_a_faulty_kernel_copy_differs_from_the_correct_kernel_only_in_its_marked
 
 
 def test_every_engine_and_peer_kernel_fault_has_a_test_that_catches_it():
-    families = ("engine", "peer kernel")
+    families = ("engine", "peer kernel", "read route")
     assert set(CAUGHT_IN) == {(f.family, f.name) for f in faults.REGISTRY if f.family in families}
     for (family, name), (path, test) in CAUGHT_IN.items():
         assert f"def {test}(" in (ROOT / "tests" / path).read_text(), f"{family} fault {name}: {path}::{test} is gone"

@@ -9,7 +9,10 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
   ``run_x(plan_x(...), ...)``:
   :mod:`~pagedkv_kernels.write` (append K/V: slot mapping or CSR, fused RoPE, rings),
   :mod:`~pagedkv_kernels.v_tail` (zero the unwritten V rows of last pages),
-  :mod:`~pagedkv_kernels.decode` (paged decode: split-KV, GQA, windows),
+  :mod:`~pagedkv_kernels.decode` (paged decode: split-KV, GQA, windows) and the read
+  side's two other routes, :mod:`~pagedkv_kernels.decode_page_pointers` (host-flattened
+  page addresses, MMHA's) and :mod:`~pagedkv_kernels.decode_descriptors` (TMA page
+  tiles, XQA's),
   :mod:`~pagedkv_kernels.merge` (split-KV stage 2),
   :mod:`~pagedkv_kernels.prefill` (many queries per sequence: the plain kernel) with its
   plan :mod:`~pagedkv_kernels.prefill_plan` and its variants
@@ -79,6 +82,18 @@ from .decode import (
     plan_decode,
     plan_decode_csr,
     run_decode,
+)
+from .decode_descriptors import (
+    DescriptorPlan,
+    paged_decode_attention_descriptors,
+    plan_descriptors,
+    run_descriptors,
+)
+from .decode_page_pointers import (
+    PagePointerPlan,
+    paged_decode_attention_page_pointers,
+    plan_page_pointers,
+    run_page_pointers,
 )
 from .gather import GatheredKV, GatherPlan, gather_paged_kv, plan_gather, run_gather
 from .indexer_k import (
@@ -154,6 +169,8 @@ __all__ = [
     # read: decode (one query per sequence) and its split-KV merge
     "paged_decode_attention", "paged_decode_attention_csr", "paged_decode_attention_partials",
     "plan_decode", "plan_decode_csr", "run_decode", "DecodePlan", "merge_partials",
+    "paged_decode_attention_page_pointers", "plan_page_pointers", "run_page_pointers", "PagePointerPlan",
+    "paged_decode_attention_descriptors", "plan_descriptors", "run_descriptors", "DescriptorPlan",
     "paged_decode_attention_quant", "paged_decode_attention_quant_csr",
     "paged_decode_attention_quant_pool", "paged_decode_attention_quant_csr_pool",
     "plan_decode_quant", "plan_decode_quant_csr", "run_decode_quant", "QuantDecodePlan",

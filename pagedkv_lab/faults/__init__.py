@@ -17,14 +17,18 @@ Who switches faults on, by name:
   the replacement parts of :class:`pagedkv_engine.parts.EngineParts`;
 * notebook 08 and the harness tests, for kernels written to other engines'
   conventions (family ``peer kernel``, :data:`PEER_KERNEL_FAULTS`): faulty copies of
-  :mod:`pagedkv_lab.peer_kernels`' kernels.
+  :mod:`pagedkv_lab.peer_kernels`' kernels;
+* the page-pointer route's tests (family ``read route``): faulty host parts of
+  :mod:`pagedkv_kernels.decode_page_pointers`, swapped in where the correct part is
+  looked up.
 
 Nothing is patched globally, so a fault never leaks into the next cell or test.
 
 Modules: :mod:`~pagedkv_lab.faults.harness` (the harness's parts and wrappers),
 :mod:`~pagedkv_lab.faults.quantized` (quantized pools), :mod:`~pagedkv_lab.faults.engine`
 (engine parts), :mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports
-triton and :mod:`pagedkv_kernels`, so nothing here imports it).
+triton and :mod:`pagedkv_kernels`, so nothing here imports it),
+:mod:`~pagedkv_lab.faults.read_routes` (the page-pointer route's host parts).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ __all__ = [
     "FAULTS",
     "ENGINE_FAULTS",
     "PEER_KERNEL_FAULTS",
+    "READ_ROUTE_FAULTS",
     "faults_of",
     "check_faults",
     "engine_parts",
@@ -74,7 +79,7 @@ __all__ = [
     "shared_kv_scale",
 ]
 
-FAMILIES = ("harness", "quantized", "engine", "peer kernel")
+FAMILIES = ("harness", "quantized", "engine", "peer kernel", "read route")
 
 
 def load(path: str):
@@ -116,6 +121,7 @@ _Q = "pagedkv_lab.faults.quantized:"
 _E = "pagedkv_lab.faults.engine:"
 _K = "pagedkv_lab.faults.peer_kernels:"
 _PEER = "pagedkv_lab.peer_kernels:"
+_R = "pagedkv_lab.faults.read_routes:"
 _MANAGER = {"manager": "pagedkv_lib.manager:KVCacheManager"}
 _SCENARIOS = "pagedkv_lab.verify.scenarios"
 
@@ -261,6 +267,22 @@ REGISTRY: tuple[Fault, ...] = (
         "decode: whole pages are loaded, masked by head_dim only, so NaN in the unwritten tail "
         "of a last page poisons the output (0 * NaN), as vLLM's Triton attention once did",
     ),
+    Fault(
+        "page_pointers_element_stride",
+        "read route",
+        "page-pointer route: the host steps from page to page by the page stride in elements, not bytes, "
+        "so every page after page 0 is read from inside an earlier one",
+        parts={"builder": f"{_R}build_page_pointers_element_stride"},
+        replaces={"builder": "pagedkv_kernels.decode_page_pointers:build_page_pointers"},
+    ),
+    Fault(
+        "page_pointers_any_pool",
+        "read route",
+        "page-pointer route: a plan's pool is compared with the launch's by shape and dtype only, so a plan "
+        "runs on another pool of the same shape and reads the pool its addresses were built from",
+        parts={"placement_check": f"{_R}check_layout_only"},
+        replaces={"placement_check": "pagedkv_kernels.host.validate:check_same_placement"},
+    ),
 )
 
 
@@ -276,6 +298,7 @@ def faults_of(*families: str) -> dict[str, Fault]:
 FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("harness", "quantized").items()}
 ENGINE_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("engine").items()}
 PEER_KERNEL_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("peer kernel").items()}
+READ_ROUTE_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("read route").items()}
 
 
 def _check_names(faults, known: dict) -> frozenset[str]:

@@ -20,10 +20,13 @@ Callers use the package (``checks.check_decode_args(...)``); its modules, by fam
 - :mod:`.quant`: quantized pools (FP8, NVFP4): formats, scales, the pool's tensors, appends.
 - :mod:`.mla`: the MLA latent pool: its dims, appends, RoPE, up-projections and decode,
   and FlashInfer's latent-space convention (absorbed query, ``kv_len``).
+- :mod:`.descriptors`: the shapes a pool read through tensor (TMA) descriptors must have
+  (a kernel's own rule: the references read any page size).
 """
 
 from __future__ import annotations
 
+from pagedkv_lib.checks.descriptors import MAX_BOX_DIM, MIN_BOX_ROW_BYTES, check_descriptor_tiles
 from pagedkv_lib.checks.mha import (
     NEW_TOKENS,
     check_append_args,
@@ -153,4 +156,8 @@ __all__ = [
     "check_mla_latent_args",
     "check_mla_latent_csr_args",
     "mla_kv_last_page_len",
+    # tensor-descriptor (TMA) tiles
+    "MAX_BOX_DIM",
+    "MIN_BOX_ROW_BYTES",
+    "check_descriptor_tiles",
 ]

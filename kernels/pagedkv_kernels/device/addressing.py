@@ -11,7 +11,8 @@ gather kernels (and the kernels added later) can never disagree:
   (``page = table[row // page_size]``, ``row % page_size``), and
   :func:`table_row_offset`: the same row's element offset;
 * :func:`kv_token_idx`: the ring window's row of a token position, the device twin of
-  :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`;
+  :meth:`pagedkv_lib.window.RingWindow.kv_token_idx`, and :func:`ring_row_position`, its
+  inverse: the position a ring row holds (a kernel that reads whole pages of the ring);
 * :func:`token_rows`: ``(page, row, valid)`` of a tile of tokens being written, from
   vLLM's ``slot_mapping`` or from FlashInfer's ``batch_indices`` / ``positions`` and CSR
   page table (the write kernels of every family address tokens through it); its
@@ -40,6 +41,7 @@ __all__ = [
     "table_page",
     "table_row_offset",
     "kv_token_idx",
+    "ring_row_position",
     "token_rows",
 ]
 
@@ -101,6 +103,23 @@ def kv_token_idx(pos, sink_tokens, bubble_len, cyclic_cache_len, HAS_WINDOW: tl.
         return tl.where(pos < sink_tokens, pos, ring)
     else:
         return pos
+
+
+@triton.jit
+def ring_row_position(row, seq_len, sink_tokens, bubble_len, cyclic_cache_len):
+    """The token position that cache row(s) ``row`` of a ring hold once positions ``0 ..
+    seq_len - 1`` were written (the inverse of :func:`kv_token_idx`), or -1 for a row that
+    holds none: the bubble, a ring row the sequence has not reached yet, or a row past
+    the ring (the rest of its last page).
+
+    A sink row holds its own position; ring row ``c = row - sinks - bubble`` holds the
+    newest position ``p < seq_len`` with ``(p - sinks) % cyclic_cache_len == c``, that is
+    ``sinks + c + cyclic_cache_len * ((seq_len - 1 - sinks - c) // cyclic_cache_len)``."""
+    c = row - sink_tokens - bubble_len
+    ahead = seq_len - 1 - sink_tokens - c  # >= 0 once the ring reached row c
+    held = sink_tokens + c + cyclic_cache_len * (tl.maximum(ahead, 0) // cyclic_cache_len)
+    ring = tl.where((c >= 0) & (c < cyclic_cache_len) & (ahead >= 0), held, -1)
+    return tl.where(row < sink_tokens, row, ring)
 
 
 @triton.jit

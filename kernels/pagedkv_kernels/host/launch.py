@@ -13,7 +13,9 @@ prefill, quantized and MLA modules cannot drift apart:
 * :func:`memory_key`: the fingerprints plus the addresses of the tensors a plan checked,
   so that a run given those very tensors need not check their memory again;
 * :class:`TokenIndex` and :class:`PageTable`: the index tensors a write plan addresses
-  its tokens with, and a read plan's page table, as the kernels take them.
+  its tokens with, and a read plan's page table, as the kernels take them;
+* :class:`PoolPlacement`: where a pool lives in memory, which a plan holding raw
+  addresses into it (the page-pointer decode) records and keeps alive.
 
 A plan owns the index tensors it validated: every one of them goes through
 :func:`owned_copy`, which always copies (``.to(...).contiguous()`` returns the caller's
@@ -43,6 +45,7 @@ __all__ = [
     "memory_key",
     "TokenIndex",
     "PageTable",
+    "PoolPlacement",
 ]
 
 
@@ -203,3 +206,34 @@ class PageTable:
     def stride(self) -> int:
         """Elements between two rows of the padded table (0 for CSR: unused)."""
         return 0 if self.is_csr else self.block_tables.stride(0)
+
+
+@dataclass(frozen=True, eq=False)
+class PoolPlacement:
+    """Where a pool tensor lives: its first element's address (``data_ptr``), its
+    storage's address and size in bytes, and its :func:`fingerprint`. A plan that holds
+    raw addresses into the pool (:mod:`pagedkv_kernels.decode_page_pointers`) records it
+    and refuses a run on any tensor whose placement differs
+    (:func:`pagedkv_kernels.host.validate.check_same_placement`): another pool, or this
+    one after it moved (``set_``, ``resize_``, its storage freed or reallocated).
+
+    ``storage`` holds a reference to the pool's storage, so the memory the addresses
+    point into cannot be returned to the allocator (and handed to another tensor at the
+    same address) while the plan lives. Its contents are not part of the placement: a
+    write into the pool (torch's ``_version`` counter) changes values, never addresses.
+    """
+
+    data_ptr: int
+    storage_ptr: int
+    storage_nbytes: int
+    layout: tuple  # fingerprint(): (shape, strides, dtype, device)
+    storage: object  # the pool's torch.UntypedStorage, kept alive
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> PoolPlacement:
+        storage = t.untyped_storage()
+        return cls(t.data_ptr(), storage.data_ptr(), storage.nbytes(), fingerprint(t), storage)
+
+    def key(self) -> tuple:
+        """What two placements are compared by (everything but the storage object)."""
+        return (self.data_ptr, self.storage_ptr, self.storage_nbytes, self.layout)

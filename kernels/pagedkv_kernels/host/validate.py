@@ -16,7 +16,7 @@ import torch
 from pagedkv_lib import checks, runtime
 from pagedkv_lib.cache_layouts import KVCacheView, kv_cache_view
 
-from .launch import cache_fingerprint, fingerprint
+from .launch import PoolPlacement, cache_fingerprint, fingerprint
 
 __all__ = [
     "INT32_MAX",
@@ -43,6 +43,9 @@ __all__ = [
     "MAX_KV_LORA_RANK",
     "check_width",
     "check_caches_disjoint",
+    "check_same_placement",
+    "DESCRIPTOR_ALIGN",
+    "check_descriptor_pool",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -309,3 +312,49 @@ def check_caches_disjoint(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> N
         except ValueError:
             pass
     raise overlap
+
+
+def check_same_placement(name: str, t: torch.Tensor, planned: PoolPlacement) -> None:
+    """``t`` must be the very tensor, in the very memory, a plan built raw addresses from
+    (:class:`pagedkv_kernels.host.launch.PoolPlacement`): the same first address, storage
+    (address and size), shape, strides, dtype and device. Anything else (another pool,
+    even one of the same shape, or this one after it moved) would make the plan's
+    addresses point outside ``t``."""
+    got = PoolPlacement.of(t)
+    if got.key() == planned.key():
+        return
+    if got.layout != planned.layout:
+        check_same_layout(name, t, planned.layout)
+    raise ValueError(
+        f"{name} is not the pool this plan's page pointers were built from: it starts at {got.data_ptr:#x} "
+        f"in a storage of {got.storage_nbytes} bytes at {got.storage_ptr:#x}, the plan's pool at "
+        f"{planned.data_ptr:#x} in {planned.storage_nbytes} bytes at {planned.storage_ptr:#x} "
+        "(another pool, or this one after it moved); plan again for this pool"
+    )
+
+
+DESCRIPTOR_ALIGN = 16  # bytes: a TMA descriptor's base address and every stride but the last
+
+
+def check_descriptor_pool(name: str, t: torch.Tensor) -> None:
+    """The memory rules of a tensor (TMA) descriptor over ``t``: the last dimension
+    contiguous (stride 1), the first element's address and every other stride in bytes
+    multiples of :data:`DESCRIPTOR_ALIGN` (a freshly allocated contiguous pool meets them
+    all). Its shape rule is :func:`pagedkv_lib.checks.check_descriptor_tiles`."""
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} has strides {t.stride()}: a tensor descriptor (TMA) needs its last dimension "
+            "(the features) contiguous, stride 1"
+        )
+    size = t.element_size()
+    if t.data_ptr() % DESCRIPTOR_ALIGN:
+        raise ValueError(
+            f"{name} starts at {t.data_ptr():#x}, not a multiple of {DESCRIPTOR_ALIGN} bytes: a tensor "
+            "descriptor (TMA) needs a 16-byte-aligned base address"
+        )
+    for dim, stride in enumerate(t.stride()[:-1]):
+        if (stride * size) % DESCRIPTOR_ALIGN:
+            raise ValueError(
+                f"{name}.stride({dim}) = {stride} elements = {stride * size} bytes: a tensor descriptor (TMA) "
+                f"needs every stride but the last to be a multiple of {DESCRIPTOR_ALIGN} bytes"
+            )

@@ -12,8 +12,10 @@ No GPU is needed. Two steps, each in its own processes:
    sm_90), and one specialization per kernel and dtype family for each arch of
    ``--sample`` (default sm_75, a T4, and sm_89, an L4).
 
-It fails (exit 1) on any compile error, and, on the ``--arch`` targets, on any spill or
-a kernel at 255 registers (the budget of :mod:`pagedkv_kernels.host.tiles`; the one
+It fails (exit 1) on any compile error, on a kernel of :data:`TMA_KERNELS` whose build
+for sm_90 or newer holds no TMA copy (``cp.async.bulk.tensor`` in its PTX: the
+descriptor decode would then have fallen back to ordinary loads), and, on the
+``--arch`` targets, on any spill or a kernel at 255 registers (the budget of :mod:`pagedkv_kernels.host.tiles`; the one
 measured spill that is not register pressure is listed there,
 :data:`pagedkv_kernels.host.tiles.PTXAS_SPILL_QUIRKS`). It prints a table per
 kernel (specializations, archs, registers, spill bytes, shared memory, from Triton's
@@ -41,11 +43,14 @@ from pathlib import Path
 from ..host.tiles import PTXAS_SPILL_QUIRKS
 from .launch_record import SOURCES
 
-__all__ = ["main", "REGISTER_LIMIT", "check_budget", "class_key", "family_key", "render_table"]
+__all__ = ["main", "REGISTER_LIMIT", "TMA_KERNELS", "check_budget", "check_tma", "class_key", "family_key"]
+__all__ += ["render_table"]
 
 REGISTER_LIMIT = 255  # a kernel at the hardware's per-thread maximum has nowhere left to go but spills
 DEFAULT_ARCHS = (80, 90)
 SAMPLED_ARCHS = (75, 89)
+TMA_KERNELS = ("decode_descriptors_kernel",)  # kernels whose loads must be TMA copies from sm_90 on
+TMA_ARCH = 90
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -80,6 +85,17 @@ def check_budget(kernel: str, result: dict, budgeted: bool) -> str | None:
                 f"{result['spill_loads']} B loaded per thread (registers {result['registers']})")  # fmt: skip
     if result["registers"] >= REGISTER_LIMIT:
         return f"{kernel} needs {result['registers']} registers on sm_{result['arch']} (limit {REGISTER_LIMIT - 1})"
+    return None
+
+
+def check_tma(kernel: str, result: dict) -> str | None:
+    """Why ``result`` of a :data:`TMA_KERNELS` kernel on sm_90 or newer has no TMA
+    copy, or None (other kernels, older archs and failed compiles: None)."""
+    if kernel not in TMA_KERNELS or result["arch"] < TMA_ARCH or result["error"]:
+        return None
+    if result["ptx"]["tma_loads"] == 0:
+        return (f"{kernel} has no TMA copy (cp.async.bulk.tensor) in its sm_{result['arch']} PTX: "
+                f"its descriptor loads were lowered to {result['ptx']['global_loads']} ordinary loads")  # fmt: skip
     return None
 
 
@@ -185,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     for i, per_arch in results.items():
         for r in per_arch:
-            if why := check_budget(launches[i]["kernel"], r, r["arch"] in args.arch):
-                problems.append(f"{why} (from {', '.join(launches[i]['sources'])})")
+            kernel = launches[i]["kernel"]
+            for why in (check_budget(kernel, r, r["arch"] in args.arch), check_tma(kernel, r)):
+                if why:
+                    problems.append(f"{why} (from {', '.join(launches[i]['sources'])})")
     table = render_table(launches, results)
     print(table)
     (args.out / "table.md").write_text(table + "\n")

@@ -9,7 +9,11 @@ then derives the signature, constants and attributes, and ``triton.compile`` bui
 PTX and a cubin for ``GPUTarget("cuda", arch, 32)``. The resource figures are those
 of ``ptxas -v`` (Triton's bundled ptxas, the same run that makes the cubin):
 registers per thread, spill stores and loads (bytes), and the kernel's shared memory
-(Triton's allocation, bytes).
+(Triton's allocation, bytes). From the PTX, :func:`ptx_counts` counts the instructions
+that say how a kernel reaches memory: TMA copies (``cp.async.bulk.tensor``), ordinary
+global loads, and the 64-bit integer arithmetic that computes addresses (the compile
+check asserts that the descriptor decode's sm_90 build holds TMA copies; notebook 07
+compares the three read routes by these counts).
 
 Kernels outside ``kernels/`` (notebooks', exercises') are rebuilt from the recorded text
 of their file: its imports, ``@triton.jit`` functions and constant assignments, nothing
@@ -42,18 +46,24 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-__all__ = ["CompileResult", "compile_launch", "parse_ptxas", "kernel_function"]
+__all__ = ["CompileResult", "compile_launch", "parse_ptxas", "ptx_counts", "PTX_COUNTED", "kernel_function"]
 
 REPRESENTATIVE_INT = {"1": 1, "i32": 17, "i32D": 16, "i64": 2**33 + 1, "i64D": 2**33}
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# PTX instruction classes, by opcode (the text before the first space of a line):
+PTX_COUNTED = {
+    "tma_loads": re.compile(r"cp\.async\.bulk\.tensor\."),  # one box copied by the TMA unit
+    "global_loads": re.compile(r"ld\.global\."),  # ordinary loads, each of its own addresses
+    "address_ops": re.compile(r"(mul|mad|add|sub|shl|cvt)\.(\S*[su]64|wide\.[su]32)"),  # 64-bit integer arithmetic
+}
 
 
 @dataclass
 class CompileResult:
     """One launch compiled for one arch: ``registers`` per thread, ``spill_stores`` and
-    ``spill_loads`` (bytes per thread), ``shared`` (bytes per program), ``seconds`` of
-    compilation; ``error`` is the compiler's message when it failed (figures are then
+    ``spill_loads`` (bytes per thread), ``shared`` (bytes per program), ``ptx`` the
+    :func:`ptx_counts` of its PTX, ``seconds`` of compilation; ``error`` is the compiler's message when it failed (figures are then
     None)."""
 
     arch: int
@@ -61,6 +71,7 @@ class CompileResult:
     spill_stores: int | None = None
     spill_loads: int | None = None
     shared: int | None = None
+    ptx: dict[str, int] | None = None
     seconds: float = 0.0
     error: str | None = None
 
@@ -83,6 +94,16 @@ def parse_ptxas(log: str, kernel: str) -> tuple[int, int, int]:
     if regs is None:
         raise ValueError(f"no 'Used N registers' line for {kernel} in the ptxas log:\n{log[-2000:]}")
     return regs, spill_st or 0, spill_ld or 0
+
+
+def ptx_counts(ptx: str) -> dict[str, int]:
+    """Instructions of each :data:`PTX_COUNTED` class in ``ptx`` (a whole kernel, static
+    counts: a loop body counts once), and ``"instructions"``, every instruction line."""
+    lines = [line.split() for line in ptx.splitlines() if line.startswith("\t") and line.rstrip().endswith(";")]
+    ops = [words[1] if words[0].startswith("@") else words[0] for words in lines]  # "@%p1 ld.global ...": predicated
+    ops = [op for op in ops if not op.startswith(("//", "."))]
+    counts = {name: sum(bool(rx.match(op)) for op in ops) for name, rx in PTX_COUNTED.items()}
+    return counts | {"instructions": len(ops)}
 
 
 def _package_of(path: Path) -> str | None:
@@ -157,8 +178,8 @@ def _argument(desc):
         return desc[1]
     if kind == "n":
         return None
-    if kind == "dtype":
-        return getattr(tl, desc[1])
+    if kind == "dtype":  # recorded as str(dtype): Triton's short name ("fp16"), not the attribute's
+        return getattr(tl, desc[1], None) or tl.str_to_ty(desc[1], None)
     return desc[1]  # a constexpr by value
 
 
@@ -186,6 +207,7 @@ def compile_launch(record: dict, files: dict[str, str], arch: int) -> CompileRes
         regs, spill_st, spill_ld = parse_ptxas(log.getvalue(), record["kernel"])
         result.registers, result.spill_stores, result.spill_loads = regs, spill_st, spill_ld
         result.shared = int(kernel.metadata.shared)
+        result.ptx = ptx_counts(kernel.asm["ptx"])
     except Exception as err:  # a compiler error is this check's finding, not a crash
         result.error = f"{type(err).__name__}: {err}"[:4000]
     result.seconds = time.perf_counter() - start

@@ -10,11 +10,13 @@ the same machine code.
 The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``, see
 :mod:`pagedkv_lib.runtime`):
 
-* ``verify``: the default conformance grid on the suite's kernels (executed: it must pass);
+* ``verify``: the default conformance grid on the suite's kernels (executed: it must pass),
+  and its decode family on the read side's other two routes (page pointers and TMA
+  descriptors, with their contracts: :data:`pagedkv_kernels.tools.verify.DECODE_ROUTES`);
 * ``notebooks``: the kernels notebooks 06 and 07 build in the page (executed, asserts on);
 * ``exercises``: the workshop's kernel solutions through the exercise checker;
 * ``benchmarks``: each benchmark's default GPU dtype, head size and tiles, on short
-  sequences (the tiles stop growing at 64 keys, so longer ones add no specialization),
+  sequences (the decode on all three read routes) (the tiles stop growing at 64 keys, so longer ones add no specialization),
   the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes, MLA
   in FlashInfer's convention, the read options the grid leaves out (CSR tables, LSE
   outputs, non-causal and draft-tree prefill, merge_states, cascade attention), the
@@ -169,6 +171,19 @@ def _run_verify() -> None:
         raise RuntimeError("the default verify grid failed under GPU plans:\n" + out.getvalue()[-4000:])
 
 
+def _run_decode_routes() -> None:
+    """The decode family of the verify grid on the page-pointer and descriptor routes,
+    under their contracts (executed: it must pass)."""
+    from pagedkv_lab.verify import run
+
+    from .verify import DECODE_ROUTES
+
+    for name, fn in DECODE_ROUTES.items():
+        report = run(decode_fn=fn, checks=("decode",), isolate=False)
+        if not report.passed:
+            raise RuntimeError(f"the decode grid failed on the {name} route under GPU plans:\n{report}"[-4000:])
+
+
 def _run_notebook(stem: str) -> None:
     import matplotlib
 
@@ -228,7 +243,7 @@ def _bench_batch():
 def _run_benchmarks() -> None:
     from pagedkv_lib.quant_pool import QuantizedKVPool
 
-    from .. import decode, gather, prefill, quant_decode, quant_write, write
+    from .. import decode, decode_descriptors, decode_page_pointers, gather, prefill, quant_decode, quant_write, write
 
     (h, g, d, p, n), table, lens = _bench_batch()
     gen = torch.Generator().manual_seed(0)
@@ -238,6 +253,8 @@ def _run_benchmarks() -> None:
         cache = torch.zeros((pages, 2, p, h, d), dtype=dtype)
         q = torch.randn((2, h * g, d), generator=gen).to(dtype)
         decode.paged_decode_attention(q, cache, table, lens)
+        decode_page_pointers.paged_decode_attention_page_pointers(q, cache, table, lens)  # --route pointers
+        decode_descriptors.paged_decode_attention_descriptors(q, cache, table, lens)  # --route descriptors
         gather.gather_paged_kv(cache, table, lens)
         qp = torch.randn((2 * n, h * g, d), generator=gen).to(dtype)
         prefill.paged_prefill_attention(qp, cache, torch.tensor([0, n, 2 * n], dtype=torch.int32), table, lens)
@@ -460,7 +477,11 @@ def _run_rotary_positions() -> None:
 
 
 RUNNERS = {  # (label, runner, dry)
-    "verify": [("verify grid", _run_verify, False), ("bf16 prefill grid (dry)", _run_bf16_prefill, True)],
+    "verify": [
+        ("verify grid", _run_verify, False),
+        ("bf16 prefill grid (dry)", _run_bf16_prefill, True),
+        ("decode grid on the page-pointer and descriptor routes", _run_decode_routes, False),
+    ],
     "notebooks": [
         (f"notebook {s[:2]}", lambda s=s: _run_notebook(s), False) for s in ("06_triton_write", "07_triton_read")
     ],

@@ -5,6 +5,13 @@ them; this thin command line lives on the kernels' side and hands it the suite's
 append, decode, prefill, MLA and quantized kernels, and the CSR append for the rotary-position
 family. Options as ``python -m pagedkv_lab.verify`` (``--full``,
 ``--hypothesis N``, ``--fault NAME``, ``--reference``, ``--no-poison-masked``); exits 1 when a check fails.
+
+The read side's two other routes (:mod:`pagedkv_kernels.decode_page_pointers`,
+:mod:`pagedkv_kernels.decode_descriptors`) are not defaults (the decode family checks
+one ``decode_fn`` a run): :data:`DECODE_ROUTES` holds them with the contracts they
+declare, importable for ``--decode-fn pagedkv_kernels.tools.verify:page_pointer_route``
+(or ``:descriptor_route``); ``tests/test_kernel_read_routes.py`` and the compile check
+run them through the decode grid.
 """
 
 from __future__ import annotations
@@ -18,13 +25,15 @@ from pagedkv_lib import runtime
 from ..adapters.quant_pool_entry import append_paged_kv_quant_pool, paged_decode_attention_quant_pool
 from ..block_copy import copy_paged_blocks
 from ..decode import paged_decode_attention
+from ..decode_descriptors import paged_decode_attention_descriptors
+from ..decode_page_pointers import paged_decode_attention_page_pointers
 from ..indexer_k import indexer_k_cache_scatter
 from ..mla_decode import mla_decode_attention
 from ..mla_write import append_paged_mla_kv
 from ..prefill import paged_prefill_attention
 from ..write import append_paged_kv, append_paged_kv_csr
 
-__all__ = ["main", "BF16_DOT_NOTE"]
+__all__ = ["main", "BF16_DOT_NOTE", "page_pointer_route", "descriptor_route", "DECODE_ROUTES"]
 
 BF16_DOT_NOTE = (
     "bf16 prefill under GPU plans is outside: Triton's interpreter computes bf16 tl.dot wrongly "
@@ -44,6 +53,28 @@ def _prefill_for_this_backend():
         return paged_prefill_attention(*args, **kwargs)
 
     return prefill_without_bf16
+
+
+@contract(notes="route 2 (MMHA's page pointers): one program per request and KV head, no KV splits")
+def page_pointer_route(q, cache, block_tables, seq_lens, scale=None, layout="NHD", window=None):
+    """:func:`pagedkv_kernels.paged_decode_attention_page_pointers` with its contract: every
+    case the decode grid builds (it takes no ``num_splits``)."""
+    return paged_decode_attention_page_pointers(q, cache, block_tables, seq_lens, scale, layout, window)
+
+
+@contract(
+    page_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    head_dims=(8, 16, 32, 64, 128, 256),
+    notes="route 3 (XQA's TMA descriptors): page sizes and head dims powers of two up to 256, rows of >= 16 "
+    "bytes (fp32 head_dim 4 too); ring and linear windows; one program per request and KV head, no KV splits",
+)
+def descriptor_route(q, cache, block_tables, seq_lens, scale=None, layout="NHD", window=None):
+    """:func:`pagedkv_kernels.paged_decode_attention_descriptors` with its contract (the
+    descriptor's tile rule: :func:`pagedkv_lib.checks.check_descriptor_tiles`)."""
+    return paged_decode_attention_descriptors(q, cache, block_tables, seq_lens, scale, layout, window)
+
+
+DECODE_ROUTES = {"pointers": page_pointer_route, "descriptors": descriptor_route}
 
 
 def main(argv: list[str] | None = None) -> int:
