@@ -2,8 +2,10 @@
 
 The harness itself (:mod:`pagedkv_lab.verify`) sits below the kernels and never imports
 them; this thin command line lives on the kernels' side and hands it the suite's
-append, decode, prefill, MLA and quantized kernels, and the CSR append for the rotary-position
-family. Options as ``python -m pagedkv_lab.verify`` (``--full``,
+append, decode, prefill, MLA and quantized kernels, the CSR append for the rotary-position
+family and the merge of attention states (``merge_states``), and declares what the
+decode and prefill return with ``return_lse=True``: a base-2 LSE, which the harness
+checks. Options as ``python -m pagedkv_lab.verify`` (``--full``,
 ``--hypothesis N``, ``--fault NAME``, ``--reference``, ``--no-poison-masked``); exits 1 when a check fails.
 """
 
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import replace
 
-from pagedkv_lab.verify import cli, contract
+from pagedkv_lab.verify import cli, contract, contract_of
 from pagedkv_lib import runtime
 
 from ..adapters.quant_pool_entry import append_paged_kv_quant_pool, paged_decode_attention_quant_pool
 from ..block_copy import copy_paged_blocks
+from ..cascade import merge_states
 from ..decode import paged_decode_attention
 from ..indexer_k import indexer_k_cache_scatter
 from ..mla_decode import mla_decode_attention
@@ -58,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         "indexer_scatter_fn": indexer_k_cache_scatter,
         "block_copy_fn": copy_paged_blocks,
         "rotary_append_fn": append_paged_kv_csr,
+        "merge_fn": merge_states,
     }
-    return cli.main(argv, defaults=defaults, prog="python -m pagedkv_kernels.tools.verify")
+    # return_lse=True gives (out, lse), lse [rows, num_q_heads] fp32 in base 2: checked too
+    contracts = {arg: replace(contract_of(defaults[arg]), lse="base2") for arg in ("decode_fn", "prefill_fn")}
+    return cli.main(argv, defaults=defaults, prog="python -m pagedkv_kernels.tools.verify", contracts=contracts)
 
 
 if __name__ == "__main__":
