@@ -3,7 +3,7 @@ natural-log conventions, empty states, NaN states, and a log-sum-exp judged wher
 kernel returns one, so that a wrong base fails.
 
 The oracle is the float64 merge :func:`pagedkv_lib.merge_state.merge_states`. The tests
-marked ``xfail(strict=True)`` expect NaN to survive every merge and LSE (issue 36, item
+expect NaN to survive every merge and LSE (issue 36, item
 1), which the kernels and the float64 merge do once NaN propagation lands. The file
 runs in about 40 s on 2 cores.
 """
@@ -20,7 +20,6 @@ from pagedkv_lib import merge_state, reference
 # isort: split
 import pagedkv_kernels as kernels
 
-NAN_PROPAGATION = pytest.mark.xfail(strict=True, reason="NaN propagation lands with the harness branch")
 LN2 = math.log(2.0)
 SMALL = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 4, "group": 2, "num_kv_heads": 2}
 NAN_QUERY = {"decode": next(c for c in verify.decode_grid() if c.get("nan_query")),
@@ -73,7 +72,7 @@ def vllm_merge(v_a, s_a, v_b, s_b, out=None):
 def test_a_natural_log_merge_passes_declared_natural_and_fails_declared_base_2():
     """vLLM's ``merge_attn_states`` uses the natural log, FlashInfer's ``merge_state``
     base 2: the harness hands each its LSEs in the declared base. ~3 s."""
-    no_nan = lambda c: "nan" not in c  # noqa: E731  (the NaN cases: see the xfail tests)
+    no_nan = lambda c: "nan" not in c  # noqa: E731  (the NaN cases have tests of their own below)
     natural = _merge(vllm_merge, verify.Contract(lse="natural", merge_inputs="pair"), no_nan)
     assert all(r.passed for r in natural), [r.detail for r in natural if not r.passed]
     base2 = _merge(vllm_merge, verify.Contract(merge_inputs="pair"), no_nan)
@@ -177,7 +176,6 @@ def test_a_natural_log_lse_passes_declared_natural_and_a_missing_lse_fails():
 # ----------------------------------------------------------------------------- NaN survives (with NaN propagation)
 
 
-@NAN_PROPAGATION
 def test_the_float64_merge_keeps_a_nan_or_inf_lse_from_looking_empty():
     v, s = verify.merge_inputs(next(c for c in verify.merge_grid() if c.get("nan") == "lse"))
     out, lse = merge_state.merge_states(v, s)
@@ -186,14 +184,12 @@ def test_the_float64_merge_keeps_a_nan_or_inf_lse_from_looking_empty():
     assert merge_state.merge_states(v, s)[1][0, 0] != float("-inf")
 
 
-@NAN_PROPAGATION
 def test_the_suites_merge_keeps_a_nan_lse_nan():
     v, s = verify.merge_inputs(next(c for c in verify.merge_grid() if c.get("nan") == "lse"))
     out, lse = kernels.merge_states(v, s)
     assert out[0, 0].isnan().all() and lse[0, 0].isnan()
 
 
-@NAN_PROPAGATION
 @pytest.mark.parametrize("family", ["decode", "prefill"])
 def test_a_nan_row_keeps_a_nan_lse_in_the_suites_decode_and_prefill(family):
     fn = {"decode": kernels.paged_decode_attention, "prefill": kernels.paged_prefill_attention}[family]

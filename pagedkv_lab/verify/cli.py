@@ -87,6 +87,12 @@ def main(
         "--hypothesis", type=non_negative_int, default=10, metavar="N", help="generated cases per op (default 10)"
     )
     parser.add_argument("--fault", action="append", default=[], choices=sorted(F.FAULTS), help="switch a fault on")
+    parser.add_argument(
+        "--checks",
+        type=lambda text: tuple(name.strip() for name in text.split(",") if name.strip()),
+        metavar="NAME[,NAME]",
+        help="only these checks (e.g. decode,merge; default: every check the given callables allow)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument(
         "--baseline",
@@ -128,6 +134,7 @@ def main(
             poison_masked=poison,
             baseline=args.baseline,
             contracts=declared,
+            **({"checks": args.checks} if args.checks else {}),
         )
     except ValueError as err:  # an import path that does not resolve, an unknown fault, a bad baseline
         parser.error(str(err))

@@ -28,7 +28,7 @@ from ..mla_write import append_paged_mla_kv
 from ..prefill import paged_prefill_attention
 from ..write import append_paged_kv, append_paged_kv_csr
 
-__all__ = ["main", "BF16_DOT_NOTE"]
+__all__ = ["main", "suite_defaults", "BF16_DOT_NOTE"]
 
 BF16_DOT_NOTE = (
     "bf16 prefill under GPU plans is outside: Triton's interpreter computes bf16 tl.dot wrongly "
@@ -50,7 +50,10 @@ def _prefill_for_this_backend():
     return prefill_without_bf16
 
 
-def main(argv: list[str] | None = None) -> int:
+def suite_defaults() -> tuple[dict, dict]:
+    """``(callables, contracts)``: the suite's kernels for every family of
+    :func:`pagedkv_lab.verify.run` (``{"append_fn": ..., ...}``), and what they declare
+    beyond their own contracts (their decode and prefill return a base-2 LSE)."""
     defaults = {
         "append_fn": append_paged_kv,
         "decode_fn": paged_decode_attention,
@@ -66,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     # return_lse=True gives (out, lse), lse [rows, num_q_heads] fp32 in base 2: checked too
     contracts = {arg: replace(contract_of(defaults[arg]), lse="base2") for arg in ("decode_fn", "prefill_fn")}
+    return defaults, contracts
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults, contracts = suite_defaults()
     return cli.main(argv, defaults=defaults, prog="python -m pagedkv_kernels.tools.verify", contracts=contracts)
 
 
