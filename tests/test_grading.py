@@ -156,7 +156,8 @@ def test_the_sandboxs_root_holds_the_suite_but_not_the_checkout_or_the_course():
     checkout = str(ROOT)
     inside = [b for b in binds if b == checkout or b.startswith(checkout + os.sep)]
     packages = {str(Path(p).resolve()) for p in sandbox._package_dirs()}
-    assert set(inside) <= packages, inside  # the packages, never the checkout (exercises/, .git)
+    environment = {os.path.realpath(sys.prefix)}  # a venv made inside the checkout (make setup's .venv)
+    assert set(inside) <= packages | environment, inside  # never the checkout itself (exercises/, .git)
     assert not any(str(default_dir()).startswith(b.rstrip("/") + "/") for b in binds), binds
     hidden = sandbox._hidden()
     assert str(Path(pagedkv_lab.__file__).parent / "exercises" / "mistakes.py") in hidden

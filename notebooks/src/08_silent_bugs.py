@@ -395,7 +395,10 @@ display(viz.source_code(peer_conventions.store_flat_kernel))
 #    `(k_cache, v_cache)` pair this kernel takes (other layouts: `"kv_tuple"` for
 #    FlashInfer's and vLLM's flash layout, `"vllm_x"` for vLLM's x-packed keys);
 # 3. a **contract**: what the kernel supports. This one needs contiguous K/V
-#    (`strided_kv=False`); a case that has strided K/V is checked with contiguous K/V
+#    (`strided_kv=False`) and a cache laid out as it allocates one, K and V with the
+#    same strides (`kv_strides="shared"`; otherwise the harness gives V longer rows than
+#    K, to catch a kernel that reads V with K's strides); a case that has strided K/V is
+#    checked with contiguous K/V
 #    instead, a page size, head dim or dtype the kernel does not take is replaced by the
 #    nearest one it does (the case says what was `substituted`), and only a case with
 #    nothing admitted to move to is listed as *outside the declared contract*, neither
@@ -403,7 +406,7 @@ display(viz.source_code(peer_conventions.store_flat_kernel))
 
 
 # %%
-@verify.contract(cache_layout="flat", strided_kv=False)
+@verify.contract(cache_layout="flat", strided_kv=False, kv_strides="shared")
 def flat_store(k, v, cache, slot_mapping):
     k_cache, v_cache = cache
     peer_conventions.store_kvcache_flat(k, v, k_cache, v_cache, slot_mapping)
@@ -434,7 +437,7 @@ assert guard_diff.added and all("# the fault" in line for line in guard_diff.add
 
 
 # %%
-@verify.contract(cache_layout="flat", strided_kv=False)
+@verify.contract(cache_layout="flat", strided_kv=False, kv_strides="shared")
 def flat_store_without_guard(k, v, cache, slot_mapping):
     peer_kernels.store_kvcache_flat_no_minus_one_guard(k, v, *cache, slot_mapping)
 
@@ -451,10 +454,19 @@ assert all(r.case["padding"] > 0 for r in unguarded.failures), "only cases with 
 # value_cache [num_blocks, block_size, num_kv_heads, head_dim]`, whose tile is one block
 # (so blocks of 16 or more, as `tl.dot` needs), which never sees an empty sequence and
 # has no sliding window: pages of 1 and 5 become 16 and 32, an empty sequence is dropped
-# from its batch, HND becomes NHD. Each case shows what was `substituted`.
+# from its batch, HND becomes NHD. Each case shows what was `substituted`. It also reads
+# V with K's strides, as a kernel written for one allocation of both does:
+# `kv_strides="shared"`.
 
 # %%
-VLLM = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes=(16, 32, 64, 128, 256), min_seq_len=1, windows=False)
+VLLM = dict(
+    cache_layout="kv_tuple",
+    layouts=("NHD",),
+    page_sizes=(16, 32, 64, 128, 256),
+    min_seq_len=1,
+    windows=False,
+    kv_strides="shared",
+)
 
 
 @verify.contract(**VLLM)
@@ -495,9 +507,12 @@ assert "the tail of a partly filled last page" in nan.attribution, "the whole-pa
 #
 # A kernel with standing failures hides a new bug among them. Save a report, then run
 # again with `baseline=` (or `--baseline report.json` on the command line): the report
-# lists only the new failures, the fixed cases and the margins that moved, and fails only
-# on new failures. Here the baseline is the whole-page decode; the new run plants a
-# second bug, a missing softmax scale, in the same kernel's short cases.
+# lists only the new failures, the standing failures that now fail for a new *cause*,
+# the fixed cases and the margins that moved, and fails on new failures and new causes.
+# Here the baseline is the whole-page decode; the new run plants a second bug, a missing
+# softmax scale, in the same kernel's short cases. The cases the NaN tails already
+# failed still fail, so by status alone nothing changed there; but they used to pass
+# with finite stale values, and now do not: a new cause.
 
 
 # %%
@@ -510,7 +525,57 @@ saved = verify.Report([verify.run_case("decode", c, decode_fn=whole_page_decode,
 again = verify.Report([verify.run_case("decode", c, decode_fn=unscaled_decode, isolate=False) for c in short])
 diff = verify.baseline.diff_against(again.results, saved)
 print(diff.summary())
+for result, then, now in diff.new_causes[:2]:
+    print(f"  seq_lens={result.case['seq_lens']}: {', '.join(then)}  ->  {', '.join(now)}")
 assert diff.new_failures and not diff.fixed, "the missing scale should show as new failures, and nothing as fixed"
+assert diff.new_causes and not diff.still_failing, "every standing failure should now fail for a new cause too"
+
+# %% [markdown]
+# ### A kernel with preconditions: vLLM's chunked prefill and paged decode
+#
+# Some kernels are right only under conditions their engine always meets. vLLM's
+# `chunked_prefill_paged_decode` sends the requests of several queries to a prefill
+# that reads the context from the cache and the new tokens' K/V from the `key`/`value`
+# it is given, and every other request to a paged decode that reads the cache alone and
+# stores its row at the request's first query. So the new tokens must be **both** in the
+# cache and given apart, and a request **without queries** must never come: its decode
+# would store into the next request's row. A copy in that convention
+# (`peer_kernels.chunked_prefill_paged_decode`, the decode a Triton kernel of the
+# unified-attention kind):
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+display(viz.source_code(peer_conventions.chunked_prefill_paged_decode))
+
+# %% [markdown]
+# Its contract says so with two fields: `new_tokens="both"` (the harness writes the new
+# tokens into the pool *and* passes them as `k_new=`, `v_new=`) and `min_q_len=1` (a
+# request without queries is dropped from its batch, as an empty sequence is). Without
+# `min_q_len`, a case holding such a request fails, and the report names the request
+# whose row was overwritten; with it, the same case passes.
+
+
+# %%
+def vllm_chunked_prefill(q, cache, qo_indptr, block_tables, seq_lens, k_new, v_new):
+    return peer_conventions.chunked_prefill_paged_decode(q, *cache, k_new, v_new, qo_indptr, block_tables, seq_lens)
+
+
+VLLM_PREFILL = dict(cache_layout="kv_tuple", layouts=("NHD",), new_tokens="both")
+zero_query = next(c for c in verify.prefill_grid() if (16, 0) in c["requests"] and c["layout"] == "NHD")
+print("requests (seq_len, q_len):", zero_query["requests"])
+for fields in ({}, {"min_q_len": 1}):
+    contracts = {"prefill_fn": verify.Contract(**VLLM_PREFILL, **fields)}
+    r = verify.run_case("prefill", zero_query, prefill_fn=vllm_chunked_prefill, contracts=contracts, isolate=False)
+    print(f"{fields or 'without min_q_len'}: {r.status}  {r.detail.split('; the worst')[0] or r.case['substituted']}")
+    assert r.passed is bool(fields), "only min_q_len=1 should make the request without queries leave the case"
+
+# %% [markdown]
+# Other fields state other preconditions: `fp32_dots="tf32"` (fp32 dots on tf32 tensor
+# cores, judged by fp16's tolerance), `kv_strides="shared"` (above), `score_mods=("sinks",
+# "alibi", "softcap")` (the float64 references implement all three), `lse="base2"` or
+# `"natural"` (the LSE a kernel returns is checked too), and a `"flat"` cache carries its
+# `page_size` for a slot-table kernel. A merge of attention states is a family of its
+# own (`merge_fn=`), in either LSE base.
 
 # %% [markdown]
 # ### Caveat: bf16 in Triton's interpreter
@@ -568,8 +633,10 @@ assert diff.new_failures and not diff.fixed, "the missing scale should show as n
 # engine's interface passed inside its declared contract (flat slot cache; vLLM's paged
 # layout, every case moved inside a contract of pages of 16 or more), its planted `-1`
 # bug was reported with the tensor and the offset it hit, a whole-page read was
-# attributed to the unwritten tail of a last page, and a baseline run showed only the
-# newly planted bug.
+# attributed to the unwritten tail of a last page, a baseline run showed the newly
+# planted bug (new failures, and new causes of the standing ones), and vLLM's chunked
+# prefill with paged decode failed a request without queries until its contract said
+# `min_q_len=1`.
 #
 # ## Try this
 #

@@ -16,7 +16,8 @@ The sources are what a GPU user runs, planned as on a GPU (``PAGEDKV_PLAN=gpu``,
 * ``notebooks``: the kernels notebooks 06 and 07 build in the page (executed, asserts on);
 * ``exercises``: the workshop's kernel solutions through the exercise checker;
 * ``benchmarks``: each benchmark's default GPU dtype, head size and tiles, on short
-  sequences (the decode on all three read routes) (the tiles stop growing at 64 keys, so longer ones add no specialization),
+  sequences (the decode on all three read routes; the tiles stop growing at 64 keys, so
+  longer ones add no specialization),
   the indexer-K scatter and block copy at DeepSeek-V3.2's and an offload's shapes, MLA
   in FlashInfer's convention, the read options the grid leaves out (CSR tables, LSE
   outputs, non-causal and draft-tree prefill, merge_states, cascade attention), the
@@ -253,7 +254,7 @@ def _run_benchmarks() -> None:
         cache = torch.zeros((pages, 2, p, h, d), dtype=dtype)
         q = torch.randn((2, h * g, d), generator=gen).to(dtype)
         decode.paged_decode_attention(q, cache, table, lens)
-        decode_page_pointers.paged_decode_attention_page_pointers(q, cache, table, lens)  # --route pointers
+        decode_page_pointers.paged_decode_attention_page_pointers(q, cache, table, lens)  # --route 'page pointers'
         decode_descriptors.paged_decode_attention_descriptors(q, cache, table, lens)  # --route descriptors
         gather.gather_paged_kv(cache, table, lens)
         qp = torch.randn((2 * n, h * g, d), generator=gen).to(dtype)
@@ -313,6 +314,10 @@ def _run_foreign() -> None:
         peer_conventions.decode_kv_tuple(q, kc, vc, table, lens)
         qp = torch.randn((n, 2 * heads, dim), generator=gen).to(dtype)
         peer_conventions.prefill_kv_tuple(qp, kc, vc, torch.tensor([0, n], dtype=torch.int32), table, lens)
+        # the unified-attention peer, plain and with every option (tf32 dots for fp32)
+        peer_conventions.decode_paged(q, kc, vc, table, lens)
+        mods = {"sinks": torch.zeros(2 * heads), "alibi_slopes": torch.ones(2 * heads), "softcap": 30.0}
+        peer_conventions.decode_paged(q, kc, vc, table, lens, tf32=dtype == torch.float32, **mods)
 
 
 def _run_vllm_layouts() -> None:
