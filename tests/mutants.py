@@ -240,6 +240,7 @@ def package(mutant: Mutant):
     build(mutant)
     return sys.modules[f"kernels_mutant_{mutant.name}"]
 
+
 # The read side's other two routes (tests/test_kernel_read_routes.py runs them on a few
 # small cases against the float64 reference): each bug is one the route's own code could have.
 ROUTE_MUTANTS = [

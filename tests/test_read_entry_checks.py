@@ -1,5 +1,5 @@
-"""One rule for every read entry point (decode, prefill, quantized decode, MLA decode, and
-their references): huge softmax scales, tensors on the ``meta`` device, windows of other
+"""One rule for every read entry point (decode on its three routes, prefill, quantized
+decode, MLA decode, and their references): huge softmax scales, tensors on the ``meta`` device, windows of other
 pages and int64 junk in unused table entries are refused with a ValueError that names
 what is wrong, before anything is launched.
 
@@ -21,7 +21,7 @@ from pagedkv_lib.checks import MAX_SCALE
 
 # isort: split
 import pagedkv_kernels as kernels
-from pagedkv_kernels import decode, mla_decode, prefill, quant_decode
+from pagedkv_kernels import decode, decode_descriptors, decode_page_pointers, mla_decode, prefill, quant_decode
 
 DEV = runtime.device()
 SHAPE = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 8, "group": 2, "num_kv_heads": 1}
@@ -32,6 +32,8 @@ def no_launch(monkeypatch):
     """Any launch fails the test: every case here must be refused before one."""
     for module, name in (
         (decode, "decode_split_kernel"),
+        (decode_page_pointers, "decode_page_pointers_kernel"),
+        (decode_descriptors, "decode_descriptors_kernel"),
         (prefill, "prefill_kernel"),
         (prefill, "prefill_any_layout_kernel"),
         (quant_decode, "quant_decode_split_kernel"),
@@ -75,6 +77,16 @@ def _quant_kernel(pool, **a):
 # (name, arguments, kernel call, reference call): the references take host tensors.
 ENTRY_POINTS = {
     "decode": (decode_args, lambda a: kernels.paged_decode_attention(**_dev(a)), reference.paged_decode_attention),
+    "decode, page pointers": (
+        decode_args,
+        lambda a: kernels.paged_decode_attention_page_pointers(**_dev(a)),
+        reference.paged_decode_attention,
+    ),
+    "decode, descriptors": (
+        decode_args,
+        lambda a: kernels.paged_decode_attention_descriptors(**_dev(a)),
+        reference.paged_decode_attention,
+    ),
     "prefill": (prefill_args, lambda a: kernels.paged_prefill_attention(**_dev(a)), reference.paged_prefill_attention),
     "quant decode": (quant_args, lambda a: _quant_kernel(**a), quant_reference.paged_decode_attention_quant),
     "mla decode": (mla_args, lambda a: kernels.mla_decode_attention(**_dev(a)), mla.mla_decode_naive),

@@ -47,7 +47,8 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
   :mod:`~pagedkv_kernels.tools.verify` (``python -m pagedkv_kernels.tools.verify``),
   :mod:`~pagedkv_kernels.tools.compile_check` with
   :mod:`~pagedkv_kernels.tools.launch_record` and :mod:`~pagedkv_kernels.tools.gpu_compile`
-  (every launch compiled for real GPUs). Importing this package imports no tool.
+  (every launch compiled for real GPUs), :mod:`~pagedkv_kernels.tools.route_ptx` (the
+  three read routes compiled side by side). Importing this package imports no tool.
 
 Importing this package first imports :mod:`pagedkv_lib.runtime`, which sets
 ``TRITON_INTERPRET`` before triton is imported: compiled kernels when CUDA is available,

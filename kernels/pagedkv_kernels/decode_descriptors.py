@@ -112,11 +112,19 @@ def decode_descriptors_kernel(
     """Program ``(b, kv_head)``: the output of every query head of the KV head's GQA
     group for request ``b``, K/V loaded as boxes of ``BLOCK_N`` rows of one page."""
     if HND:
-        pool = tl.make_tensor_descriptor(cache_ptr, [num_pages, 2, num_kv_heads, PAGE, BLOCK_D],
-                                         [stride_page, stride_kv, stride_h, stride_n, 1], [1, 1, 1, BLOCK_N, BLOCK_D])
+        pool = tl.make_tensor_descriptor(
+            cache_ptr,
+            [num_pages, 2, num_kv_heads, PAGE, BLOCK_D],
+            [stride_page, stride_kv, stride_h, stride_n, 1],
+            [1, 1, 1, BLOCK_N, BLOCK_D],
+        )
     else:
-        pool = tl.make_tensor_descriptor(cache_ptr, [num_pages, 2, PAGE, num_kv_heads, BLOCK_D],
-                                         [stride_page, stride_kv, stride_n, stride_h, 1], [1, 1, BLOCK_N, 1, BLOCK_D])
+        pool = tl.make_tensor_descriptor(
+            cache_ptr,
+            [num_pages, 2, PAGE, num_kv_heads, BLOCK_D],
+            [stride_page, stride_kv, stride_n, stride_h, 1],
+            [1, 1, BLOCK_N, 1, BLOCK_D],
+        )
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -126,7 +134,9 @@ def decode_descriptors_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < group
     heads = kv_head * group + offs_g
-    q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, offs_d < BLOCK_D, stride_qb, stride_qh, stride_qd, qk_scale)
+    q = load_scaled_queries(
+        q_ptr, b, heads, offs_d, g_mask, offs_d < BLOCK_D, stride_qb, stride_qh, stride_qd, qk_scale
+    )
     table_row = block_tables_ptr + b.to(tl.int64) * stride_table
 
     rows = seq_len  # cache rows to visit: the sequence's, or its ring's
@@ -196,7 +206,9 @@ def plan_descriptors(
     checks.check_descriptor_tiles(cache, layout)
     check_descriptor_pool("cache", cache)
     dims = cache_dims(cache, layout)
-    fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, PageTable.padded(table, lens, q.device))
+    fields = read_plan_fields(
+        q, dims.num_kv_heads, dims.page_size, scale, window, PageTable.padded(table, lens, q.device)
+    )
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
     block_g, block_n, block_d, num_warps = decode_tiles(fields["group"], fields["head_dim"], max_visible)
     return DescriptorPlan(

@@ -245,7 +245,9 @@ def plan_page_pointers(
     used = pages_read(lens, dims.page_size, window, table.shape[1])
     host_pointers = build_page_pointers(cache, table, used)
     check_page_pointers(host_pointers, cache, table, used)
-    fields = read_plan_fields(q, dims.num_kv_heads, dims.page_size, scale, window, PageTable.padded(table, lens, q.device))
+    fields = read_plan_fields(
+        q, dims.num_kv_heads, dims.page_size, scale, window, PageTable.padded(table, lens, q.device)
+    )
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
     block_g, block_n, block_d, num_warps = decode_tiles(fields["group"], fields["head_dim"], max_visible)
     return PagePointerPlan(

@@ -14,6 +14,9 @@
 # * **(c)** split-KV (flash-decoding): several programs share one sequence, each writes
 #   a partial output and its log-sum-exp, and a second kernel merges them.
 #
+# Last, the read side's three routes side by side (the kernel, the host or the TMA unit
+# computes each page's address), checked and compared in their compiled code.
+#
 # Then we read the production kernel (`kernels/pagedkv_kernels/decode.py`, `kernels/pagedkv_kernels/merge.py`) and check
 # what it adds.
 #
@@ -28,7 +31,8 @@
 # [03 · Divmod indexing](03_divmod_indexing.ipynb) and
 # [06 · The Triton write kernel](06_triton_write.ipynb) (a kernel in the page).
 #
-# **Time:** about 8 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
+# **Time:** about 30 s to run (Restart and Run All, 2 CPU cores; the last section compiles
+# three kernels for sm_90), 40 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook): the kernels run compiled
 # on a GPU, or in Triton's interpreter on a CPU.
 
@@ -42,6 +46,7 @@ DEV = setup(kernels=True)
 
 # %%
 import math
+import time
 import warnings
 
 import matplotlib.pyplot as plt
@@ -54,6 +59,7 @@ import pagedkv_kernels as kernels
 from pagedkv_kernels import decode as production
 from pagedkv_kernels import merge as production_merge
 from pagedkv_kernels.device import attention_core
+from pagedkv_kernels.tools import route_ptx
 from pagedkv_lab import verify, viz
 from pagedkv_lab.verify import TOLERANCES
 from pagedkv_lab.verify.compare import compare
@@ -624,6 +630,155 @@ print(f"ring window of 24 tokens with 4 sinks: passed {result.passed}")
 assert result.passed, f"production failed the windowed case: {result.detail}"
 
 # %% [markdown]
+# ## Three routes to the same pages: who computes the address
+#
+# TensorRT-LLM reads a paged pool along three routes that coexist, and none of them
+# gathers K/V into a contiguous copy first. They differ in *who does the address
+# arithmetic*:
+#
+# 1. **the kernel** (the generic paged kernel, FlashInfer's or the suite's above): for
+#    every key it looks up the page id in the table and computes
+#    `page * stride_page + row * stride_n`;
+# 2. **the host** (MMHA, `decoderMaskedMultiheadAttention`: one thread block per
+#    request): before the step it flattens each request's table into an array of page
+#    *pointers*; the kernel loads a pointer and reads inside the page;
+# 3. **the hardware** (XQA, `decoderXQA*`): the pool is described once as a TMA
+#    descriptor (a `CUtensorMap`: base, shape, strides, box); the kernel asks for a
+#    box by its coordinates `(page, kv, row, head, 0)` and one instruction copies it.
+#
+# The suite has all three: `kernels.paged_decode_attention` (route 1),
+# `kernels.paged_decode_attention_page_pointers` (route 2) and
+# `kernels.paged_decode_attention_descriptors` (route 3), same arguments, same results.
+# Here is where each one's address comes from, in the kernels' own lines:
+
+# %%
+pointers = kernels.decode_page_pointers
+route_1 = viz.kernel_listing(
+    attention_core.load_kv_tile,
+    lessons=["page, slot = table_page(", "k_ptrs = k_ptr +"],
+    context=1,
+    title="route 1: the kernel computes each key's address",
+)
+route_2_host = viz.kernel_listing(
+    pointers.build_page_pointers,
+    lessons=["k = cache.data_ptr()"],
+    context=1,
+    title="route 2, on the host: each page's address, once per step",
+)
+route_2 = viz.kernel_listing(
+    pointers.decode_page_pointers_kernel,
+    context=2,
+    lessons=["block = row // page_size", "k = tl.load(k_page[:, None]"],
+    title="route 2, in the kernel: load an address, cast it to a pointer",
+)
+route_3 = viz.kernel_listing(
+    kernels.decode_descriptors.decode_descriptors_kernel,
+    context=3,
+    lessons=[
+        "[stride_page, stride_kv, stride_n, stride_h, 1]",
+        "page = tl.load(table_row",
+        "k = pool.load([page, 0, row",
+    ],
+    title="route 3: the page id is a coordinate, the TMA unit computes addresses",
+)
+for listing in (route_1, route_2_host, route_2, route_3):
+    display(listing)
+
+# %% [markdown]
+# Route 2's kernel never sees the pool's base, a page id or the page stride, so a wrong
+# address would be read as if it were right (in the interpreter, a segmentation fault).
+# Its plan therefore checks every address against the page torch gives for the same
+# table entry before launch, and refuses to run on any pool but the one it was built
+# from. Route 3 can only describe boxes whose sides are powers of two (at most 256) and
+# rows of at least 16 bytes, from a 16-byte-aligned base: other pools are refused by name.
+# All three on the poisoned batch of this notebook, and on a ring window, against float64:
+
+# %%
+ROUTES = {
+    "route 1 (paged)": kernels.paged_decode_attention,
+    "route 2 (page pointers)": kernels.paged_decode_attention_page_pointers,
+    "route 3 (descriptors)": kernels.paged_decode_attention_descriptors,
+}
+for name, fn in ROUTES.items():
+    check = compare(fn(*dev_inputs).cpu(), truth, atol, rtol)
+    print(f"{name:24s} max |out - float64| = {check.max_abs:.2e}")
+    assert check.passed, f"{name} is off the float64 reference by {check.max_abs:.2e} at {check.worst}"
+    windowed_result = verify.decode_case(fn, windowed)
+    assert windowed_result.passed, f"{name} failed the ring-window case: {windowed_result.detail}"
+try:
+    pool_6 = torch.zeros(4, 2, 6, 2, 32)  # pages of 6 rows: not a power of two
+    kernels.paged_decode_attention_descriptors(*(x.to(DEV) for x in (q, pool_6, block_tables[:, :1], seq_lens * 0)))
+    message = None
+except ValueError as err:
+    message = str(err)
+print("route 3 on pages of 6 rows: ValueError:", message[:90], "...")
+assert message and message.startswith("page_size=6"), "a page size a descriptor cannot tile must be refused by name"
+
+# %% [markdown]
+# What does moving the arithmetic buy? Two measurements, not claims. **Host work per
+# step:** route 2 rebuilds and checks its pointer array whenever a table changes (every
+# step that opens a page), 16 bytes per table entry (a K and a V address) where route 1
+# and route 3 take the int32 table as it is. Timed below for 32 requests of 4096 tokens
+# in pages of 16 (the plans' host work; the launches are not timed):
+
+# %% tags=["nbval-ignore-output"]
+big_pool = torch.zeros(32 * 256 + 1, 2, 16, 1, 16, dtype=torch.float16)
+big_table = torch.randperm(32 * 256, generator=torch.Generator().manual_seed(0)).view(32, 256).to(torch.int32)
+big_lens, big_q = torch.full((32,), 4096, dtype=torch.int32), torch.zeros(32, 4, 16, dtype=torch.float16)
+big_q, big_pool, big_table, big_lens = (x.to(DEV) for x in (big_q, big_pool, big_table, big_lens))
+planners = {
+    "route 1 (paged)": kernels.plan_decode,
+    "route 2 (page pointers)": kernels.plan_page_pointers,
+    "route 3 (descriptors)": kernels.plan_descriptors,
+}
+host_ms = {}
+for name, plan in planners.items():
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        plan(big_q, big_pool, big_table, big_lens)
+        times.append((time.perf_counter() - start) * 1e3)
+    host_ms[name] = sorted(times)[2]  # the median of 5
+for name, ms in host_ms.items():
+    print(f"{name:24s} plan (host): {ms:6.2f} ms")
+pointer_bytes = kernels.plan_page_pointers(big_q, big_pool, big_table, big_lens).page_pointers.nbytes
+print(f"int32 table: {big_table.nbytes / 2**10:.0f} KiB | page-pointer array: {pointer_bytes / 2**10:.0f} KiB")
+assert pointer_bytes == 4 * big_table.nbytes, "two int64 addresses per int32 table entry"
+
+# %% [markdown]
+# **The compiled code:** each route's kernel for this shape of batch (fp16, head dim
+# 128, pages of 16, GQA group 4), planned as on a GPU and compiled for sm_90 with
+# Triton's own compiler and ptxas (no GPU needed; `pagedkv_kernels.tools.route_ptx`,
+# the compile check's machinery). Counted in the PTX: TMA copies
+# (`cp.async.bulk.tensor`), ordinary global loads, and 64-bit integer instructions
+# (address arithmetic). Static counts: a loop body counts once. About 15 s.
+
+# %% tags=["nbval-ignore-output"]
+built = route_ptx.compare_routes(90)
+print(
+    f"{'route':15s} {'kernel':28s} {'TMA copies':>10s} {'global loads':>12s} {'64-bit int ops':>14s} {'registers':>9s}"
+)
+for route, (result,) in built.items():
+    ptx = result["ptx"]
+    print(
+        f"{route:15s} {result['kernel']:28s} {ptx['tma_loads']:10d} {ptx['global_loads']:12d} "
+        f"{ptx['address_ops']:14d} {result['registers']:9d}"
+    )
+tma = {route: result["ptx"]["tma_loads"] for route, (result,) in built.items()}
+assert tma == {"paged": 0, "page pointers": 0, "descriptors": 2}, f"TMA copies: K and V in route 3 only, got {tma}"
+loads = {route: result["ptx"]["global_loads"] for route, (result,) in built.items()}
+assert loads["descriptors"] < loads["paged"] < loads["page pointers"], f"ordinary loads per route: {loads}"
+
+# %% [markdown]
+# Route 3's K and V each become one TMA copy, and the only ordinary loads left are the
+# sequence length, the query and one page id per tile; route 2 loads two addresses (K's
+# and V's) per key where route 1 loads one page id. The 64-bit integer counts are of the
+# same size in all three: static counts cannot show arithmetic saved per tile (a loop
+# body counts once), so what they show is who loads what. None of this is a timing: on a GPU,
+# `benchmarks/bench_decode.py --route "page pointers" descriptors` times the three on
+# the same batch.
+
+# %% [markdown]
 # ## What was verified
 #
 # | claim | check |
@@ -639,6 +794,8 @@ assert result.passed, f"production failed the windowed case: {result.detail}"
 # | a length-0 sequence: step (a) returns NaN, production zeros | asserts |
 # | the split heuristic splits only when SMs would idle, never in the interpreter | asserts |
 # | a page id outside the pool is refused by name; a ring window passes the harness | `ValueError`; harness case |
+# | routes 1, 2, 3 (kernel, host, TMA unit computes the address) match float64, a ring too | tolerance; harness |
+# | route 2's pointers are 4x the int32 table; only route 3 has TMA copies on sm_90 | byte count; PTX counts |
 #
 # ## Try this
 #

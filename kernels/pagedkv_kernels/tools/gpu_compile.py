@@ -63,8 +63,8 @@ PTX_COUNTED = {
 class CompileResult:
     """One launch compiled for one arch: ``registers`` per thread, ``spill_stores`` and
     ``spill_loads`` (bytes per thread), ``shared`` (bytes per program), ``ptx`` the
-    :func:`ptx_counts` of its PTX, ``seconds`` of compilation; ``error`` is the compiler's message when it failed (figures are then
-    None)."""
+    :func:`ptx_counts` of its PTX, ``seconds`` of compilation; ``error`` is the
+    compiler's message when it failed (figures are then None)."""
 
     arch: int
     registers: int | None = None

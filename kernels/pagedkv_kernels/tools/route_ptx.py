@@ -82,7 +82,9 @@ def compile_records(records: list[dict], files: dict[str, str], arch: int, timeo
     """Compile each record for ``sm_<arch>`` in one child process; their
     :class:`~pagedkv_kernels.tools.gpu_compile.CompileResult` as JSON, in order. Raises
     RuntimeError when the child fails (a compiler error is a result's ``error``)."""
-    return _child(COMPILE, [records, files, arch], timeout_s, PAGEDKV_BACKEND="compile-only", TRITON_DEFAULT_FP_FUSION="1")
+    return _child(
+        COMPILE, [records, files, arch], timeout_s, PAGEDKV_BACKEND="compile-only", TRITON_DEFAULT_FP_FUSION="1"
+    )
 
 
 def compare_routes(arch: int = 90, routes=tuple(ROUTES), **batch) -> dict[str, list[dict]]:
