@@ -70,7 +70,7 @@ from .device.attention_core import (
 )
 from .host.launch import PageTable, fingerprint
 from .host.read_plan import ReadPlan, read_plan_fields, window_args, window_kind
-from .host.tiles import decode_tiles
+from .host.tiles import descriptor_decode_tiles
 from .host.validate import (
     check_descriptor_pool,
     check_planned,
@@ -210,9 +210,10 @@ def plan_descriptors(
         q, dims.num_kv_heads, dims.page_size, scale, window, PageTable.padded(table, lens, q.device)
     )
     max_visible = int(visible_lengths(lens, window).max()) if lens.numel() else 0
-    block_g, block_n, block_d, num_warps = decode_tiles(fields["group"], fields["head_dim"], max_visible)
+    tiles = descriptor_decode_tiles(fields["group"], fields["head_dim"], dims.page_size, max_visible)
+    block_g, block_n, block_d, num_warps = tiles
     return DescriptorPlan(
-        **fields, batch=q.shape[0], block_g=block_g, block_n=min(block_n, dims.page_size), block_d=block_d,
+        **fields, batch=q.shape[0], block_g=block_g, block_n=block_n, block_d=block_d,
         num_warps=num_warps, layout=layout, cache=fingerprint(cache),
     )  # fmt: skip
 

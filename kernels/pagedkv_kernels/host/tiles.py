@@ -22,6 +22,7 @@ __all__ = [
     "write_tiles",
     # decode and its split-KV merge
     "decode_tiles",
+    "descriptor_decode_tiles",
     "merge_tiles",
     # quantized KV (FP8 / NVFP4)
     "quant_write_tiles",
@@ -88,6 +89,23 @@ def decode_tiles(group: int, head_dim: int, max_visible: int) -> tuple[int, int,
     n = 1 << (n.bit_length() - 1)  # a power of two
     block_n = max(min(n, pow2(max_visible)), floor)
     num_warps = 8 if block_g * block_n * block_d >= 1 << 12 else 4
+    return block_g, block_n, block_d, num_warps
+
+
+def descriptor_decode_tiles(group: int, head_dim: int, page_size: int, max_visible: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_G, BLOCK_N, BLOCK_D, num_warps)`` of the descriptor (TMA) decode
+    (:mod:`pagedkv_kernels.decode_descriptors`): :func:`decode_tiles`' with ``BLOCK_N``
+    at most a page (a box never straddles two pages; both powers of two, so it divides
+    the page). Compiled, 8 warps only above 2**12 product elements, where
+    :func:`decode_tiles` takes 8 from 2**12 on: at exactly 2**12 (bf16, group 2, 32 keys,
+    head 64, HND, linear window) 8 warps spilled 4 B on sm_90 at 80 registers, 4 warps
+    none at 105; at 2**13 4 warps spilled 8 B on sm_80 (bf16, group 8, 8 keys, head
+    128), 8 warps none (every specialization of the decode grid under GPU plans,
+    measured with Triton 3.9)."""
+    block_g, block_n, block_d, num_warps = decode_tiles(group, head_dim, max_visible)
+    block_n = min(block_n, page_size)
+    if not _interpreter_plans():
+        num_warps = 8 if block_g * block_n * block_d > 1 << 12 else 4
     return block_g, block_n, block_d, num_warps
 
 
