@@ -114,8 +114,7 @@ def cascade_attention(
     num_q_heads, head_dim]`` in ``q.dtype``, equal within the prefill tolerances to
     attention over ``prefix + suffix``. ValueError naming the argument from either pass.
     """
-    if not isinstance(shared_len, int) or isinstance(shared_len, bool) or shared_len < 0:
-        raise ValueError(f"shared_len={shared_len!r} must be an int >= 0")
+    checks.check_int("shared_len", shared_len)
     prefix_table = torch.as_tensor(shared_pages).reshape(1, -1)
     prefix_lens = torch.tensor([shared_len], dtype=torch.int32, device=prefix_table.device)
     all_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=prefix_table.device)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagedkv_lib.cache_layouts import CACHE_LAYOUTS
-from pagedkv_lib.checks import NEW_TOKENS
+from pagedkv_lib.checks import NEW_TOKENS, check_int, is_int
 from pagedkv_lib.indexing import is_power_of_two
 
 __all__ = ["Contract", "contract", "contract_of", "admits", "FULL", "SUBSTITUTES"]
@@ -55,7 +55,7 @@ _DOMAIN_OF = {"page_size": "page_sizes", "head_dim": "head_dims", "group": "gqa_
 def _domain(name: str, value) -> None:
     if value is None or value == "pow2":
         return
-    if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, tuple) or not all(is_int(v) for v in value):
         raise ValueError(f"{name}={value!r} must be None (any), 'pow2' or a tuple of ints")
 
 
@@ -112,8 +112,7 @@ class Contract:
             raise ValueError(f"cache_layout={self.cache_layout!r} must be one of {CACHE_LAYOUTS}")
         for name in ("head_dims", "page_sizes", "gqa_groups"):
             _domain(name, getattr(self, name))
-        if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
-            raise ValueError(f"min_seq_len={self.min_seq_len!r} must be an int >= 0")
+        check_int("min_seq_len", self.min_seq_len)
         if self.new_tokens not in NEW_TOKENS:
             raise ValueError(f"new_tokens={self.new_tokens!r} must be one of {NEW_TOKENS}")
         if self.linear_windows is None:

@@ -99,9 +99,7 @@ def check_head_dim(head_dim: int) -> None:
 
 def check_num_splits(num_splits) -> None:
     """``num_splits`` is None (the heuristic) or an int in ``[1, MAX_SPLITS]``."""
-    if num_splits is not None and (
-        isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS
-    ):
+    if num_splits is not None and (not checks.is_int(num_splits) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits={num_splits!r} must be None or an int in [1, {MAX_SPLITS}]")
 
 
