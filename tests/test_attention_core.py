@@ -44,8 +44,8 @@ def _source(kernel) -> str:
 def test_read_kernel_calls_the_shared_core(family):
     source = _source(READ_KERNELS[family])
     calls = CORE_CALLS + (() if family == "prefill" else SPLIT_KV_CALLS)
-    if "decode_split_range(" in source:  # the MHA and quantized decodes' one-call prologue
-        calls = tuple(c for c in calls if c not in ("sequence_span(", "split_tiles(")) + ("decode_split_range(",)
+    if "decode_split_start(" in source:  # the MHA and quantized decodes' one-call prologue
+        calls = tuple(c for c in calls if c not in ("sequence_span(", "split_tiles(")) + ("decode_split_start(",)
     missing = [call for call in calls if call not in source]
     assert not missing, f"the {family} kernel does not call {missing} of pagedkv_kernels.device.attention_core"
 

@@ -27,6 +27,7 @@ __all__ = [
     "host_copy",
     "check_kernel_dtype",
     "check_index_tensor",
+    "check_write_index",
     "check_head_dim",
     "check_num_splits",
     "max_element_offset",
@@ -89,6 +90,18 @@ def check_index_tensor(name: str, t, fits_int32: bool = True) -> None:
         lo, hi = int(t.min()), int(t.max())
         if hi > INT32_MAX or lo < -INT32_MAX - 1:
             raise ValueError(f"{name} has values outside int32 ({lo}..{hi})")
+
+
+def check_write_index(index: dict) -> list[tuple[str, torch.Tensor]]:
+    """Launch checks of a write's index tensors ``{name: tensor or None}``, in the dict's
+    order (:func:`check_index_tensor`; None: absent). The CSR page table (``kv_indptr``,
+    ``kv_indices``) must fit int32, as every page table the kernels take; the per-token
+    tensors (slots, requests, positions) need not, the write kernels widen them. Returns
+    the given ones as ``(name, tensor)`` pairs, for :func:`check_disjoint`."""
+    given = [(name, t) for name, t in index.items() if t is not None]
+    for name, t in given:
+        check_index_tensor(name, t, fits_int32=name in ("kv_indptr", "kv_indices"))
+    return given
 
 
 def check_head_dim(head_dim: int) -> None:
