@@ -147,3 +147,4 @@ def test_a_harness_copy_differs_from_the_function_it_replaces_in_its_one_marked_
     bad = inspect.getsource(fault.part(role)).replace(fault.part(role).__name__, fault.correct(role).__name__, 1)
     changed = [(g, b) for g, b in zip(good, bad.splitlines(), strict=True) if g != b]
     assert len(changed) == 1 and "# the wrong line" in changed[0][1], changed
+    assert changed[0][1].partition("#")[0].strip() != changed[0][0].strip(), f"{name}: only a comment differs"
