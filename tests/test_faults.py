@@ -135,3 +135,16 @@ def test_the_harness_names_are_exactly_its_families_and_unknown_names_are_refuse
         faults.check_faults({"decode_rope_off_by_one"})  # an engine fault: not the harness's
     with pytest.raises(ValueError, match="families"):
         faults.faults_of("kernel")
+
+
+@pytest.mark.parametrize("name", ["past_len_zero", "int32_offset"])
+def test_a_harness_copy_differs_from_the_function_it_replaces_in_its_one_marked_line(name):
+    """The faulty copies notebook 08 shows as one wrong line: the same source (the name
+    aside) but for one line, which carries ``# the wrong line``."""
+    fault = faults.faults_of("harness")[name]
+    (role,) = fault.replaces
+    good = inspect.getsource(fault.correct(role)).splitlines()
+    bad = inspect.getsource(fault.part(role)).replace(fault.part(role).__name__, fault.correct(role).__name__, 1)
+    changed = [(g, b) for g, b in zip(good, bad.splitlines(), strict=True) if g != b]
+    assert len(changed) == 1 and "# the wrong line" in changed[0][1], changed
+    assert changed[0][1].partition("#")[0].strip() != changed[0][0].strip(), f"{name}: only a comment differs"

@@ -61,7 +61,7 @@ from pagedkv_lab.viz.positions import (
     speculative_rows,
 )
 from pagedkv_lab.viz.quant import plot_e2m1_grid, plot_error_bars, plot_error_histograms
-from pagedkv_lab.viz.source import SourceDiff, fault_diff, marked_source, show_fault, source_diff
+from pagedkv_lab.viz.source import SourceDiff, fault_branch, fault_diff, marked_source, show_fault, source_diff
 from pagedkv_lab.viz.style import (
     FAIL_RED,
     FREE,
@@ -140,6 +140,7 @@ __all__ = [
     "source_diff",
     "fault_diff",
     "marked_source",
+    "fault_branch",
     "show_fault",
     # the write path's extras: indexer-K bytes, block copies, a two-level pool
     "INDEXER_BYTES",
