@@ -19,7 +19,7 @@ from pagedkv_lab import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The test that catches each fault of the engine and peer-kernel families (the harness
+# The test that catches each fault of the engine, peer-kernel and caches families (the harness
 # families are held to their checks by tests/test_verify.py::test_every_fault_has_a_check).
 CAUGHT_IN = {
     ("engine", "decode_rope_off_by_one"): (
@@ -43,6 +43,23 @@ CAUGHT_IN = {
     ("peer kernel", "whole_page_loads"): (
         "test_vllm_verify.py",
         "test_a_kernel_that_reads_the_unwritten_tail_of_a_last_page_is_told_so",
+    ),
+    ("caches", "slot_by_count"): (
+        "test_caches_before_paging.py",
+        "test_planted_slot_by_count_gives_a_live_sequences_slot_to_a_newcomer",
+    ),
+    ("caches", "shared_length"): (
+        "test_caches_before_paging.py",
+        "test_planted_shared_length_writes_layer_one_a_row_too_far",
+    ),
+    ("caches", "one_row_append"): ("test_caches_before_paging.py", "test_planted_one_row_append_cannot_take_a_chunk"),
+    ("caches", "read_before_write"): (
+        "test_caches_before_paging.py",
+        "test_planted_read_before_write_leaves_a_token_blind_to_itself",
+    ),
+    ("caches", "gqa_repeat_copy"): (
+        "test_caches_before_paging.py",
+        "test_planted_gqa_repeat_copy_copies_group_times_the_bytes",
     ),
 }
 STEP_PATH = (
@@ -121,8 +138,8 @@ def test_a_faulty_kernel_copy_differs_from_the_correct_kernel_only_in_its_marked
     assert len(changed) <= 8, f"{name}: a diff of {len(changed)} lines is more than the wrong line(s)"
 
 
-def test_every_engine_and_peer_kernel_fault_has_a_test_that_catches_it():
-    families = ("engine", "peer kernel")
+def test_every_engine_peer_kernel_and_cache_fault_has_a_test_that_catches_it():
+    families = ("engine", "peer kernel", "caches")
     assert set(CAUGHT_IN) == {(f.family, f.name) for f in faults.REGISTRY if f.family in families}
     for (family, name), (path, test) in CAUGHT_IN.items():
         assert f"def {test}(" in (ROOT / "tests" / path).read_text(), f"{family} fault {name}: {path}::{test} is gone"
