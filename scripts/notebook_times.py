@@ -81,7 +81,8 @@ def _write_toml(data: dict) -> None:
     lines = [
         "# Written by `python scripts/notebook_times.py measure`; rendered into each notebook's",
         "# **Time:** line and notebooks/README.md by `apply`. run_s: the fastest and slowest",
-        "# of the cold runs (fresh kernel, all cells), seconds; read_min: minutes to read; first_run_extra_s: weight conversion.",
+        "# of the cold runs (fresh kernel, all cells), seconds; read_min: minutes to read;",
+        "# first_run_extra_s: weight conversion.",
         f'machine = "{data["machine"]}"',
         f'measured = "{data["measured"]}"',
         "",

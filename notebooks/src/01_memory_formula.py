@@ -232,4 +232,5 @@ widgets.memory_explorer()
 # * TensorRT-LLM's `KVCacheManager` (`cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`)
 #   turns `free_gpu_memory_fraction` into a number of blocks the same way.
 #
-# **Next:** [01b · The caches before paging](01b_caches_before_paging.ipynb): what a cache without pages copies and reserves.
+# **Next:** [01b · The caches before paging](01b_caches_before_paging.ipynb): what a cache without
+# pages copies and reserves.
