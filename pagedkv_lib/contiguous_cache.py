@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from pagedkv_lib.checks import FLOAT_DTYPES, check_kv_rows, check_scale
+from pagedkv_lib.checks import FLOAT_DTYPES, check_kv_rows, check_positive_int, check_scale, is_int
 from pagedkv_lib.pool import CacheDims
 from pagedkv_lib.reference import masked_softmax
 
@@ -51,8 +51,7 @@ __all__ = [
 
 
 def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+    check_positive_int(name, value)
     return value
 
 
@@ -63,7 +62,7 @@ def _float_dtype(dtype) -> torch.dtype:
 
 
 def _layer(layer, num_layers: int) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+    if not is_int(layer) or not 0 <= layer < num_layers:
         raise ValueError(f"layer={layer!r} is not a layer of this cache (0..{num_layers - 1})")
     return layer
 
@@ -146,7 +145,7 @@ def check_pool(k_cache, v_cache, seq_lens) -> CacheDims:
 
 def check_slot(slot, max_batch: int, name: str = "slot") -> int:
     """``slot`` must be an int in ``0 .. max_batch - 1`` (ValueError naming ``name``)."""
-    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < max_batch:
+    if not is_int(slot) or not 0 <= slot < max_batch:
         raise ValueError(f"{name}={slot!r} is not a slot of the pool (0..{max_batch - 1})")
     return slot
 
@@ -372,8 +371,7 @@ def broadcast_kv_for_gqa(kv, num_q_heads) -> torch.Tensor:
     if not isinstance(kv, torch.Tensor) or kv.dim() < 2:
         raise ValueError("kv must be a tensor [..., num_kv_heads, head_dim]")
     num_kv_heads = kv.shape[-2]
-    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads <= 0:
-        raise ValueError(f"num_q_heads={num_q_heads!r} must be a positive int")
+    check_positive_int("num_q_heads", num_q_heads)
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads

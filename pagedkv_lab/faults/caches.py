@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv_lib.checks import check_kv_rows
+from pagedkv_lib.checks import check_kv_rows, check_positive_int
 from pagedkv_lib.contiguous_cache import (
     MHAWithCache,
     PreallocKVCache,
@@ -99,8 +99,7 @@ def broadcast_kv_by_repeat(kv, num_q_heads) -> torch.Tensor:
     if not isinstance(kv, torch.Tensor) or kv.dim() < 2:
         raise ValueError("kv must be a tensor [..., num_kv_heads, head_dim]")
     num_kv_heads = kv.shape[-2]
-    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads <= 0:
-        raise ValueError(f"num_q_heads={num_q_heads!r} must be a positive int")
+    check_positive_int("num_q_heads", num_q_heads)
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads

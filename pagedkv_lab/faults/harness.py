@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv_lib.checks import is_int
 from pagedkv_lib.formats import PAD, get_batch_indices_positions, index_tensor
 from pagedkv_lib.indexing import Index
 from pagedkv_lib.manager import KVCacheManager
@@ -52,7 +53,7 @@ def chunk_positions_from_zero(append_indptr, seq_lens, nnz: int | None = None) -
         b = int(torch.nonzero((counts < 0) | (counts > lens))[0])
         raise ValueError(f"request {b} appends {int(counts[b])} tokens but seq_lens[{b}]={int(lens[b])}")
     total = int(counts.sum())
-    if nnz is not None and (isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < total):
+    if nnz is not None and (not is_int(nnz) or nnz < total):
         raise ValueError(f"nnz={nnz!r} must be an int >= the {total} appended tokens")
     batch = torch.repeat_interleave(torch.arange(lens.numel()), counts)
     within = torch.arange(total) - torch.repeat_interleave(indptr[:-1], counts)
