@@ -118,11 +118,11 @@ def access_map(accesses: Sequence, cache: torch.Tensor, layout: str = "NHD", ten
 
 
 def _codes(m: AccessMap) -> np.ndarray:
-    """Cell codes (indices into ``_CODES``): ``[programs, 1 + slots + 1]``, the first and
-    last column the bytes written before and after the pool."""
+    """Cell codes (indices into ``_CODES``): ``[programs, page_size + slots + page_size]``,
+    the first and last page-wide band the bytes written before and after the pool."""
     body = np.where(m.read & m.written, 4, np.where(m.written, 3, np.where(m.read, 2, np.where(m.masked, 1, 0))))
-    edges = np.where(m.outside > 0, 5, 0)
-    return np.concatenate([edges[:, :1], body, edges[:, 1:]], axis=1)
+    edges = np.repeat(np.where(m.outside > 0, 5, 0), m.page_size, axis=1)
+    return np.concatenate([edges[:, : m.page_size], body, edges[:, m.page_size :]], axis=1)
 
 
 def _program_label(p: tuple[int, int, int], axes: int) -> str:
@@ -146,8 +146,8 @@ def _summary(m: AccessMap, axes: int) -> str:
 
 def plot_access_map(m: AccessMap, title: str, expected: np.ndarray | None = None, program_axes: str = ""):
     """Draw ``m``: one row per program (at most 48 shown), one column per pool slot
-    (grouped by page), a column before and after the pool for the bytes written
-    outside it (red). ``expected`` (``bool [programs, slots]``, optional) marks with a
+    (grouped by page), a band before and after the pool for the bytes written outside
+    it (red). ``expected`` (``bool [programs, slots]``, optional) marks with a
     dot the rows each program should touch. ``program_axes`` names the grid axes for
     the y label (e.g. ``"(b, h)"``). Returns the figure, at least :data:`MIN_FIGSIZE`."""
     if not m.programs:
@@ -160,19 +160,24 @@ def plot_access_map(m: AccessMap, title: str, expected: np.ndarray | None = None
     shown = min(len(m.programs), _MAX_PROGRAMS)
     codes = _codes(m)[:shown]
     slots = m.num_pages * m.page_size
-    width = min(14.0, max(MIN_FIGSIZE[0], 3.5 + 0.09 * (slots + 2)))
+    edge = m.page_size  # the bands before and after the pool: a page wide each
+    width = min(11.0, max(MIN_FIGSIZE[0], 3.5 + 0.09 * (slots + 2 * edge)))
     more = f" (first {shown} of {len(m.programs)} shown)" if shown < len(m.programs) else ""
     chars = int(width * 100 / 10)  # 12 pt text at 100 dpi: under 10 px a character
     heading = textwrap.wrap(f"{title}{more}", chars) + textwrap.wrap(_summary(m, axes), chars)
-    height = min(10.0, max(MIN_FIGSIZE[1], 2.2 + 0.26 * shown) + 0.2 * max(0, len(heading) - 2))
+    height = min(10.0, max(MIN_FIGSIZE[1], 2.2 + 0.2 * shown) + 0.2 * max(0, len(heading) - 2))
     fig, ax = plt.subplots(figsize=(width, height), layout="constrained")
     ax.imshow(codes, cmap=ListedColormap([c for _, c in _CODES]), vmin=0, vmax=len(_CODES) - 1, aspect="auto")
     ax.grid(False)
     for page in range(m.num_pages + 1):
-        ax.axvline(page * m.page_size + 0.5, color="0.35", linewidth=1.6 if page in (0, m.num_pages) else 0.6)
+        ax.axvline(edge + page * m.page_size - 0.5, color="0.35", linewidth=1.6 if page in (0, m.num_pages) else 0.6)
+    for i in range(1, shown):  # a line between programs of different first ids (sequences)
+        if axes > 1 and m.programs[i][0] != m.programs[i - 1][0]:
+            ax.axhline(i - 0.5, color="0.35", linewidth=0.8)
     step = max(1, -(-m.num_pages // 24))
     pages = list(range(0, m.num_pages, step))
-    ax.set_xticks([0, *(1 + p * m.page_size + (m.page_size - 1) / 2 for p in pages), slots + 1])
+    centre = (m.page_size - 1) / 2
+    ax.set_xticks([centre, *(edge + p * m.page_size + centre for p in pages), edge + slots + centre])
     ax.set_xticklabels(["before", *(str(p) for p in pages), "after"])
     ystep = max(1, -(-shown // 24))
     ax.set_yticks(range(0, shown, ystep))
@@ -181,7 +186,7 @@ def plot_access_map(m: AccessMap, title: str, expected: np.ndarray | None = None
     ax.set_ylabel(f"program {program_axes}".strip())
     if expected is not None:
         ys, xs = np.nonzero(np.asarray(expected, dtype=bool)[:shown])
-        ax.scatter(xs + 1, ys, s=9, color="black", marker="o", label="a row it should touch")
+        ax.scatter(xs + edge, ys, s=9, color="black", marker="o", label="a row it should touch")
     ax.set_title("\n".join(heading), loc="left")
     used = sorted(set(np.unique(codes).tolist()) | {2, 3})
     handles = [Patch(facecolor=_CODES[c][1], edgecolor="0.4", label=_CODES[c][0]) for c in used]
