@@ -209,11 +209,13 @@ def test_a_notebook_cell_is_named_as_jupyterlab_numbers_it(monkeypatch):
         compile = Compiler()
 
         class history_manager:  # noqa: N801 - IPython's attribute name
-            input_hist_raw = ["", "import torch", "@triton.jit\ndef kernel(): ...", "check()"]
+            input_hist_raw = ["", "import torch", "@triton.jit\ndef kernel(): ...", "check()"]  # newlines cut
 
     import IPython
 
     monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
-    kernel_file = Compiler().get_code_name(Shell.history_manager.input_hist_raw[2], None, 2)
+    kernel_file = Compiler().get_code_name(Shell.history_manager.input_hist_raw[2] + "\n", None, 2)
     assert code_place(kernel_file, 29) == "cell [2], line 29"
+    # a check's forked child: ipykernel's folder names the child's process id, not the kernel's
+    assert code_place(kernel_file.replace("ipykernel_1", "ipykernel_2"), 29) == "cell [2], line 29"
     assert code_place("/work/solution_08.py", 3) == "solution_08.py, line 3"

@@ -62,13 +62,16 @@ def _notebook_cell(filename: str) -> int | None:
     shell = get_ipython()
     if shell is None:
         return None
-    history = shell.history_manager.input_hist_raw
+    history, name = shell.history_manager.input_hist_raw, Path(filename).name
     for number in range(len(history) - 1, 0, -1):  # the latest run of that source first
-        try:
-            if shell.compile.get_code_name(history[number], history[number], number) == filename:
-                return number
-        except Exception:  # a compiler of another shape: name the file instead
-            return None
+        # the history keeps a cell without its trailing newlines; the name hashes it whole.
+        # Names only: ipykernel's folder holds the process id, and a check's child has its own
+        for source in (history[number] + "\n" * k for k in range(4)):
+            try:
+                if Path(shell.compile.get_code_name(source, source, number)).name == name:
+                    return number
+            except Exception:  # a compiler of another shape: name the file instead
+                return None
     return None
 
 
