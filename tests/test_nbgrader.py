@@ -628,7 +628,7 @@ class _Recorder:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise, slip", [("append_kernel", "// for %"), ("merge_kernel", "a missing other=")])
+@pytest.mark.parametrize("exercise, slip", [("append_kernel", "writes // for"), ("merge_kernel", "leaves out other=")])
 def test_a_kernel_exercise_is_graded_in_the_sandbox_as_in_the_learners_notebook(exercise, slip):
     # 06's slip writes rows in the wrong place (a picture of the pool), 07's reads poison
     # (the masked loads are named): the sandbox's message is the in-process checker's

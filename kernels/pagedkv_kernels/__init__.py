@@ -41,7 +41,8 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
   :mod:`~pagedkv_kernels.interpreter`): two patches of Triton's interpreter, named in
   the backend line: :mod:`~pagedkv_kernels.interpreter.calls` (helper calls without
   re-patching, speed only) and :mod:`~pagedkv_kernels.interpreter.poison` (poisoned
-  masked lanes, on request);
+  masked lanes, on request); and :mod:`~pagedkv_kernels.interpreter.access`, which
+  records every load and store per program for the exercise checker's access map;
 * **tools** (``tools/``, the top floor: they run the lab's harness on these kernels):
   :mod:`~pagedkv_kernels.tools.verify` (``python -m pagedkv_kernels.tools.verify``),
   :mod:`~pagedkv_kernels.tools.compile_check` with

@@ -19,8 +19,9 @@ __all__ = ["Mistake", "MISTAKES", "load_with_mistake"]
 @dataclass(frozen=True)
 class Mistake:
     """``old`` -> ``new`` in ``exercises/solutions/<stem>.py`` of ``exercise`` (``old`` must
-    occur there); ``what`` says the mistake in an instructor's words; the failed check's
-    message must contain ``message``."""
+    occur there); ``what`` says the mistake in an instructor's words, as what the learner
+    does (a verb phrase: the notes print "What a learner who <what> reads"); the failed
+    check's message must contain ``message``."""
 
     exercise: str
     what: str
@@ -172,20 +173,20 @@ MISTAKES: tuple[Mistake, ...] = (
     # 06: the padding guard is the mistake the spec warns about most; without it a slot
     # of -1 addresses the row before page 0 (Triton divides and takes remainders toward
     # zero), so the kernel writes before the pool: a corrupted heap outside the check.
-    Mistake("append_kernel", "no padding guard: slot -1 writes",
+    Mistake("append_kernel", "leaves out the padding guard: slot -1 writes",
             "mask = (h < tl.where(slot >= 0, num_heads, 0)) & (d < head_dim)",
             "mask = (h < num_heads) & (d < head_dim)", "(padding, slot -1) wrote 64 bytes before the pool"),
-    Mistake("append_kernel", "// for %: the row is the page number", "row = (slot % page_size)",
+    Mistake("append_kernel", "writes // for %: the row is the page number", "row = (slot % page_size)",
             "row = (slot // page_size)", "the row inside the page is slot % page_size"),
-    Mistake("merge_kernel", "exp2 of the raw lse (overflow)", 'tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))',
-            "tl.exp2(lse)", "subtract the largest"),
-    Mistake("merge_kernel", "an empty split's NaN partial gets in", "part = tl.where(w[:, None] > 0, part, 0.0)",
+    Mistake("merge_kernel", "takes exp2 of the raw lse (overflow)",
+            'tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))', "tl.exp2(lse)", "subtract the largest"),
+    Mistake("merge_kernel", "lets an empty split's NaN partial in", "part = tl.where(w[:, None] > 0, part, 0.0)",
             "pass", "0 * NaN = NaN"),
-    Mistake("merge_kernel", "a missing other=: masked lse lanes load 0, not -inf",
+    Mistake("merge_kernel", "leaves out other=: masked lse lanes load 0, not -inf",
             'mask=s < num_splits, other=float("-inf"))', "mask=s < num_splits)", 'other=float("-inf")'),
-    Mistake("decode_kernel", "no online-softmax rescale", "alpha = tl.exp2(m_i - m_new)", "alpha = 1.0",
+    Mistake("decode_kernel", "leaves out the online-softmax rescale", "alpha = tl.exp2(m_i - m_new)", "alpha = 1.0",
             "rescale l and acc"),
-    Mistake("decode_kernel", "lanes past seq_len keep their scores",
+    Mistake("decode_kernel", "lets lanes past seq_len keep their scores",
             's = tl.where(valid, tl.sum(q[None, :] * k, axis=1), float("-inf"))', "s = tl.sum(q[None, :] * k, axis=1)",
             "set their scores to -inf"),
 )  # fmt: skip
