@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedkv_lib.checks.scalars import check_int
 from pagedkv_lib.pool import CacheDims, cache_dims, cache_strides, check_layout
 
 __all__ = [
@@ -62,8 +63,7 @@ class FlatCache(tuple):
     page_size: int
 
     def __new__(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int):
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size={page_size!r} must be an int >= 1")
+        check_int("page_size", page_size, 1)
         if k_cache.shape[0] % page_size:
             raise ValueError(f"k_cache has {k_cache.shape[0]} slots, not a whole number of pages of {page_size}")
         pair = super().__new__(cls, (k_cache, v_cache))

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedkv_lib.checks.scalars import check_int
+
 __all__ = ["COPY_KINDS", "OffloadStats", "SecondaryPool"]
 
 # The ``kind`` a manager's copy function receives: ``"cow"`` copies inside the primary
@@ -51,8 +53,7 @@ class SecondaryPool:
 
     def __init__(self, num_blocks: int, block_bytes: int = 0) -> None:
         for name, value, low in (("num_blocks", num_blocks, 1), ("block_bytes", block_bytes, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"SecondaryPool: {name}={value!r} must be an int >= {low}")
+            check_int(name, value, low, "SecondaryPool")
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ... first

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv_lib.checks.scalars import is_number
+
 __all__ = ["SCORE_MODS", "check_score_mods", "soft_cap", "alibi_bias", "sink_share", "alibi_slopes_for"]
 
 SCORE_MODS = ("softcap", "alibi", "sinks")  # as a kernel's contract names them
@@ -42,7 +44,7 @@ def check_score_mods(num_q_heads: int, logits_soft_cap=None, alibi_slopes=None, 
     ``alibi_slopes`` and ``sinks`` None or float32 ``[num_q_heads]``."""
     cap = logits_soft_cap
     if cap is not None:
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        if not is_number(cap) or not cap > 0:
             raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be None or a number > 0")
     _per_head("alibi_slopes", alibi_slopes, num_q_heads)
     _per_head("sinks", sinks, num_q_heads)

@@ -41,7 +41,7 @@ def test_instructor_command_every_stub_fails_with_the_checkers_message_not_a_tra
     assert out.count("[ok]") == len(EXERCISES) and "Traceback" not in out + run.stderr
     for e in EXERCISES.values():
         assert f"FAIL {e.name}, case 1 of " in out, f"the stub of {e.stem} must fail on its first case"
-    assert out.count("the stub is not filled in yet") == 5  # the five Python stubs raise NotImplementedError
+    assert out.count("the stub is not filled in yet") == 7  # the seven Python stubs raise NotImplementedError
     assert "your kernel wrote nothing" in out and out.count("your kernel stored nothing") == 2  # the three kernels
 
 
@@ -89,7 +89,7 @@ def test_exercise_06_without_the_padding_guard_gives_a_message_and_the_notebook_
     size`, the Jupyter kernel dead and the learner's state lost, no message)."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    mistake = _mistake("append_kernel", "no padding guard")
+    mistake = _mistake("append_kernel", "leaves out the padding guard")
     solution = (FOLDER / "solutions" / "06_append_kernel.py").read_text().replace(mistake.old, mistake.new)
     cells = [
         solution,
@@ -207,7 +207,7 @@ def test_the_in_process_path_stays_an_explicit_option(monkeypatch):
     from pagedkv_lab.exercises import cases
 
     monkeypatch.setattr(cases, "run_isolated", lambda *a: pytest.fail("isolate=False forked a child"))
-    result = check("merge_kernel", *load_with_mistake(_mistake("merge_kernel", "a missing other=")), isolate=False)
+    result = check("merge_kernel", *load_with_mistake(_mistake("merge_kernel", "leaves out other=")), isolate=False)
     assert not result.passed and 'other=float("-inf")' in result.message
 
 

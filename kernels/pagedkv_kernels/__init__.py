@@ -34,7 +34,9 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
   copies, parallel units, fingerprints), :mod:`~pagedkv_kernels.host.validate` (what a
   launch needs beyond :mod:`pagedkv_lib.checks`), :mod:`~pagedkv_kernels.host.tiles`
   (tile sizes per backend and GPU plan), :mod:`~pagedkv_kernels.host.read_plan` (what
-  every read plan fixes), :mod:`~pagedkv_kernels.host.quant_launch`;
+  every read plan fixes), :mod:`~pagedkv_kernels.host.write_plan` (what the MHA and the
+  quantized write plans fix, and their launch arguments),
+  :mod:`~pagedkv_kernels.host.quant_launch`;
 * **adapters** to other calling conventions (``adapters/``):
   :mod:`~pagedkv_kernels.adapters.prefix_prefill` (vLLM's ``context_attention_fwd``),
   :mod:`~pagedkv_kernels.adapters.quant_pool_entry` (entry points on a pool object);
@@ -42,7 +44,8 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
   :mod:`~pagedkv_kernels.interpreter`): two patches of Triton's interpreter, named in
   the backend line: :mod:`~pagedkv_kernels.interpreter.calls` (helper calls without
   re-patching, speed only) and :mod:`~pagedkv_kernels.interpreter.poison` (poisoned
-  masked lanes, on request);
+  masked lanes, on request); and :mod:`~pagedkv_kernels.interpreter.access`, which
+  records every load and store per program for the exercise checker's access map;
 * **tools** (``tools/``, the top floor: they run the lab's harness on these kernels):
   :mod:`~pagedkv_kernels.tools.verify` (``python -m pagedkv_kernels.tools.verify``),
   :mod:`~pagedkv_kernels.tools.compile_check` with

@@ -31,8 +31,7 @@
 # [03 · Divmod indexing](03_divmod_indexing.ipynb) and
 # [06 · The Triton write kernel](06_triton_write.ipynb) (a kernel in the page).
 #
-# **Time:** about 30 s to run (Restart and Run All, 2 CPU cores; the last section compiles
-# three kernels for sm_90), 40 minutes to read.
+# **Time:** 25 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook): the kernels run compiled
 # on a GPU, or in Triton's interpreter on a CPU.
 
@@ -64,7 +63,7 @@ from pagedkv_lab import verify, viz
 from pagedkv_lab.verify import TOLERANCES
 from pagedkv_lab.verify.compare import compare
 from pagedkv_lab.verify.decode_checks import decode_inputs
-from pagedkv_lib import formats, reference
+from pagedkv_lib import formats, reference, runtime
 from pagedkv_lib.memory import kv_dtype
 from pagedkv_lib.pool import cache_strides
 
@@ -235,6 +234,33 @@ only_these = launch_a(one[0], isolated.to(DEV), *one[1:]).cpu()
 same = torch.equal(only_these[0, h], out_a[b, h])
 print(f"rows loaded: {len(pages)} of {cache.shape[0] * PAGE_SIZE}; output unchanged with every other row NaN: {same}")
 assert same, f"with every row but the pictured {len(pages)} set to NaN, head {h} of sequence {b} changed: it reads more"
+
+# %% [markdown]
+# ### The same rows, as the kernel loaded them
+#
+# The picture above is drawn from the block table: what program `(1, 5)` *should* load.
+# In Triton's interpreter, `kernels.interpreter.accesses_recorded()` records what the
+# kernel *did*: every `tl.load` and `tl.store` of every program, lane by lane, and
+# `viz.access_map` places them in the pool. One row per program (sequence, query head),
+# one column per pool row, grouped by page: blue rows were read, pale rows only masked
+# lanes pointed at (they read nothing); a write outside the pool would be red. The
+# exercise checker draws this map of the learner's own kernel when it reads the wrong
+# rows (exercise 08). On a GPU the loads are not seen from Python, and the cell says so.
+
+# %%
+if runtime.BACKEND.interpreted:
+    with kernels.interpreter.accesses_recorded() as accesses:
+        out_seen = launch_a(*dev_inputs)
+    q_dev, cache_dev, tables_dev, lens_dev = dev_inputs
+    amap = viz.access_map(accesses, cache_dev, "NHD", [q_dev, tables_dev, lens_dev, out_seen])
+    fig = viz.plot_access_map(amap, "step (a): the pool rows each program loaded, recorded", program_axes="(b, h)")
+    plt.show()
+    pictured = {int(page) * PAGE_SIZE + int(row) for page, row in zip(pages, rows)}
+    loaded = amap.slots((b, h, 0), "read")
+    print(f"program ({b}, {h}) loaded {len(loaded)} pool rows; its block table gives {len(pictured)}")
+    assert loaded == pictured, "the recorded loads differ from the rows the block table gives"
+else:
+    print("compiled for a GPU: a kernel's loads are recorded only in Triton's interpreter")
 
 # %% [markdown]
 # ### What a masked lane holds

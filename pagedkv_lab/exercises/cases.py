@@ -181,13 +181,13 @@ def _run_here(exercise: str, cases: list[Case], summary: str, progress=None) -> 
 
 def combine_hints(diagnosis: str, case_hint: str) -> str:
     """The diagnosis, then what the case tests, without saying a thing twice: a sentence of
-    ``case_hint`` whose statement (after its ``": "``) the diagnosis already makes (the
-    same words, or every formula right of an ``=``) is cut to its lead-in, or dropped when
-    the diagnosis holds all of it."""
+    ``case_hint`` the diagnosis holds (in any letter case) is dropped; one whose statement
+    (after its ``": "``) the diagnosis already makes (the same words, or every formula
+    right of an ``=``) is cut to its lead-in."""
     kept = []
     for sentence in (s.strip() for s in re.split(r"(?<=\.)\s+", case_hint) if s.strip()):
         head, sep, tail = sentence.partition(": ")
-        if sentence.rstrip(".") in diagnosis:
+        if sentence.rstrip(".").lower() in diagnosis.lower():
             continue
         # the statement's formulas (right of each "=") all in the diagnosis: said already
         formulas = [part.split(" = ", 1)[-1].strip(" .") for part in tail.split(", ")]

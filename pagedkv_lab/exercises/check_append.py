@@ -6,14 +6,16 @@ next to one is named; a wrong pool is drawn (:func:`pagedkv_lab.viz.plot_wrong_r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from pagedkv_lab.exercises.cases import Case, Mismatch, run_cases
-from pagedkv_lab.exercises.kernel_checks import nhd, poisoning, save_picture
+from pagedkv_lab.exercises.kernel_checks import access_picture, nhd, poisoning, save_picture
 from pagedkv_lab.exercises.result import LearnerError, call, show
+from pagedkv_lab.poisoning import accesses_recorded
 from pagedkv_lab.verify import append_case, append_grid
 from pagedkv_lab.verify.grid import rand
 from pagedkv_lab.verify.guards import CANARY, Guards
@@ -51,7 +53,8 @@ APPEND_TEACHING = (
     ),
     AppendTeaching(
         "padding: slot -1 writes nothing",
-        "A token with slot -1 must not be written (in Python, -1 would index the pool's last row).",
+        "A token with slot -1 must not be written. In Python, -1 would index the pool's last row; in Triton, "
+        "the row before page 0.",
         (3, -1, 9, -1, 16),
     ),
     AppendTeaching(
@@ -224,16 +227,19 @@ def _outside_pool(cache, k, v, slots) -> Mismatch | None:
     elif slot_list[owner] < 0:
         who = f"token {owner} (padding, slot -1)"
         hint = (
-            "mask it out: a token with slot -1 must write nothing (in Triton -1 // page_size is 0 and "
-            "-1 % page_size is -1: the row before page 0)."
+            "mask it out: a token with slot -1 must not be written. In Python, -1 would index the pool's last "
+            "row; in Triton, the row before page 0 (-1 // page_size is 0 and -1 % page_size is -1)."
         )
     else:
         who = f"token {owner} (slot {slot_list[owner]})"
         hint = "its page or row offset is wrong: page = slot // page_size, row = slot % page_size, times the strides."
+    changed = int(idx.numel())
+    side = "before its start" if where == "before" else "past its end"
+    farthest = f"; the farthest is {reach} bytes {side}" if reach != changed else ""
     return Mismatch(
         "every write inside the pool, at the tokens' slots",
-        f"{who} wrote {reach} bytes {where} the pool",
-        f"{int(idx.numel())} bytes changed {where} the pool (in guard bytes the check placed there)",
+        f"{who} wrote {changed} bytes {where} the pool",
+        f"{changed} bytes changed in the guard bytes the check placed {where} the pool{farthest}",
         hint,
     )
 
@@ -265,9 +271,30 @@ def _run_teaching(c: AppendTeaching, append) -> Mismatch | None:
     reference.append_paged_kv(k, v, expected, slot_t, c.layout)
     dev = runtime.device()
     cache = Guards().place("the pool", before.to(dev))  # canary bytes before and after it
-    call("append", append, k.to(dev), v.to(dev), cache, slot_t.to(dev), layout=c.layout)
+    inputs = (k.to(dev), v.to(dev), cache, slot_t.to(dev))
+    call("append", append, *inputs, layout=c.layout)
     stray = _outside_pool(cache, k, v, slot_t)
-    return stray or _diagnose_append(cache.cpu(), expected, before, k, v, slot_t, c.layout, CHECK_NAME)
+    if stray is not None:
+        return dataclasses.replace(stray, picture=_access_map_picture(append, inputs, c.layout))
+    return _diagnose_append(cache.cpu(), expected, before, k, v, slot_t, c.layout, CHECK_NAME)
+
+
+def _access_map_picture(append, inputs, layout: str):
+    """The access map of the learner's append launch on ``inputs`` ``(k, v, cache,
+    slot_mapping)``, run again with its loads and stores recorded (only for a write
+    outside the pool: the pool sits between guard bytes, so the replay writes into them
+    again); None where nothing is recorded (a compiled kernel, another process)."""
+    from pagedkv_lab.viz import access_map
+
+    k, v, cache, slots = inputs
+    with accesses_recorded() as accesses:
+        call("append", append, k, v, cache, slots, layout=layout)
+    if not accesses:
+        return None
+    slot_list = [int(x) for x in slots.tolist()]
+    title = "your kernel's stores in the pool, one program per token (dots: the row of its slot; red: outside the pool)"
+    amap = access_map(accesses, cache, layout, [k, v, slots])
+    return access_picture(amap, title, lambda p: {slot_list[p[0]]} if slot_list[p[0]] >= 0 else set(), "(token)")
 
 
 def _teaching_inputs(c: AppendTeaching) -> list[tuple[str, str]]:

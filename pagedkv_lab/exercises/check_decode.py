@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from pagedkv_lab.exercises.cases import Case, Mismatch, run_cases
-from pagedkv_lab.exercises.kernel_checks import poisoned_hint, poisoning, save_picture
+from pagedkv_lab.exercises.kernel_checks import access_picture, poisoned_hint, poisoning
 from pagedkv_lab.exercises.result import LearnerError, call, show
+from pagedkv_lab.poisoning import accesses_recorded
 from pagedkv_lab.verify import decode_case, decode_grid, long_decode_cases
 from pagedkv_lab.verify.decode_checks import decode_inputs
 from pagedkv_lib import reference
@@ -96,21 +97,32 @@ def _dense(q, cache, tables, lens, layout, scale, kv_head_of=None, pad_to: int =
     return out
 
 
-def _decode_picture(tables, lens, b: int, page_size: int, num_pages: int, block_n: int, name: str) -> Path:
-    from pagedkv_lab.viz import plot_access_pattern, use_style
+def _rows_to_read(tables, lens, page_size: int, program: tuple[int, int, int]) -> set[int]:
+    """The pool slots program ``(b, h)`` of the exercise's launcher must read: the rows of
+    sequence ``b``'s tokens, ``block_tables[b, t // page_size] * page_size + t % page_size``."""
+    b = program[0]
+    return {int(tables[b, t // page_size]) * page_size + t % page_size for t in range(int(lens[b]))}
 
-    order = torch.full((num_pages, page_size), -1)
-    masked = torch.zeros((num_pages, page_size), dtype=torch.bool)
-    n = int(lens[b])
-    for t in range(-(-n // page_size) * page_size):
-        page, row = int(tables[b, t // page_size]), t % page_size
-        if t < n:
-            order[page, row] = t // block_n
-        else:
-            masked[page, row] = True
-    use_style()
-    title = f"the pool rows sequence {b} must read (number: tile of {block_n} tokens)"
-    return save_picture(plot_access_pattern(order, title, masked, label="tile"), name)
+
+def _access_map_picture(launch, layout: str, block_n: int, poisoned: bool) -> Path | None:
+    """The access map of the learner's last launch when it shows an addressing fault: a
+    program that read rows other than its sequence's, a write outside the pool and the
+    launch's tensors, or masked loads that read poison (``poisoned``); None otherwise (a
+    numeric fault reads the right rows: a map of them would point the learner the wrong way)."""
+    from pagedkv_lab.viz import access_map
+
+    launch = launch() if launch is not None else None
+    if not launch or not launch[0]:
+        return None
+    accesses, cache, tensors = launch
+    tables, lens = (t.cpu() for t in tensors[1:3])
+    amap = access_map(accesses, cache, layout, tensors)
+    should = partial(_rows_to_read, tables, lens, cache_dims(cache, layout).page_size)
+    wrong = any(amap.slots(p, "read") != should(p) for p in amap.programs)
+    if not (poisoned or wrong or amap.outside.any()):
+        return None
+    title = f"your kernel's loads in the pool, program (b, h), tiles of {block_n} tokens (dots: the rows of sequence b)"
+    return access_picture(amap, title, should, "(b, h)")
 
 
 # Diagnoses of a decode that reads the right rows and gets the arithmetic wrong.
@@ -173,9 +185,10 @@ def _nan_hint(out, b: int, h: int, n: int, poisoned: list) -> str | None:
     return None
 
 
-def _diagnose_decode(out, case: dict, block_n: int, poisoned: list, harness_detail: str) -> Mismatch:
-    """The mismatch of a decode output the harness failed: what is wrong where, why, and a
-    picture of the rows the worst sequence must read."""
+def _diagnose_decode(out, case: dict, block_n: int, poisoned: list, harness_detail: str, launch=None) -> Mismatch:
+    """The mismatch of a decode output the harness failed: what is wrong where, why, and
+    for an addressing fault the access map of ``launch()`` (the learner's last launch
+    replayed: ``(accesses, cache, [q, block_tables, seq_lens, out])``)."""
     q, cache, tables, lens, _ = decode_inputs(case)
     layout, dims = case["layout"], cache_dims(cache, case["layout"])
     expected = reference.paged_decode_attention(q, cache, tables, lens, layout=layout, precision="fp64")
@@ -197,21 +210,26 @@ def _diagnose_decode(out, case: dict, block_n: int, poisoned: list, harness_deta
         f"{show([round(x, 4) for x in out[b, h, :3].tolist()])}..."
     )
     hint = _nan_hint(out, b, h, int(lens[b]), poisoned)
+    from_poison = bool(poisoned) and hint == poisoned_hint(poisoned)
     if hint is None:
         hint = _guess_hint(out, q, cache, tables, lens, layout, block_n, atol, rtol)
-    # The rows-to-read picture helps where rows are the question; a wrong scale or head map
-    # reads the right rows, so a picture of them would point the learner the wrong way.
-    numerics = hint in NUMERICS_HINTS
-    picture = (
-        None if numerics else _decode_picture(tables, lens, b, dims.page_size, dims.num_pages, block_n, CHECK_NAME)
-    )
+    picture = None if hint in NUMERICS_HINTS else _access_map_picture(launch, layout, block_n, from_poison)
     return Mismatch(
         f"the float64 reference within {atol:g} + {rtol:g} |ref|",
-        f"max |error| {check.max_abs:.3g}",
+        _error_words(out, expected, check.max_abs),
         detail,
         hint,
         picture,
     )
+
+
+def _error_words(out, expected, max_abs: float) -> str:
+    """``max |error| x``, or, where the output has NaN the reference has not, how many
+    (an error against NaN is NaN, not inf)."""
+    nan = out.isnan() & ~expected.isnan()
+    if nan.any():
+        return f"NaN in {int(nan.sum())} of {nan.numel()} outputs (max |error| NaN)"
+    return f"max |error| {max_abs:.3g}"
 
 
 def _run_decode(case: dict, decode, block_n: int, poisoned: list) -> Mismatch | None:
@@ -224,7 +242,7 @@ def _run_decode(case: dict, decode, block_n: int, poisoned: list) -> Mismatch | 
         except LearnerError as err:
             seen["error"] = err
             raise
-        seen["out"] = out
+        seen.update(out=out, inputs=(q, cache, block_tables, seq_lens, layout))
         return out
 
     result = decode_case(wrapper, case)
@@ -232,7 +250,19 @@ def _run_decode(case: dict, decode, block_n: int, poisoned: list) -> Mismatch | 
         raise seen["error"]
     if result.passed:
         return None
-    return _diagnose_decode(seen.get("out"), case, block_n, poisoned, result.detail)
+    return _diagnose_decode(seen.get("out"), case, block_n, poisoned, result.detail, partial(_replay, decode, seen))
+
+
+def _replay(decode, seen: dict):
+    """The learner's last launch run again with its loads and stores recorded (only for a
+    failed case: recording triples the interpreter's time): ``(accesses, cache, [q,
+    block_tables, seq_lens, out])``, or None when it did not return."""
+    if "inputs" not in seen:
+        return None
+    q, cache, tables, lens, layout = seen["inputs"]
+    with accesses_recorded() as accesses:
+        out = call("decode", decode, q, cache, tables, lens, layout=layout)
+    return accesses, cache, [q, tables, lens, out]
 
 
 def _decode_label(case: dict) -> str:

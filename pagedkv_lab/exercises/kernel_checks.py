@@ -12,22 +12,29 @@ without ``other=`` reads NaN, as undefined as on a GPU, instead of 0). This modu
 imports triton: the learner's kernel brings it.
 
 Here: the folder of the pictures of failed checks, the poisoning wrapper around a
-learner's launcher, the hint that names the masked loads that read poison, and the
-pool seen in NHD whatever its layout.
+learner's launcher (which also keeps the interpreter's numpy warnings, such as
+``inf - inf`` in an online softmax's first tile, out of the learner's output: a GPU
+raises none), the access map of an addressing failure (:func:`access_picture`), the
+hint that names the masked loads that read poison, and the pool seen in NHD whatever
+its layout.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from pagedkv_lab.exercises.result import code_place
 from pagedkv_lab.poisoning import masked_lanes_poisoned
 
 __all__ = [
     "picture_dir",
     "save_picture",
+    "access_picture",
     "poisoning",
     "nhd",
     "DECODE_POISON_FIX",
@@ -55,6 +62,29 @@ def save_picture(fig, name: str) -> Path:
     return path
 
 
+def access_picture(
+    amap,
+    title: str,
+    should_touch: Callable[[tuple[int, int, int]], set[int]] | None = None,
+    program_axes: str = "",
+) -> Path | None:
+    """The saved picture (:func:`pagedkv_lab.viz.plot_access_map`) of ``amap``, the
+    :class:`~pagedkv_lab.viz.AccessMap` of the learner's launch; ``should_touch(program)``
+    the pool slots a program should touch (drawn as dots). None when no program made an
+    access (nothing recorded: a compiled kernel, or one run in another process)."""
+    from pagedkv_lab.viz import plot_access_map, use_style
+
+    if amap is None or not amap.programs:
+        return None
+    expected = None
+    if should_touch is not None:
+        expected = np.zeros_like(amap.read)
+        for i, program in enumerate(amap.programs):
+            expected[i, sorted(should_touch(program))] = True
+    use_style()
+    return save_picture(plot_access_map(amap, title, expected, program_axes), "access_map")
+
+
 def poisoning(fn, on: bool, seen: list | None = None):
     """``fn`` (the learner's launcher) run with masked lanes poisoned (``on``) or reading 0;
     each :class:`~pagedkv_kernels.interpreter.poison.PoisonedLoad` it poisons is added to ``seen``.
@@ -64,7 +94,9 @@ def poisoning(fn, on: bool, seen: list | None = None):
         return fn.with_poison(on, seen)
 
     def poisoned(*args, **kwargs):
-        with masked_lanes_poisoned(on) as loads:
+        # numpy's floating-point warnings are the interpreter's, not the kernel's: a GPU
+        # computes inf - inf = NaN without a word, and a correct online softmax does so
+        with np.errstate(all="ignore"), masked_lanes_poisoned(on) as loads:
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -87,7 +119,7 @@ MERGE_POISON_FIX = (
 
 
 def poisoned_hint(loads: list, fix: str = DECODE_POISON_FIX) -> str:
-    where = "; ".join(f"`{load.source}` ({Path(load.filename).name}, line {load.lineno})" for load in loads)
+    where = "; ".join(f"`{load.source}` ({code_place(load.filename, load.lineno)})" for load in loads)
     return (
         f"NaN came from the masked lanes of a tl.load without other=: {where}. A masked lane reads no "
         "memory; on a GPU it is undefined, whatever its register held (this check fills it with NaN; "

@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Failure", "CheckResult", "LearnerError", "call", "where_in_learner_code", "show"]
+__all__ = ["Failure", "CheckResult", "LearnerError", "call", "where_in_learner_code", "show", "code_place"]
 
 _WIDTH = 100
 _LIBRARY_PARTS = ("site-packages", "dist-packages", "/pagedkv_lib/", "/pagedkv_lab/", "/pagedkv_kernels/", "<frozen")
@@ -52,6 +52,36 @@ def call(name: str, fn, *args, **kwargs):
         raise LearnerError(name, err) from err
 
 
+def _notebook_cell(filename: str) -> int | None:
+    """The execution count of the notebook cell whose code IPython compiled as
+    ``filename`` (ipykernel names a cell's code after a hash of its source), or None."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with the lab's extras
+        return None
+    shell = get_ipython()
+    if shell is None:
+        return None
+    history, name = shell.history_manager.input_hist_raw, Path(filename).name
+    for number in range(len(history) - 1, 0, -1):  # the latest run of that source first
+        # the history keeps a cell without its trailing newlines; the name hashes it whole.
+        # Names only: ipykernel's folder holds the process id, and a check's child has its own
+        for source in (history[number] + "\n" * k for k in range(4)):
+            try:
+                if Path(shell.compile.get_code_name(source, source, number)).name == name:
+                    return number
+            except Exception:  # a compiler of another shape: name the file instead
+                return None
+    return None
+
+
+def code_place(filename: str, lineno: int) -> str:
+    """Where a line of the learner's code is, in words: ``cell [7], line 29`` for a cell
+    of the running notebook (as JupyterLab numbers it), else ``file.py, line 29``."""
+    cell = _notebook_cell(filename)
+    return f"cell [{cell}], line {lineno}" if cell is not None else f"{Path(filename).name}, line {lineno}"
+
+
 def where_in_learner_code(error: BaseException) -> str:
     """``file:line: code`` of the innermost frame outside the library and site-packages
     (the learner's cell or kernel), following chained exceptions ("" if none). An
@@ -59,14 +89,14 @@ def where_in_learner_code(error: BaseException) -> str:
     itself, as ``learner_where``."""
     if getattr(error, "learner_where", ""):
         return error.learner_where
-    seen, found = set(), ""
+    seen, found = set(), None
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         for frame in traceback.extract_tb(error.__traceback__):
             if not any(part in frame.filename for part in _LIBRARY_PARTS):
-                found = f"{Path(frame.filename).name}, line {frame.lineno}: {(frame.line or '').strip()}"
+                found = frame
         error = error.__cause__ or error.__context__
-    return found
+    return "" if found is None else f"{code_place(found.filename, found.lineno)}: {(found.line or '').strip()}"
 
 
 @dataclass
@@ -101,7 +131,10 @@ class Failure:
         if self.hint:
             out.append(_wrap("  hint: ", self.hint))
         if self.picture is not None:
-            out.append(f"  picture of the pool rows: {self.picture}")
+            what = (
+                "access map of your kernel" if Path(self.picture).stem == "access_map" else "picture of the pool rows"
+            )
+            out.append(f"  {what}: {self.picture}")
         return out
 
 

@@ -18,6 +18,9 @@ Who switches faults on, by name:
 * notebook 08 and the harness tests, for kernels written to other engines'
   conventions (family ``peer kernel``, :data:`PEER_KERNEL_FAULTS`): faulty copies of
   :mod:`pagedkv_lab.peer_kernels`' kernels;
+* notebook 01b and ``tests/test_caches_before_paging.py``, for the caches before paging
+  (family ``caches``, :data:`CACHE_FAULTS`): the exercise set's sketches, each as the
+  correct part of :mod:`pagedkv_lib.contiguous_cache` with its wrong line;
 * the page-pointer route's tests (family ``read route``): faulty host parts of
   :mod:`pagedkv_kernels.decode_page_pointers`, swapped in where the correct part is
   looked up.
@@ -26,8 +29,9 @@ Nothing is patched globally, so a fault never leaks into the next cell or test.
 
 Modules: :mod:`~pagedkv_lab.faults.harness` (the harness's parts and wrappers),
 :mod:`~pagedkv_lab.faults.quantized` (quantized pools), :mod:`~pagedkv_lab.faults.engine`
-(engine parts), :mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports
-triton and :mod:`pagedkv_kernels`, so nothing here imports it),
+(engine parts), :mod:`~pagedkv_lab.faults.caches` (the caches before paging),
+:mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports triton and
+:mod:`pagedkv_kernels`, so nothing here imports it),
 :mod:`~pagedkv_lab.faults.read_routes` (the page-pointer route's host parts).
 """
 
@@ -58,6 +62,7 @@ __all__ = [
     "FAULTS",
     "ENGINE_FAULTS",
     "PEER_KERNEL_FAULTS",
+    "CACHE_FAULTS",
     "READ_ROUTE_FAULTS",
     "faults_of",
     "check_faults",
@@ -79,7 +84,7 @@ __all__ = [
     "shared_kv_scale",
 ]
 
-FAMILIES = ("harness", "quantized", "engine", "peer kernel", "read route")
+FAMILIES = ("harness", "quantized", "engine", "peer kernel", "caches", "read route")
 
 
 def load(path: str):
@@ -124,6 +129,8 @@ _PEER = "pagedkv_lab.peer_kernels:"
 _R = "pagedkv_lab.faults.read_routes:"
 _MANAGER = {"manager": "pagedkv_lib.manager:KVCacheManager"}
 _SCENARIOS = "pagedkv_lab.verify.scenarios"
+_C = "pagedkv_lab.faults.caches:"
+_LIB = "pagedkv_lib.contiguous_cache:"
 
 
 def _peer(name: str, family_fn: str, kernel: str, wrong: str) -> Fault:
@@ -268,6 +275,45 @@ REGISTRY: tuple[Fault, ...] = (
         "of a last page poisons the output (0 * NaN), as vLLM's Triton attention once did",
     ),
     Fault(
+        "slot_by_count",
+        "caches",
+        "a new sequence takes slot len(seq_to_slot), the number of live sequences: after a free that is a live "
+        "sequence's slot, and the newcomer's prefill overwrites its K/V",
+        parts={"cache": f"{_C}CountedSlotPreallocKVCache"},
+        replaces={"cache": f"{_LIB}PreallocKVCache"},
+    ),
+    Fault(
+        "shared_length",
+        "caches",
+        "one length per sequence for all layers, advanced by every layer's write: each layer after the first "
+        "appends one row further than the one before, past an unwritten row",
+        parts={"cache": f"{_C}SharedLengthPreallocKVCache"},
+        replaces={"cache": f"{_LIB}PreallocKVCache"},
+    ),
+    Fault(
+        "one_row_append",
+        "caches",
+        "the pool grows one row per call: a prompt chunk or speculative drafts (several tokens) cannot be appended",
+        parts={"append": f"{_C}append_write_one_row"},
+        replaces={"append": f"{_LIB}append_write"},
+    ),
+    Fault(
+        "read_before_write",
+        "caches",
+        "a step reads the cache before writing its own K/V: a token attends to the history but not to itself "
+        "(a prompt's first token to nothing)",
+        parts={"attention": f"{_C}ReadBeforeWriteMHA"},
+        replaces={"attention": f"{_LIB}MHAWithCache"},
+    ),
+    Fault(
+        "gqa_repeat_copy",
+        "caches",
+        "GQA's read repeats every KV head group times (repeat_interleave): a copy of group x the cached bytes "
+        "at every step, where a broadcast view copies nothing",
+        parts={"broadcast": f"{_C}broadcast_kv_by_repeat"},
+        replaces={"broadcast": f"{_LIB}broadcast_kv_for_gqa"},
+    ),
+    Fault(
         "page_pointers_element_stride",
         "read route",
         "page-pointer route: the host steps from page to page by the page stride in elements, not bytes, "
@@ -298,6 +344,7 @@ def faults_of(*families: str) -> dict[str, Fault]:
 FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("harness", "quantized").items()}
 ENGINE_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("engine").items()}
 PEER_KERNEL_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("peer kernel").items()}
+CACHE_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("caches").items()}
 READ_ROUTE_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("read route").items()}
 
 

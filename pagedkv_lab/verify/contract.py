@@ -64,7 +64,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagedkv_lib.cache_layouts import CACHE_LAYOUTS
-from pagedkv_lib.checks import NEW_TOKENS
+from pagedkv_lib.checks import NEW_TOKENS, check_int, is_int
 from pagedkv_lib.compare import DTYPES, LSE_TOLERANCES, TOLERANCES
 from pagedkv_lib.indexing import is_power_of_two
 from pagedkv_lib.score_mods import SCORE_MODS
@@ -92,7 +92,7 @@ _DOMAIN_OF = {"page_size": "page_sizes", "head_dim": "head_dims", "group": "gqa_
 def _domain(name: str, value) -> None:
     if value is None or value == "pow2":
         return
-    if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, tuple) or not all(is_int(v) for v in value):
         raise ValueError(f"{name}={value!r} must be None (any), 'pow2' or a tuple of ints")
 
 
@@ -163,9 +163,7 @@ class Contract:
         for name in ("head_dims", "page_sizes", "gqa_groups"):
             _domain(name, getattr(self, name))
         for name in ("min_seq_len", "min_q_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 0")
+            check_int(name, getattr(self, name))
         for name, allowed in (("new_tokens", _NEW_TOKENS), ("fp32_dots", _FP32_DOTS), ("kv_strides", _KV_STRIDES),
                               ("merge_inputs", _MERGE_INPUTS)):  # fmt: skip
             if getattr(self, name) not in allowed:

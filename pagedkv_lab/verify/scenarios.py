@@ -79,11 +79,16 @@ def scenario_case(page_size: int, **case) -> dict:
 
 def check_chunked_prefill(
     append_fn, decode_fn, faults, prompt_len: int | None = None, chunk: int | None = None, *,
-    page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None,
+    page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None, stop_at_pool: bool = True,
 ) -> CaseResult:  # fmt: skip
     """A prompt of ``7 * page_size + 1`` tokens written in chunks of ``2 * page_size``
     (each at ``past_len = cache_len - chunk_len``) gives the same pool as one write
-    after every chunk, and decode over it matches the contiguous oracle."""
+    after every chunk, and decode over it matches the contiguous oracle.
+
+    The check ends at the first chunk after which the pool differs (``max_abs``: the
+    pool's difference). With ``stop_at_pool=False`` every chunk is written all the same
+    and the decode after the last one is compared: ``max_abs`` is then the decode's
+    error, and the check still fails on the pool."""
     bench, gen = Bench(append_fn, decode_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(1)
     ps, hk, d = page_size, 2, 32
     n, chunk = prompt_len or 7 * ps + 1, chunk or 2 * ps
@@ -94,7 +99,7 @@ def check_chunked_prefill(
     pool = bench.pool(num_pages, ps, hk, d)
     expected = PagedKVPool(num_pages, ps, hk, d, torch.float32)
     expected.cache.copy_(pool.paged())  # the same stale values (NaN, or finite in an attribution re-run)
-    case = scenario_case(ps, prompt_len=n, chunk=chunk)
+    case, pool_wrong = scenario_case(ps, prompt_len=n, chunk=chunk), ""
     for step, start in enumerate(range(0, n, chunk)):
         end = min(start + chunk, n)
         b, p = F.chunk_positions(torch.tensor([0, end - start]), torch.tensor([end]), "past_len_zero" in faults)
@@ -103,14 +108,17 @@ def check_chunked_prefill(
                                   slot_mapping(tables, torch.zeros(end - start, dtype=torch.long),
                                                torch.arange(start, end), ps))  # fmt: skip
         same, max_abs, where = bit_compare(pool.paged(), expected.cache)
-        if not same:
+        if not same and not pool_wrong:
             table = tables[0].tolist()
-            detail = (f"after chunk step {step} (positions {start}..{end - 1}, pages of {ps}, table {table}): "
-                      f"the pool: {where}; the append wrote this chunk somewhere else")  # fmt: skip
-            return finish("chunked_prefill", bench, False, detail, max_abs, **case)
+            pool_wrong = (f"after chunk step {step} (positions {start}..{end - 1}, pages of {ps}, table {table}): "
+                          f"the pool: {where}; the append wrote this chunk somewhere else")  # fmt: skip
+            if stop_at_pool:
+                return finish("chunked_prefill", bench, False, pool_wrong, max_abs, **case)
     out = bench.decode(q, pool, tables, [n])
     rows = [f"request 0 (decode after {-(-n // chunk)} chunk steps, seq_len {n}, pages {tables[0].tolist()})"]
     ok, max_abs, detail = bench.compare(out, attention_oracle(q[0], k, v, list(range(n)))[None], rows)
+    if pool_wrong:
+        return finish("chunked_prefill", bench, False, "; ".join(filter(None, [pool_wrong, detail])), max_abs, **case)
     if not ok:
         detail += "; the pool is right after every chunk, so the decode reads it wrongly"
     return finish("chunked_prefill", bench, ok, detail, max_abs, **case)
@@ -138,11 +146,10 @@ def check_ring_window(
         slots = slot_mapping(tables, torch.tensor(live), torch.full((len(live),), t), ps, window)
         bench.append(torch.stack([ks[b][t] for b in live]), torch.stack([vs[b][t] for b in live]), pool, slots)
     q = rand((len(lens), 4, d), torch.float32, gen)
+    # A reader not given the window reads the ring as linear: logical block j on page j % num_blocks.
+    linear = [[tables[b, j % blocks[b]].item() for j in range(-(-n // ps))] for b, n in enumerate(lens)]
     if "window_write_only" in faults:
-        # The reader was not given the window: it reads the cache as linear, logical
-        # block j landing on the ring's page j % num_blocks.
-        unrolled = [[tables[b, j % blocks[b]].item() for j in range(-(-n // ps))] for b, n in enumerate(lens)]
-        out = bench.decode(q, pool, pad_block_tables(unrolled), lens)
+        out = bench.decode(q, pool, pad_block_tables(linear), lens)
     else:
         out = bench.decode(q, pool, tables, lens, window=window)
     visible = [[t for t in range(n) if t < sinks or t > n - 1 - (size - sinks)] for n in lens]
@@ -167,12 +174,15 @@ def check_v_tail(
     lens = [ps + 2, 2 * ps + 1]
     tables = pad_block_tables([[3, 0], [1, 4, 2]])
     pool = bench.pool(6, ps, hk, d)
-    csr = block_table_to_csr(tables, torch.tensor(lens), ps)
+    csr = tuple(x.to(runtime.device()) for x in block_table_to_csr(tables, torch.tensor(lens), ps))
     b = torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
     pos = torch.cat([torch.arange(n) for n in lens])
     k, v = rand((sum(lens), hk, d), torch.float32, gen), rand((sum(lens), hk, d), torch.float32, gen)
-    tail = None if "v_tail_not_zeroed" in faults else tuple(x.to(runtime.device()) for x in csr)
-    bench.append(k, v, pool, slot_mapping(tables, b, pos, ps), zero_v_tail=tail)
+    slots = slot_mapping(tables, b, pos, ps)
+    if "v_tail_not_zeroed" in faults:
+        bench.append(k, v, pool, slots)
+    else:
+        bench.append(k, v, pool, slots, zero_v_tail=csr)
     paged = pool.paged()
     notes = []
     for r, n in enumerate(lens):  # the unused V rows of the last page must now be 0
@@ -266,7 +276,11 @@ def check_reused_page(
         manager.add_sequence(seq)
         data[seq] = (rand((n, hk, d), torch.float32, gen), rand((n, hk, d), torch.float32, gen))
         bench.append(*data[seq], pool, torch.tensor(manager.append_tokens(seq, n)))
-    table, own = (stale if "stale_block_table" in faults else manager.block_table("C")), manager.block_table("C")
+    if "stale_block_table" in faults:
+        table = stale
+    else:
+        table = manager.block_table("C")
+    own = manager.block_table("C")
     q = rand((1, 4, d), torch.float32, gen)
     out = bench.decode(q, pool, torch.tensor([table], dtype=torch.int32), [n])
     rows = [f"request C (decode after A was freed and D reused its pages; table {table})"]

@@ -16,6 +16,8 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
 - :mod:`.charts`: generic charts: lines, bars, grouped bars, histograms, heatmaps,
   category grids.
 - :mod:`.bookkeeping`: pages and their owners, block tables, address maps, ring windows.
+- :mod:`.access_map`: a kernel's own loads and stores in the interpreter: which pool rows
+  each program read or wrote, masked lanes apart, writes outside the pool in red.
 - :mod:`.kernels`: what kernels do: exact matches, rows a program touches, rows a wrong
   write got wrong, prefill masks, margins by the pass rule.
 - :mod:`.listing`: code shown to a learner: a kernel's lesson lines with context, the
@@ -31,6 +33,7 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
 
 from __future__ import annotations
 
+from pagedkv_lab.viz.access_map import MIN_FIGSIZE, AccessMap, access_map, plot_access_map
 from pagedkv_lab.viz.bookkeeping import (
     occupancy,
     plot_address_map,
@@ -61,7 +64,7 @@ from pagedkv_lab.viz.positions import (
     speculative_rows,
 )
 from pagedkv_lab.viz.quant import plot_e2m1_grid, plot_error_bars, plot_error_histograms
-from pagedkv_lab.viz.source import SourceDiff, fault_diff, marked_source, show_fault, source_diff
+from pagedkv_lab.viz.source import SourceDiff, fault_branch, fault_diff, marked_source, show_fault, source_diff
 from pagedkv_lab.viz.style import (
     FAIL_RED,
     FREE,
@@ -89,6 +92,11 @@ from pagedkv_lab.viz.write_path import (
 )
 
 __all__ = [
+    # access map (exercise checker)
+    "AccessMap",
+    "access_map",
+    "plot_access_map",
+    "MIN_FIGSIZE",
     # style
     "PALETTE",
     "FREE",
@@ -140,6 +148,7 @@ __all__ = [
     "source_diff",
     "fault_diff",
     "marked_source",
+    "fault_branch",
     "show_fault",
     # the write path's extras: indexer-K bytes, block copies, a two-level pool
     "INDEXER_BYTES",

@@ -9,6 +9,10 @@ backend line every notebook prints (:func:`pagedkv_lib.runtime.backend_line`).
   under :func:`masked_lanes_poisoned`): masked ``tl.load`` lanes without ``other=`` read
   NaN or a far out-of-range integer instead of 0, as undefined as on a GPU.
 
+A third, :mod:`~pagedkv_kernels.interpreter.access`, is installed on first use only:
+inside :func:`accesses_recorded` every ``tl.load`` and ``tl.store`` is recorded per program
+and lane, for the access map the exercise checker draws (:mod:`pagedkv_lab.viz.access_map`).
+
 Both wrap a private function of Triton's interpreter, check its shape first, and refuse
 or step aside on any Triton outside 3.6-3.9. On the compiled backend neither does
 anything.
@@ -21,9 +25,9 @@ from contextlib import contextmanager
 
 from pagedkv_lib import runtime
 
-from . import calls, poison
+from . import access, calls, poison
 
-__all__ = ["calls", "poison", "install_from_env", "masked_lanes_poisoned"]
+__all__ = ["access", "calls", "poison", "install_from_env", "masked_lanes_poisoned", "accesses_recorded"]
 
 
 def _note() -> str:
@@ -56,4 +60,13 @@ def masked_lanes_poisoned(on: bool = True) -> Iterator[list]:
         yield []
         return
     with poison.poisoned(on) as seen:
+        yield seen
+
+
+@contextmanager
+def accesses_recorded() -> Iterator[list]:
+    """Inside the block, every ``tl.load`` and ``tl.store`` of the interpreter is recorded;
+    yields the list of :class:`~pagedkv_kernels.interpreter.access.Access` that fills, in
+    order. On the compiled backend it records nothing and yields an empty list."""
+    with access.recorded() as seen:
         yield seen
