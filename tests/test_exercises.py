@@ -16,7 +16,14 @@ import pytest
 
 from pagedkv_lab.exercises import EXERCISES, check
 from pagedkv_lab.exercises.cli import main
-from pagedkv_lab.exercises.files import build_notebook, default_dir, load_solution, notebook_cells, parse_percent
+from pagedkv_lab.exercises.files import (
+    build_notebook,
+    default_dir,
+    learner_code,
+    load_solution,
+    notebook_cells,
+    parse_percent,
+)
 from pagedkv_lab.exercises.mistakes import MISTAKES, load_with_mistake
 
 FOLDER = default_dir()
@@ -225,6 +232,20 @@ def test_exercise_notebook_matches_its_source_and_shows_no_answer(stem):
     assert nb == build_notebook(FOLDER / "src" / f"{stem}.py"), "run `python -m pagedkv_lab.exercises build`"
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert all(not c["outputs"] and c["execution_count"] is None for c in code), "commit exercises without outputs"
+
+
+def test_no_exercise_notebook_shows_a_formatter_pragma():
+    """The sources keep `# fmt: skip` (so `ruff format` leaves their compact kernel
+    signatures alone); the notebooks a learner opens, and the nbgrader course, show none."""
+    from pagedkv_lab.exercises.nbgrader_course import course_notebook
+
+    assert any("# fmt: skip" in p.read_text() for p in (FOLDER / "src").glob("*.py")), "nothing left to strip"
+    for e in EXERCISES.values():
+        shown = notebook_cells(FOLDER / f"{e.stem}.ipynb")
+        course = ["".join(c["source"]) for c in course_notebook(e)["cells"]]
+        leaks = [src for _, src in shown if "# fmt:" in src] + [src for src in course if "# fmt:" in src]
+        assert not leaks, f"{e.stem} shows a formatter pragma:\n{leaks[0]}"
+    assert learner_code("f(a,\n  b)  # fmt: skip\n# fmt: off\nx = 1  # keep this") == "f(a,\n  b)\nx = 1  # keep this"
 
 
 @pytest.mark.parametrize("exercise", list(EXERCISES.values()), ids=list(EXERCISES))

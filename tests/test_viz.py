@@ -7,6 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from pagedkv_lab import viz  # noqa: E402
@@ -66,3 +67,57 @@ def test_plot_categories_writes_labels_in_cells_and_refuses_a_wrong_shape():
     with pytest.raises(ValueError, match="labels has shape"):
         viz.plot_categories([[0, 1]], {0: "a", 1: "b"}, "t", "x", "y", labels=[["7"]])
     plt.close("all")
+
+
+def test_tree_mask_legend_names_context_and_drafts_not_chunks():
+    """Notebook 13's tree-mask picture names what its cells are: cached context and a
+    draft's own branch, never a chunk's keys (which is what notebook 10's picture shows)."""
+    from pagedkv_lib.draft_tree import tree_mask
+
+    tree = tree_mask([-1, 0, 0, 1, 1, 2])
+    full = torch.cat([torch.ones(6, 3, dtype=torch.bool), tree], 1)
+    causal = torch.cat([torch.ones(6, 3, dtype=torch.bool), torch.ones(6, 6, dtype=torch.bool).tril()], 1)
+    try:
+        fig = viz.plot_chunk_masks({"c": causal, "t": full}, 3, correct=full, key_labels=viz.TREE_KEY_LABELS)
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert labels == ["hidden", "cached context", "draft: itself or an ancestor", "seen, should not be"]
+        assert all(t.get_fontsize() >= 9 for t in fig.legends[0].get_texts()), "legend under 9 pt"
+        chunk = viz.plot_chunk_masks({"c": causal}, 3)
+        assert [t.get_text() for t in chunk.legends[0].get_texts()][1:] == list(viz.CHUNK_KEY_LABELS)
+        with pytest.raises(ValueError, match="key_labels"):
+            viz.plot_chunk_masks({"c": causal}, 3, key_labels=("only one",))
+    finally:
+        plt.close("all")
+
+
+def test_grouped_bar_values_and_legend_are_at_least_9_pt():
+    try:
+        fig = viz.plot_grouped_bars(["a", "b"], {"x": [1, 22], "y": [3, 0]}, "t", "count")
+        values = fig.axes[0].texts
+        assert [t.get_text() for t in values] == ["1", "22", "3", "0"], "one value written per bar"
+        assert min(t.get_fontsize() for t in values) >= 9, "bar values under 9 pt"
+        assert min(t.get_fontsize() for t in fig.axes[0].get_legend().get_texts()) >= 9, "legend under 9 pt"
+    finally:
+        plt.close("all")
+
+
+def test_block_table_draws_a_shared_page_in_its_own_colour_with_a_legend():
+    """Notebook 10's prefix hit: page 0 named by A and B is drawn as shared (grey,
+    hatched, both names, a legend entry), not in the last sequence's colour."""
+    from matplotlib.colors import to_rgba
+
+    from pagedkv_lab.viz.style import SHARED, sequence_colors
+
+    try:
+        fig = viz.plot_block_table({"A": [0, 1], "B": [0, 3]}, 4, "t")
+        ax = fig.axes[0]
+        pages = {t.get_text(): t for t in ax.texts if t.get_text().startswith("page ")}
+        assert set(pages) == {"page 0 (A, B)", "page 1", "page 2", "page 3"}
+        boxes = {round(p.get_y() + 0.38): p for p in ax.patches if p.get_x() == 3.4}
+        assert boxes[0].get_facecolor() == to_rgba(SHARED) and boxes[0].get_hatch() == "//"
+        a, b = (to_rgba(sequence_colors(["A", "B"])[s][0]) for s in "AB")
+        assert (boxes[1].get_facecolor(), boxes[3].get_facecolor()) == (a, b), "own pages keep their owner's colour"
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["shared: named by several sequences"]
+        assert viz.plot_block_table({"A": [0], "B": [1]}, 2).axes[0].get_legend() is None, "no sharing, no legend"
+    finally:
+        plt.close("all")

@@ -51,6 +51,20 @@ def test_error_histograms_are_step_outlines_side_by_side_with_the_legend_outside
     assert fig.legends, "one legend for the figure, outside the panels"
 
 
+def test_error_histograms_count_each_panels_exact_zeros_in_words():
+    """The zero counts are each panel's own (K's are not V's), said in words with the
+    total, not as a cryptic "(504 exact 0)" in a legend shared by both panels."""
+    k = {"fp8": torch.cat([torch.zeros(3), torch.rand(97) + 0.01]), "nvfp4": torch.rand(100) + 0.01}
+    v = {"fp8": torch.rand(100) + 0.01, "nvfp4": torch.cat([torch.zeros(5), torch.rand(95) + 0.01])}
+    fig = viz.plot_error_histograms({"K": k, "V": v}, "t")
+    panels = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes if ax.get_title()}
+    assert panels == {
+        "K": ["exactly 0 (off the log axis), of 100:", "fp8: 3"],
+        "V": ["exactly 0 (off the log axis), of 100:", "nvfp4: 5"],
+    }
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["fp8", "nvfp4"], "the legend names formats only"
+
+
 def test_error_bars_write_values_at_9pt_and_keep_the_legend_outside():
     fig = viz.plot_error_bars(["a", "b"], {"x": [0.1, 0.2], "y": [0.01, 0.02]}, "t", "err")
     ax = fig.axes[0]

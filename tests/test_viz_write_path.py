@@ -14,9 +14,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.colors import to_rgba  # noqa: E402
 
 from pagedkv_lab import viz  # noqa: E402
 from pagedkv_lab.viz import write_path  # noqa: E402
+from pagedkv_lab.viz.write_path import INDEXER_STRAY_LABEL  # noqa: E402
 from pagedkv_lib.block_copy import copy_blocks  # noqa: E402
 from pagedkv_lib.indexer_cache import IndexerKPool, indexer_slots, quantize_indexer_k, scatter_indexer_k  # noqa: E402
 from pagedkv_lib.manager import KVCacheManager  # noqa: E402
@@ -86,7 +88,29 @@ def test_plot_indexer_bytes_draws_each_map_and_one_legend_entry_per_category_pre
         assert [t.get_text() for t in ax.texts] == ["layer 0", "layer 1", "layer 2"]
         assert "(bytes)" in ax.get_xlabel()
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert labels == [viz.INDEXER_BYTES[k] for k in range(6)]
+    assert labels == [viz.INDEXER_BYTES[k] for k in range(6)] + [INDEXER_STRAY_LABEL]
+
+
+def test_plot_indexer_bytes_rows_are_readable_and_stray_writes_outlined():
+    """Each block's row is at least 14 px tall at the saved dpi (notebook 14's map had
+    about 8), and only bytes written outside the meant layer's segments are outlined:
+    none for the right unravelling, the two runs of the contiguous-pool kernel."""
+    pool, fp8, scale = _scatter_case()
+    right, wrong = viz.indexer_byte_map(pool, 1, fp8, scale), viz.indexer_byte_map(pool, 1, fp8, scale, True)
+    maps = {"right": right, "wrong": wrong}
+    fig = viz.plot_indexer_bytes(maps)
+    fig.canvas.draw()
+    dpi = matplotlib.rcParams["savefig.dpi"]
+    dpi = fig.dpi if dpi == "figure" else dpi
+    for ax, byte_map in zip(fig.axes, maps.values()):
+        row_px = ax.get_window_extent().height / fig.dpi * dpi / byte_map.codes.shape[0]
+        assert row_px >= 14, f"{ax.get_title()}: a block's row is {row_px:.1f} px tall"
+    red = to_rgba(write_path.FAIL_RED)
+    outlined = [[p for p in ax.patches if p.get_edgecolor() == red and not p.get_fill()] for ax in fig.axes]
+    wrong = maps["wrong"].codes
+    strays = (wrong >= 4) & ((np.arange(wrong.shape[1]) // maps["wrong"].segment) != 1)[None, :]
+    assert len(outlined[0]) == 0, "the right scatter wrote nothing outside layer 1"
+    assert sum(int(p.get_width()) for p in outlined[1]) == int(strays.sum()) > 0, "outlines miss stray bytes"
 
 
 def _copy_case(layout="NHD"):

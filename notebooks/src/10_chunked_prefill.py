@@ -375,7 +375,8 @@ plt.show()
 # tiles (`BLOCK_M` (query, head) rows x `BLOCK_N` keys) and stops each tile's key loop at
 # its last query's position, so the pairs it scores (`plan.visited_pairs`) exceed the
 # exact count only by the rounding of the tiles' edges. Below, chunks of 16 to 128
-# queries after 128 cached tokens: the exact score count, the kernel's pairs, and the
+# queries after 128 cached tokens: the exact score count (per query head, and over all
+# 8 query heads: 2 KV heads x 4), the kernel's pairs (over all heads), and the
 # measured time (in Triton's interpreter on a CPU, time follows the number of tile
 # iterations rather than the arithmetic, so the small chunks cost more per score).
 
@@ -403,8 +404,9 @@ for c in sizes:
     assert exact[-1] <= visited[-1] <= exact[-1] + edge, (
         f"chunk {c}: the kernel scores {visited[-1]} pairs; it needs {exact[-1]}, tile edges allow {edge} more"
     )
+heads = hk * group
 for c, e, s in zip(sizes, exact, seconds):
-    print(f"chunk {c:3d}: {e:7d} scores, {s:.3f} s wall")
+    print(f"chunk {c:3d}: {e // heads:5d} scores per query head x {heads} heads = {e:6d}, {s:.3f} s wall")
 
 # %%
 fig = viz.line_plot(

@@ -274,8 +274,9 @@ assert torch.equal(mask.sum(1) - 1, depth), "a node sees as many ancestors as it
 
 # %% [markdown]
 # Over the whole sequence (5 cached tokens, then the 6 drafts at cache positions 5-10),
-# against the causal mask a chain would get. Red cells are pairs that causal attention
-# would wrongly let through: a draft seeing a sibling or a cousin.
+# against the causal mask a chain would get. Blue: the cached context, which every draft
+# sees; orange: a draft's own branch (itself and its ancestors). Red cells are pairs that
+# causal attention would wrongly let through: a draft seeing a sibling or a cousin.
 
 # %%
 PAST = 5
@@ -290,6 +291,7 @@ fig = viz.plot_chunk_masks(
     PAST,
     correct=tree_full,
     title="the tree's 6 drafts after 5 cached tokens (red: seen, should not be)",
+    key_labels=viz.TREE_KEY_LABELS,
 )
 plt.show()
 

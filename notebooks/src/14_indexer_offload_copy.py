@@ -200,7 +200,8 @@ assert scales[3] == 0 and not got_codes[3].any(), "an all-zero key must be store
 # of a pool that *is* contiguous (one layer, no padding). Middle: where the kernel's
 # unravelling put the same bytes in layer 1's segments: blocks 2 and 0, codes first,
 # scales after. Bottom: where a kernel that took the flat index for a memory offset
-# would write them. Block 0's tokens still land right (layer 1's view starts at block 0),
+# would write them; the bytes it puts outside layer 1's segments are outlined in red.
+# Block 0's tokens still land right (layer 1's view starts at block 0),
 # but block 2's bytes fall into layer 2's segment of block 0, its padding and layer 0's
 # segment of block 1, and block 2 itself is never written: a contiguous-pool assumption
 # corrupts other layers' keys without an error.

@@ -26,6 +26,7 @@ from pagedkv_lab.exercises.catalog import Exercise
 
 __all__ = [
     "default_dir",
+    "learner_code",
     "parse_percent",
     "build_notebook",
     "notebook_cells",
@@ -40,8 +41,19 @@ def default_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "exercises"
 
 
+def learner_code(code: str) -> str:
+    """``code`` without formatter and linter pragmas (``# fmt: skip`` kept the sources'
+    compact signatures through ``ruff format``; a learner has no use for them), by
+    :func:`pagedkv_lab.viz.listing.strip_tooling`'s rule; a line holding nothing else
+    (``# fmt: off``) is dropped."""
+    from pagedkv_lab.viz.listing import strip_tooling  # drawing code: only the builders need it
+
+    return "\n".join(kept for line in code.splitlines() if (kept := strip_tooling(line)) is not None)
+
+
 def parse_percent(text: str) -> list[tuple[str, str]]:
-    """``[(cell_type, source), ...]`` of a percent-format source."""
+    """``[(cell_type, source), ...]`` of a percent-format source; code cells as a learner
+    sees them (:func:`learner_code`)."""
     cells: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
         if line.startswith("# %%"):
@@ -55,6 +67,7 @@ def parse_percent(text: str) -> list[tuple[str, str]]:
         if kind == "markdown":
             lines = [ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in lines]
         source = "\n".join(lines).strip("\n")
+        source = learner_code(source) if kind == "code" else source
         if source:
             out.append((kind, source))
     return out

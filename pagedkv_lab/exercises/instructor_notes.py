@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from pagedkv_lab.exercises.catalog import EXERCISES, Exercise
-from pagedkv_lab.exercises.files import default_dir, load_solution, parse_percent
+from pagedkv_lab.exercises.files import default_dir, learner_code, load_solution, parse_percent
 from pagedkv_lab.exercises.mistakes import MISTAKES, Mistake
 from pagedkv_lab.exercises.nbgrader_course import BEGIN, END, solution_cell
 from pagedkv_lab.exercises.result import CheckResult
@@ -105,7 +105,7 @@ def solution_lines(exercise: Exercise, folder: Path | None = None) -> list[str]:
     """The reference solution's lines the learner writes: each answered function's
     signature (on one line) and the body of its solution region, in notebook order."""
     folder = folder or default_dir()
-    solution = (folder / "solutions" / f"{exercise.stem}.py").read_text()
+    solution = learner_code((folder / "solutions" / f"{exercise.stem}.py").read_text())  # as the stubs read
     lines, inside, signature = [], False, ""
     for kind, text in parse_percent((folder / "src" / f"{exercise.stem}.py").read_text()):
         if kind != "code" or text.lstrip().startswith("check("):

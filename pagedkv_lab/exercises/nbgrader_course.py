@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 from pagedkv_lab.exercises.catalog import EXERCISES, Exercise, get
-from pagedkv_lab.exercises.files import default_dir, notebook_of, parse_percent
+from pagedkv_lab.exercises.files import default_dir, learner_code, notebook_of, parse_percent
 
 __all__ = ["BEGIN", "END", "NBGRADER_CONFIG", "GRADEBOOK_WARNING", "solution_cell", "course_notebook", "write_course"]
 
@@ -148,7 +148,7 @@ def course_notebook(exercise: Exercise, folder: Path | None = None, points: int 
     ``<folder>/src/<stem>.py`` and ``<folder>/solutions/<stem>.py``. Raises ValueError if
     the source has no ``check(...)`` cell or no cell the solution answers."""
     folder = folder or default_dir()
-    solution = (folder / "solutions" / f"{exercise.stem}.py").read_text()
+    solution = learner_code((folder / "solutions" / f"{exercise.stem}.py").read_text())  # as the stubs read
     cells, answered, checked = [], 0, False
     for i, (kind, text) in enumerate(parse_percent((folder / "src" / f"{exercise.stem}.py").read_text())):
         meta: dict = {}

@@ -42,9 +42,19 @@ from pagedkv_lab.viz.bookkeeping import (
     plot_occupancy_steps,
     plot_ring_slots,
 )
-from pagedkv_lab.viz.charts import bar_plot, line_plot, plot_categories, plot_grouped_bars, plot_heatmap, plot_histogram
+from pagedkv_lab.viz.charts import (
+    BAR_LABEL_PT,
+    bar_plot,
+    line_plot,
+    plot_categories,
+    plot_grouped_bars,
+    plot_heatmap,
+    plot_histogram,
+)
 from pagedkv_lab.viz.conformance import conformance_margins, plot_conformance
 from pagedkv_lab.viz.kernels import (
+    CHUNK_KEY_LABELS,
+    TREE_KEY_LABELS,
     find_lines,
     plot_access_pattern,
     plot_chunk_masks,
@@ -80,6 +90,8 @@ from pagedkv_lab.viz.style import (
 from pagedkv_lab.viz.write_path import (
     COPY_ROWS,
     INDEXER_BYTES,
+    INDEXER_ROW_INCHES,
+    INDEXER_STRAY_LABEL,
     IndexerByteMap,
     PoolLevels,
     block_copy_rows,
@@ -128,6 +140,9 @@ __all__ = [
     "row_status",
     "plot_wrong_rows",
     "plot_chunk_masks",
+    "CHUNK_KEY_LABELS",
+    "TREE_KEY_LABELS",
+    "BAR_LABEL_PT",
     "find_lines",
     "plot_margins",
     # code shown to a learner: the lesson lines, the rest collapsed
@@ -152,6 +167,8 @@ __all__ = [
     "show_fault",
     # the write path's extras: indexer-K bytes, block copies, a two-level pool
     "INDEXER_BYTES",
+    "INDEXER_ROW_INCHES",
+    "INDEXER_STRAY_LABEL",
     "IndexerByteMap",
     "indexer_byte_map",
     "plot_indexer_bytes",

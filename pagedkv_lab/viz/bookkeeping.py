@@ -91,17 +91,19 @@ def plot_block_table(
     tables: Mapping[str, Sequence[int]], num_pages: int, title: str = "block tables", order: list | None = None
 ):
     """Logical blocks of each sequence (left) with arrows to the physical pages they name
-    (right); each page box takes its owner's colour, so a glance pairs both sides."""
+    (right); each page box takes its owner's colour, so a glance pairs both sides. A page
+    named by more than one sequence (shared, e.g. after a fork) is grey and hatched,
+    labelled with its sequences, and gets a legend entry."""
     colors = sequence_colors(list(tables) if order is None else order)
     rows = sum(len(t) for t in tables.values()) + 0.5 * (len(tables) - 1)
     height = max(rows, num_pages)
     fig, ax = plt.subplots(figsize=(7.0, 0.9 + 0.42 * height))
-    owner = {}
+    owner: dict[int, list[str]] = {}
     y = 0.0
     for name, table in tables.items():
         color, hatch = colors[name]
         for j, page in enumerate(table):
-            owner[page] = name
+            owner.setdefault(page, []).append(name)
             ax.add_patch(Rectangle((0.2, y - 0.38), 1.4, 0.76, facecolor=color, hatch=hatch, edgecolor="0.25"))
             ax.text(0.9, y, f"{name}[{j}]", ha="center", va="center", fontsize=11, color="white", weight="bold")
             ax.annotate(
@@ -112,12 +114,17 @@ def plot_block_table(
             )
             y += 1
         y += 0.5
+    shared = sorted(p for p, names in owner.items() if len(set(names)) > 1)
     for page in range(num_pages):
-        face, hatch = colors[owner[page]] if page in owner else (FREE, None)
+        names = sorted(set(owner.get(page, [])), key=list(tables).index)
+        face, hatch = (SHARED, "//") if len(names) > 1 else colors[names[0]] if names else (FREE, None)
         ax.add_patch(Rectangle((3.4, page - 0.38), 1.6, 0.76, facecolor=face, hatch=hatch, edgecolor="0.25"))
-        ax.text(
-            4.2, page, f"page {page}", ha="center", va="center", fontsize=11, color="white" if page in owner else "k"
-        )
+        label = f"page {page} ({', '.join(names)})" if len(names) > 1 else f"page {page}"
+        ax.text(4.2, page, label, ha="center", va="center", fontsize=11, color="white" if names else "k",
+                bbox={"facecolor": SHARED, "edgecolor": "none", "pad": 1} if len(names) > 1 else None)  # fmt: skip
+    if shared:
+        handle = Patch(facecolor=SHARED, hatch="//", edgecolor="0.25", label="shared: named by several sequences")
+        ax.legend(handles=[handle], loc="upper center", bbox_to_anchor=(0.5, 0.02), frameon=False, fontsize=10)
     ax.text(0.9, -1.0, "logical block", ha="center", va="center", fontsize=11, style="italic")
     ax.text(4.2, -1.0, "physical page", ha="center", va="center", fontsize=11, style="italic")
     ax.set(xlim=(0, 5.2), ylim=(height - 0.4, -1.5), title=title)

@@ -80,6 +80,10 @@ def bar_plot(
     return fig
 
 
+BAR_LABEL_PT = 9
+"""Size of the values written on bars (points); learners read them at 100 dpi."""
+
+
 def plot_grouped_bars(
     labels: Sequence[str],
     series: Mapping[str, Sequence[float]],
@@ -89,8 +93,9 @@ def plot_grouped_bars(
     annotate: str | None = "{:.3g}",
 ):
     """Bars grouped by ``labels``, one colour per entry of ``series`` (name -> one value
-    per label), values written on top."""
-    fig, ax = plt.subplots()
+    per label), values written on top in :data:`BAR_LABEL_PT` points, the legend outside
+    the data (right)."""
+    fig, ax = plt.subplots(figsize=(9.0, 4.0))
     width = 0.8 / max(len(series), 1)
     x = np.arange(len(labels))
     for i, (name, values) in enumerate(series.items()):
@@ -98,13 +103,15 @@ def plot_grouped_bars(
         if annotate:
             for bar, value in zip(bars, values):
                 ax.annotate(annotate.format(value), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=6)  # fmt: skip
+                            xytext=(0, 1), textcoords="offset points", ha="center", va="bottom",
+                            fontsize=BAR_LABEL_PT)  # fmt: skip
     ax.set_xticks(x, labels)
     ax.tick_params(axis="x", labelrotation=20)
     if logy:
         ax.set_yscale("log")
+    ax.margins(y=0.1)  # room for the values above the tallest bar
     ax.set(title=title, ylabel=ylabel)
-    ax.legend(fontsize=7)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -162,20 +162,38 @@ def plot_wrong_rows(
 _MASK_COLORS = ["white", "tab:blue", "tab:orange", "tab:red", "mistyrose"]
 
 
-_MASK_LABELS = ["hidden", "earlier chunks' key", "own chunk's key", "seen, should not be", "missed, should be seen"]
+CHUNK_KEY_LABELS = ("earlier chunks' key", "own chunk's key")
+"""What a visible key of :func:`plot_chunk_masks` is, before and from ``past_len`` on,
+in a chunked prefill (notebook 10)."""
+TREE_KEY_LABELS = ("cached context", "draft: itself or an ancestor")
+"""The same for a draft tree after its cached context (notebook 13): the keys from
+``past_len`` on are drafts, and a draft may see only its own branch."""
+_MASK_LABELS = ["hidden", None, None, "seen, should not be", "missed, should be seen"]
+_MASK_LEGEND_PT = 9
 
 
-def plot_chunk_masks(masks: Mapping[str, torch.Tensor], past_len: int, correct: torch.Tensor | None = None, title=""):
+def plot_chunk_masks(
+    masks: Mapping[str, torch.Tensor],
+    past_len: int,
+    correct: torch.Tensor | None = None,
+    title="",
+    key_labels: tuple[str, str] = CHUNK_KEY_LABELS,
+):
     """Side-by-side masks of one prefill chunk over absolute key positions.
 
     ``masks`` maps a panel title to a bool ``[q_len, seq_len]`` mask (query ``i`` at
     absolute position ``past_len + i``; key ``j`` at position ``j``). A visible key is
-    blue before ``past_len`` (written by earlier chunks or the prefix cache) and orange
-    from it on (the chunk's own keys, the causal triangle). With ``correct`` given,
-    cells where a mask disagrees with it are red (seen, should not be) or pink
-    (missed). The dashed line separates cached keys from the chunk's own.
+    blue before ``past_len`` and orange from it on, named in the legend by
+    ``key_labels`` (:data:`CHUNK_KEY_LABELS`: written by earlier chunks or the prefix
+    cache, then the chunk's own causal triangle; :data:`TREE_KEY_LABELS` for a draft
+    tree). With ``correct`` given, cells where a mask disagrees with it are red (seen,
+    should not be) or pink (missed). The dashed line separates cached keys from the
+    new ones. The legend is in 9 pt.
     """
-    fig, axes = plt.subplots(1, len(masks), figsize=(3.3 * len(masks), 3.2), squeeze=False)
+    if len(key_labels) != 2:
+        raise ValueError(f"key_labels must name the keys before and from past_len on, got {key_labels!r}")
+    names = [_MASK_LABELS[0], *key_labels, *_MASK_LABELS[3:]]
+    fig, axes = plt.subplots(1, len(masks), figsize=(3.6 * len(masks), 3.4), squeeze=False)
     used = set()
     for ax, (name, mask) in zip(axes[0], masks.items()):
         mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
@@ -190,11 +208,13 @@ def plot_chunk_masks(masks: Mapping[str, torch.Tensor], past_len: int, correct: 
         ax.axvline(past_len - 0.5, color="k", ls="--", lw=0.8)
         ax.set(title=name, xlabel="key position (token)", ylabel="query position (token)")
         ax.grid(False)
-    handles = [Patch(facecolor=_MASK_COLORS[i], edgecolor="0.6", label=_MASK_LABELS[i]) for i in sorted(used)]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+    handles = [Patch(facecolor=_MASK_COLORS[i], edgecolor="0.6", label=names[i]) for i in sorted(used)]
+    ncol = min(len(handles), 2 if len(masks) < 2 else 3)
+    rows = -(-len(handles) // ncol)
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=_MASK_LEGEND_PT, frameon=False)
     if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, (0.1 + 0.2 * rows) / 3.4, 1, 1))  # 0.2 in per legend row at 9 pt
     return fig
 
 

@@ -54,21 +54,38 @@ def plot_e2m1_grid(samples: Mapping[str, float] | None = None, title: str = "E2M
     return fig
 
 
+def _write_exact_zeros(ax, counts: Mapping[str, tuple[str, int]], total: int) -> None:
+    """List, in the panel's top-left corner, how many of ``total`` errors of each format
+    (name -> (colour, count)) are exactly 0, in words: a log axis cannot draw them."""
+    shown = {name: cz for name, cz in counts.items() if cz[1]}
+    if not shown:
+        return
+    ax.text(0.02, 0.97, f"exactly 0 (off the log axis), of {total:,}:", transform=ax.transAxes, va="top",
+            fontsize=_LABEL_PT, color="0.25")  # fmt: skip
+    for i, (name, (colour, zeros)) in enumerate(shown.items(), start=1):
+        ax.text(0.04, 0.97 - 0.085 * i, f"{name}: {zeros:,}", transform=ax.transAxes, va="top",
+                fontsize=_LABEL_PT, color=colour)  # fmt: skip
+
+
 def plot_error_histograms(errors: Mapping[str, Mapping[str, torch.Tensor]], title: str, bins: int = 40):
     """Side-by-side panels (one per entry of ``errors``: panel name -> {format name ->
     absolute errors}), each format's histogram drawn as a step outline in its own colour
-    over log-spaced bins shared by all panels, legend outside the data. Exact zeros,
-    which a log axis cannot show, are counted in the legend."""
+    over log-spaced bins shared by all panels, legend (format names) outside the data.
+    Exact zeros, which a log axis cannot show, are counted per panel in its top-left
+    corner ("exactly 0 (off the log axis), of N:", then "format: count" in the format's
+    colour)."""
     values = {p: {f: np.asarray(e, dtype=float).ravel() for f, e in fmts.items()} for p, fmts in errors.items()}
     positive = np.concatenate([v[v > 0] for fmts in values.values() for v in fmts.values()])
     edges = np.logspace(np.log10(positive.min()), np.log10(positive.max()) + 1e-9, bins)
-    fig, axes = plt.subplots(1, len(values), figsize=(8.0, 3.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(values), figsize=(8.0, 3.8), sharey=True, squeeze=False)
     for ax, (panel, fmts) in zip(axes[0], values.items()):
+        zeros = {}
         for colour, (name, v) in zip(PALETTE, fmts.items()):
-            zeros = int((v == 0).sum())
-            label = f"{name} ({zeros} exact 0)" if zeros else name
-            ax.hist(v[v > 0], bins=edges, histtype="step", lw=1.6, color=colour, label=label)
+            zeros[name] = (colour, int((v == 0).sum()))
+            ax.hist(v[v > 0], bins=edges, histtype="step", lw=1.6, color=colour, label=name)
         ax.set(xscale="log", title=panel, xlabel="absolute error")
+        ax.margins(y=0.35)  # headroom for the exact-zero counts above the histograms
+        _write_exact_zeros(ax, zeros, max(v.size for v in fmts.values()))
     axes[0][0].set_ylabel("values per bin")
     handles, labels = axes[0][-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=len(labels), frameon=False)

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.colors import BoundaryNorm, ListedColormap
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from pagedkv_lab.viz.style import FAIL_RED, FREE, OK_GREEN, PALETTE, integer_ticks
@@ -81,33 +81,68 @@ def indexer_byte_map(pool, layer: int, slot_fp8, slot_scale, contiguous: bool = 
     return IndexerByteMap(codes.reshape(blocks, row), segment, layer)
 
 
+INDEXER_ROW_INCHES = 0.3
+"""Height of one block's row in :func:`plot_indexer_bytes` (30 px at the suite's 100 dpi)."""
+INDEXER_STRAY_LABEL = "outlined: written outside this layer's segments"
+
+
+def _stray_runs(byte_map: IndexerByteMap) -> list[tuple[int, int, int]]:
+    """``(block, first byte, length)`` of each run of written bytes that lies outside the
+    segments of the layer ``byte_map`` was meant to write (none for a one-layer arena)."""
+    codes = byte_map.codes
+    stray = (codes >= 4) & ((np.arange(codes.shape[1]) // byte_map.segment) != byte_map.layer)[None, :]
+    runs = []
+    for block, row in enumerate(stray):
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], row.astype(np.int8), [0]])))
+        runs += [(block, int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+    return runs
+
+
+def _draw_byte_panel(ax, name: str, byte_map: IndexerByteMap, cmap, norm) -> int:
+    """One arena panel of :func:`plot_indexer_bytes`; returns how many stray runs it outlined."""
+    codes = byte_map.codes
+    ax.imshow(codes, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+    for r in range(1, codes.shape[0]):  # a white rule between blocks, so each row reads as one block
+        ax.axhline(r - 0.5, color="white", lw=1.5)
+    for s in range(byte_map.segment, codes.shape[1], byte_map.segment):
+        ax.axvline(s - 0.5, color="k", ls="--", lw=0.8)
+    if codes.shape[1] > byte_map.segment:
+        above = ax.get_xaxis_transform()  # x in bytes, y in axes fraction
+        for i, s in enumerate(range(0, codes.shape[1], byte_map.segment)):
+            ax.text(s + byte_map.segment / 2, 1.02, f"layer {i}", ha="center", va="bottom", transform=above)
+    runs = _stray_runs(byte_map)
+    for block, start, length in runs:
+        ax.add_patch(Rectangle((start - 0.5, block - 0.45), length, 0.9, fill=False, ec=FAIL_RED, lw=2.5))
+    ax.set_title(name, pad=16)
+    ax.set(xlabel="byte within the block's row of the arena (bytes)", ylabel="block")
+    ax.set_yticks(range(codes.shape[0]))
+    ax.grid(False)
+    return len(runs)
+
+
 def plot_indexer_bytes(panels: Mapping[str, IndexerByteMap], title: str = "indexer-K arena: bytes a scatter wrote"):
     """One panel per :class:`IndexerByteMap` (its title the key): every byte of the arena
-    as a cell (x: byte within the block's row of the arena, y: block), coloured by its
-    :data:`INDEXER_BYTES` category, with a dashed line between layers' segments.
-    Returns the figure."""
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9.0, 0.9 + 1.5 * len(panels)), squeeze=False)
+    as a cell (x: byte within the block's row of the arena, y: block, each row
+    :data:`INDEXER_ROW_INCHES` tall), coloured by its :data:`INDEXER_BYTES` category, with a
+    dashed line between layers' segments and a red outline around written bytes outside
+    the segments of the layer meant (:data:`INDEXER_STRAY_LABEL`). Returns the figure."""
+    rows = [m.codes.shape[0] for m in panels.values()]
+    heights = [INDEXER_ROW_INCHES * r + 1.1 for r in rows]  # + title, layer names and x axis
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9.0, 1.2 + sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": [INDEXER_ROW_INCHES * r for r in rows]})  # fmt: skip
     cmap = ListedColormap(_INDEXER_COLORS)
     norm = BoundaryNorm(np.arange(len(_INDEXER_COLORS) + 1) - 0.5, len(_INDEXER_COLORS))
     used: set[int] = set()
+    strays = 0
     for ax, (name, byte_map) in zip(axes[:, 0], panels.items()):
-        codes = byte_map.codes
-        used |= set(np.unique(codes).tolist())
-        ax.imshow(codes, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
-        for s in range(byte_map.segment, codes.shape[1], byte_map.segment):
-            ax.axvline(s - 0.5, color="k", ls="--", lw=0.8)
-        if codes.shape[1] > byte_map.segment:
-            above = ax.get_xaxis_transform()  # x in bytes, y in axes fraction
-            for i, s in enumerate(range(0, codes.shape[1], byte_map.segment)):
-                ax.text(s + byte_map.segment / 2, 1.02, f"layer {i}", ha="center", va="bottom", transform=above)
-        ax.set_title(name, pad=16)
-        ax.set(xlabel="byte within the block's row of the arena (bytes)", ylabel="block")
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(False)
+        used |= set(np.unique(byte_map.codes).tolist())
+        strays += _draw_byte_panel(ax, name, byte_map, cmap, norm)
     handles = [Patch(facecolor=_INDEXER_COLORS[k], edgecolor="0.5", label=INDEXER_BYTES[k]) for k in sorted(used)]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    if strays:
+        handles.append(Patch(facecolor="none", edgecolor=FAIL_RED, lw=2.5, label=INDEXER_STRAY_LABEL))
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=10, frameon=False)
     fig.suptitle(title, fontsize=12)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.tight_layout(rect=(0, 0.8 / (1.2 + sum(heights)), 1, 1))  # 0.8 in: the legend's 3 rows
     return fig
 
 
