@@ -17,14 +17,17 @@ Who switches faults on, by name:
   the replacement parts of :class:`pagedkv_engine.parts.EngineParts`;
 * notebook 08 and the harness tests, for kernels written to other engines'
   conventions (family ``peer kernel``, :data:`PEER_KERNEL_FAULTS`): faulty copies of
-  :mod:`pagedkv_lab.peer_kernels`' kernels.
+  :mod:`pagedkv_lab.peer_kernels`' kernels;
+* the thread stress test, its rate script and notebook 02, for bookkeeping shared between
+  threads (family ``concurrency``): a manager or allocator whose lock is a no-op.
 
 Nothing is patched globally, so a fault never leaks into the next cell or test.
 
 Modules: :mod:`~pagedkv_lab.faults.harness` (the harness's parts and wrappers),
 :mod:`~pagedkv_lab.faults.quantized` (quantized pools), :mod:`~pagedkv_lab.faults.engine`
-(engine parts), :mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports
-triton and :mod:`pagedkv_kernels`, so nothing here imports it).
+(engine parts), :mod:`~pagedkv_lab.faults.concurrency` (locks that exclude nobody),
+:mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports triton and
+:mod:`pagedkv_kernels`, so nothing here imports it).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from pagedkv_lab.faults.concurrency import NoLock, UnlockedManager
 from pagedkv_lab.faults.harness import (
     AbsolutePositionWindow,
     NoCopyOnWriteManager,
@@ -68,13 +72,16 @@ __all__ = [
     "chunk_local_mask",
     "rotary_at_cache_position",
     "tree_mask_ignored",
+    # locks that exclude nobody
+    "NoLock",
+    "UnlockedManager",
     # quantized pools
     "nvfp4_quantize_unrounded_scale",
     "unrounded_block_scale",
     "shared_kv_scale",
 ]
 
-FAMILIES = ("harness", "quantized", "engine", "peer kernel")
+FAMILIES = ("harness", "quantized", "engine", "peer kernel", "concurrency")
 
 
 def load(path: str):
@@ -115,6 +122,7 @@ _H = "pagedkv_lab.faults.harness:"
 _Q = "pagedkv_lab.faults.quantized:"
 _E = "pagedkv_lab.faults.engine:"
 _K = "pagedkv_lab.faults.peer_kernels:"
+_C = "pagedkv_lab.faults.concurrency:"
 _PEER = "pagedkv_lab.peer_kernels:"
 _MANAGER = {"manager": "pagedkv_lib.manager:KVCacheManager"}
 _SCENARIOS = "pagedkv_lab.verify.scenarios"
@@ -235,6 +243,14 @@ REGISTRY: tuple[Fault, ...] = (
         "attention reads the first rejected draft's stale K/V at that token's position (with speculative > 0)",
         parts={"manager": f"{_E}RollbackKeepsDrafts"},
         replaces=_MANAGER,
+    ),
+    Fault(
+        "no_lock",
+        "concurrency",
+        "the block manager's lock is a no-op: its operations' check-then-act steps (room, lookup, take, "
+        "refcount) interleave between threads, and blocks are lost, handed out twice or freed while in use",
+        parts={"manager": f"{_C}UnlockedManager", "lock": f"{_C}NoLock"},
+        replaces={**_MANAGER, "lock": "threading:RLock"},
     ),
     _peer(
         "no_minus_one_guard",
