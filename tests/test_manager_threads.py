@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagedkv_lab import faults
+from pagedkv_lab.race import two_threads_allocating
 from pagedkv_lab.stress import stress
 from pagedkv_lib import GlobalKVCacheManager, KVCacheManager, OutOfBlocksError
 
@@ -133,3 +134,14 @@ def test_global_manager_keeps_every_token_of_threads_writing_one_sequence():
     want = sorted(100.0 * t + i for t in range(threads) for i in range(per))
     assert g.seq_len("s") == threads * per and sorted(k.flatten().tolist()) == want
     g.manager.check_integrity()
+
+
+def test_two_threads_allocating_lose_a_block_without_the_lock_and_not_with_it():
+    unlocked = two_threads_allocating(NO_LOCK.part("lock")())
+    reads = [text for _, text in unlocked.events if text.startswith("reads")]
+    assert reads == ["reads len(free) = 3"] * 2, "both threads read the free list before either took a block"
+    assert unlocked.got == {"t0": [0, 2], "t1": "IndexError"} and unlocked.lost == [1]
+    assert unlocked.integrity is not None
+    locked = two_threads_allocating(NO_LOCK.correct("lock")())
+    assert ("t1", "waits for the lock") in locked.events
+    assert locked.got == {"t0": [0, 1], "t1": "OutOfBlocksError"} and not locked.lost and locked.integrity is None
