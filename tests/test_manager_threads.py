@@ -4,9 +4,9 @@ of :mod:`pagedkv_lab.stress` holds every book with the lock and is caught withou
 changes is busy, a deep copy gets a lock of its own, and the exercise set's
 ``GlobalKVCacheManager`` keeps every token when threads write one sequence at once.
 
-Cost: about 3 s on 2 busy cores (two locked stress runs of 8 threads x 2000 operations,
-0.6 to 1.3 s each; twenty unlocked runs, which fail within 0.1 s each; the rest is
-milliseconds)."""
+Cost: about 7 s on 2 busy cores (two locked stress runs of 8 threads x 2000 operations,
+1.4 s each; twenty unlocked runs, 3.8 s together, most failing within 0.1 s; the race
+timeline and the rest are milliseconds)."""
 
 from __future__ import annotations
 
