@@ -45,7 +45,7 @@ bytes may be half overwritten, and a later hit must never restore them. Nothing 
 no secondary entry names bytes that were never copied, no sequence is half admitted;
 with other threads at work, their changes meanwhile stay.
 
-(About 600 lines: one class whose operations share the invariants that
+(About 680 lines: one class whose operations share the invariants that
 :meth:`~KVCacheManager.check_integrity` holds them to.)
 """
 
