@@ -37,7 +37,7 @@ from pagedkv_engine.model import LlamaModel, StepInput
 from pagedkv_engine.parts import EngineParts
 from pagedkv_engine.scheduler import Chunk, SamplingParams, Schedule, Scheduler, Sequence, Status, pages_needed
 from pagedkv_engine.speculative import num_accepted, stats_line
-from pagedkv_lib import PagedKVPool, runtime
+from pagedkv_lib import PagedKVPool, checks, runtime
 from pagedkv_lib.block_copy import copy_blocks
 from pagedkv_lib.formats import pad_block_tables
 from pagedkv_lib.indexing import check_page_size
@@ -151,9 +151,8 @@ class Engine:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_num_seqs", max_num_seqs),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Engine: {name}={value!r} must be a positive int")
-        if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
+            checks.check_positive_int(name, value, "Engine")
+        if not checks.is_int(speculative) or speculative < 0:
             raise ValueError(f"Engine: speculative={speculative!r} must be an int >= 0 (drafts per step)")
         if max_num_seqs > max_num_batched_tokens:
             raise ValueError(
@@ -171,8 +170,7 @@ class Engine:
         self.model = LlamaModel(hf_model, attention, device)
         self.device = self.model.device
         self.page_size = page_size
-        if isinstance(offload_blocks, bool) or not isinstance(offload_blocks, int) or offload_blocks < 0:
-            raise ValueError(f"Engine: offload_blocks={offload_blocks!r} must be an int >= 0")
+        checks.check_int("offload_blocks", offload_blocks, owner="Engine")
         self.pools = [
             PagedKVPool(num_pages, page_size, self.model.num_kv_heads, head_dim, self.model.dtype, device=device)
             for _ in range(self.model.num_layers)

@@ -8,7 +8,8 @@ which pages its block table names (:class:`pagedkv_engine.engine.StepRecord`).
   implementation does; HF's ``DynamicCache`` works this way). Nothing is reserved
   ahead, but every step copies the whole history into a new tensor;
 * ``contiguous``: one buffer of ``max_batch x max_len`` token rows allocated up front,
-  a row of ``max_len`` per sequence slot (a static cache). ``max_batch`` and
+  a row of ``max_len`` per sequence slot (a static cache: the suite's
+  :class:`pagedkv_lib.PreallocKVCache`, whose slot rule it uses). ``max_batch`` and
   ``max_len`` are the smallest that serve this run (most concurrent sequences,
   longest prompt + ``max_new_tokens``): a real server must choose them in advance;
 * ``paged``: the engine's own pool; a sequence holds the pages its table names, the
@@ -26,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from pagedkv_lib.contiguous_cache import PreallocKVCache
 
 __all__ = ["MemorySeries", "CatCache", "ContiguousCache", "compare_caches", "paged_waste_bound"]
 
@@ -86,33 +89,30 @@ class CatCache:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-class ContiguousCache:
-    """One buffer ``[max_batch, num_layers, 2, max_len, num_kv_heads, head_dim]``; each
-    sequence takes a free batch slot for its lifetime."""
+class ContiguousCache(PreallocKVCache):
+    """:class:`pagedkv_lib.PreallocKVCache` (``k, v [num_layers, max_batch, max_len,
+    num_kv_heads, head_dim]``, on ``meta`` by default) placed by length, as a replay knows
+    its sequences: each takes the lowest free batch slot for its lifetime."""
 
     def __init__(
         self, max_batch, max_len, num_layers, num_kv_heads, head_dim, dtype=torch.float32, device="meta"
     ) -> None:
-        shape = (max_batch, num_layers, 2, max_len, num_kv_heads, head_dim)
-        self.buffer = torch.empty(shape, dtype=dtype, device=device)
+        super().__init__(num_layers, max_batch, max_len, num_kv_heads, head_dim, dtype, device)
         self.max_len = max_len
-        self.slot_of: dict[str, int] = {}
 
     def place(self, seq_id: str, length: int) -> None:
         if length > self.max_len:
             raise ValueError(f"{seq_id} holds {length} tokens, more than max_len={self.max_len}")
         if seq_id not in self.slot_of:
-            free = sorted(set(range(self.buffer.shape[0])) - set(self.slot_of.values()))
-            if not free:
-                raise ValueError(f"no batch slot left for {seq_id} (max_batch={self.buffer.shape[0]})")
-            self.slot_of[seq_id] = free[0]
+            self.add_sequence(seq_id)
 
     def free(self, seq_id: str) -> None:
-        self.slot_of.pop(seq_id, None)
+        if seq_id in self.slot_of:
+            self.free_sequence(seq_id)
 
     @property
     def reserved_bytes(self) -> int:
-        return self.buffer.nbytes
+        return self.nbytes
 
 
 def _paged_used_rows(tables: dict[str, list[int]], lens: dict[str, int], page_size: int) -> int:

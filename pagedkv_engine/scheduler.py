@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pagedkv_engine.speculative import propose_ngram
-from pagedkv_lib import KVCacheManager, OutOfBlocksError
+from pagedkv_lib import KVCacheManager, OutOfBlocksError, checks
 
 __all__ = ["SamplingParams", "Status", "Sequence", "Chunk", "Scheduler", "pages_needed"]
 
@@ -61,9 +61,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"SamplingParams.{name}={value!r} must be a positive int")
+            checks.check_positive_int(f"SamplingParams.{name}", getattr(self, name))
         if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
             raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a number >= 0")
 

@@ -164,17 +164,21 @@ class Loaded(NamedTuple):
 
 def ensure_cache() -> tuple[Path, bool]:
     """Return ``(cache directory, converted now)``, converting the GGUF file if needed.
-    Processes that ask at once convert it once: the others wait on a lock file beside the
-    cache, then read what the first wrote (two notebooks or test workers starting together
-    would otherwise both spend the 15-40 s)."""
+    Processes that ask at once convert it once: the others wait on a lock held on the
+    cache directory itself, then read what the first wrote (two notebooks or test workers
+    starting together would otherwise both spend the 15-40 s). Locking the directory
+    leaves no lock file behind in the cache."""
     gguf = gguf_path()
     out = cache_dir(gguf)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+    lock = os.open(out.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes, or the process dies
         converted = not all((out / f).is_file() for f in _FILES)
         if converted:
             convert(gguf, out)
+    finally:
+        os.close(lock)
     _remove_stale(gguf, out)
     return out, converted
 

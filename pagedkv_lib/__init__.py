@@ -1,7 +1,9 @@
-"""pagedkv_lib: the ground floor of the suite: block bookkeeping (allocator, manager,
-prefix cache, windows), pools and table formats, float64 and bit-exact references, the
-argument rules references and kernels share (:mod:`pagedkv_lib.checks`), and the backend
-choice (:mod:`pagedkv_lib.runtime`).
+"""pagedkv_lib: the ground floor of the suite: the caches before paging (a ``torch.cat``
+cache, a preallocated pool, a packed batch, an attention layer that carries its cache:
+:mod:`pagedkv_lib.contiguous_cache`), block bookkeeping (allocator, manager, prefix cache,
+windows), pools and table formats, float64 and bit-exact references, the argument rules
+references and kernels share (:mod:`pagedkv_lib.checks`), and the backend choice
+(:mod:`pagedkv_lib.runtime`).
 
 Pure Python + PyTorch; it imports nothing of the floors above it (the kernels
 ``pagedkv_kernels``, the engine ``pagedkv_engine``, the lab ``pagedkv_lab``) and never
@@ -11,6 +13,13 @@ backend (``tests/test_layout.py``).
 
 from pagedkv_lib import runtime
 from pagedkv_lib.allocator import BlockAllocator, OutOfBlocksError
+from pagedkv_lib.contiguous_cache import (
+    MHAWithCache,
+    PreallocKVCache,
+    SimpleKVCache,
+    VariableLengthKVCache,
+    broadcast_kv_for_gqa,
+)
 from pagedkv_lib.formats import (
     PAD,
     block_table_to_csr,
@@ -29,6 +38,11 @@ from pagedkv_lib.window import LinearWindow, RingWindow
 
 __all__ = [
     "runtime",
+    "SimpleKVCache",
+    "PreallocKVCache",
+    "VariableLengthKVCache",
+    "MHAWithCache",
+    "broadcast_kv_for_gqa",
     "BlockAllocator",
     "OutOfBlocksError",
     "KVCacheManager",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from pagedkv_lib.checks.scalars import check_positive_int, is_int
 from pagedkv_lib.locking import deepcopy_locked, locked, new_lock
 
 __all__ = ["OutOfBlocksError", "BlockAllocator"]
@@ -36,8 +37,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, lock=None) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
+        check_positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self._lock = new_lock() if lock is None else lock
         self._free: deque[int] = deque(range(num_blocks))
@@ -51,7 +51,7 @@ class BlockAllocator:
         return len(self._free)
 
     def _check(self, block: int) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        if not is_int(block) or not 0 <= block < self.num_blocks:
             raise ValueError(f"block={block!r} is not a block id (0..{self.num_blocks - 1})")
 
     @locked

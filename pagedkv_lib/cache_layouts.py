@@ -16,9 +16,12 @@ conformance harness builds each case's pool directly in the layout a kernel decl
   num_kv_heads, head_dim // x, block_size, x]`` with ``x = 16 // element_size`` (16
   bytes of a key row stay together) and ``value_cache [num_blocks, num_kv_heads,
   head_dim, block_size]``. ``layout`` does not apply (a single layout).
-* ``"flat"`` (a flat slot cache, as nano-vllm's store kernel addresses it): ``k_cache,
-  v_cache [num_slots, num_kv_heads * head_dim]``, row ``slot = page * page_size + row``.
-  ``layout`` does not apply.
+* ``"flat"`` (a flat slot cache, as nano-vllm's store kernel addresses it, and LightLLM's
+  and SGLang's token pools): ``k_cache, v_cache [num_slots, num_kv_heads * head_dim]``,
+  row ``slot = page * page_size + row``. ``layout`` does not apply. The pair is a
+  :class:`FlatCache`, which carries ``page_size``: a reader given block tables needs it
+  to turn ``(page, row)`` into a slot (105 slots are 21 pages of 5 or 35 of 3), as a
+  slot-table kernel (LightLLM's ``req_to_token_indexs``) does.
 
 :func:`to_native` and :func:`to_paged` are exact copies (bit for bit, NaN payloads
 included), so a comparison in the suite's layout is a comparison of what the kernel
@@ -33,20 +36,42 @@ from typing import NamedTuple
 
 import torch
 
+from pagedkv_lib.checks.scalars import check_int
 from pagedkv_lib.pool import CacheDims, cache_dims, cache_strides, check_layout
 
 __all__ = [
     "CACHE_LAYOUTS",
+    "FlatCache",
     "check_cache_layout",
     "native_shapes",
     "to_native",
     "to_paged",
     "native_tensors",
+    "native_from",
     "KVCacheView",
     "kv_cache_view",
 ]
 
 CACHE_LAYOUTS = ("paged", "kv_tuple", "vllm_x", "flat")
+
+
+class FlatCache(tuple):
+    """A ``"flat"`` cache: the pair ``(k_cache, v_cache)``, each ``[num_slots, num_kv_heads *
+    head_dim]``, that also says its ``page_size`` (slot ``page * page_size + row``). It
+    unpacks as the pair (``k_cache, v_cache = cache``) and indexes as one."""
+
+    page_size: int
+
+    def __new__(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int):
+        check_int("page_size", page_size, 1)
+        if k_cache.shape[0] % page_size:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} slots, not a whole number of pages of {page_size}")
+        pair = super().__new__(cls, (k_cache, v_cache))
+        pair.page_size = page_size
+        return pair
+
+    def __reduce__(self):  # pickled (a child process's result) as what it is
+        return FlatCache, (self[0], self[1], self.page_size)
 
 
 def check_cache_layout(cache_layout: str) -> str:
@@ -102,7 +127,7 @@ def to_native(cache: torch.Tensor, cache_layout: str, layout: str = "NHD"):
         key = k.permute(0, 2, 3, 1).reshape(dims.num_pages, dims.num_kv_heads, dims.head_dim // x, x, dims.page_size)
         return key.transpose(3, 4).contiguous(), v.permute(0, 2, 3, 1).contiguous()
     rows = dims.num_pages * dims.page_size
-    return k.reshape(rows, -1).contiguous(), v.reshape(rows, -1).contiguous()
+    return FlatCache(k.reshape(rows, -1).contiguous(), v.reshape(rows, -1).contiguous(), dims.page_size)
 
 
 def to_paged(native, cache_layout: str, layout: str, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
@@ -130,6 +155,16 @@ def native_tensors(native) -> dict[str, torch.Tensor]:
     if isinstance(native, torch.Tensor):
         return {"cache": native}
     return {"k_cache": native[0], "v_cache": native[1]}
+
+
+def native_from(native, tensors: dict[str, torch.Tensor]):
+    """A native cache object of ``native``'s kind (a tensor, a pair, a :class:`FlatCache`
+    with its page size) holding ``tensors`` (by the names of :func:`native_tensors`)."""
+    if isinstance(native, torch.Tensor):
+        return tensors["cache"]
+    if isinstance(native, FlatCache):
+        return FlatCache(tensors["k_cache"], tensors["v_cache"], native.page_size)
+    return tensors["k_cache"], tensors["v_cache"]
 
 
 class KVCacheView(NamedTuple):

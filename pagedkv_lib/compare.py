@@ -18,11 +18,13 @@ from pagedkv_lib.pool import cache_dims
 __all__ = [
     # the tolerance table
     "TOLERANCES",
+    "LSE_TOLERANCES",
     "FP32_ATOL",
     "DTYPES",
     # comparison by the pass rule
     "Comparison",
     "compare",
+    "compare_lse",
     # bit-exact comparison
     "bits",
     "first_difference",
@@ -35,6 +37,11 @@ __all__ = [
 # dtype (the final rounding alone costs that much on outputs of magnitude > 1); atol
 # covers accumulation in fp32.
 TOLERANCES = {torch.float32: (1e-5, 1e-6), torch.float16: (1e-2, 2**-11), torch.bfloat16: (1e-2, 2**-8)}
+# (atol, rtol) of a log-sum-exp (fp32, any input dtype) against the float64 reference:
+# the scores are fp32 dot products of the inputs as given, so only accumulation order
+# differs (measured on the suite's kernels over the verify grid: below 1e-6). A wrong
+# base is off by a factor ln 2, a missing scale or split term by far more.
+LSE_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-4, 1e-5), torch.bfloat16: (1e-4, 1e-5)}
 # The absolute-only rule of the harness's scenarios (fp32 outputs against the float64
 # oracle, rtol 0): the fp32 entry's atol.
 FP32_ATOL = TOLERANCES[torch.float32][0]
@@ -45,7 +52,10 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class Comparison(NamedTuple):
     """Result of :func:`compare`: pass/fail by the rule, the largest absolute and
     relative errors, the largest ``|err| / (atol + rtol |ref|)`` (>= 1 fails) and where
-    it occurs (index tuple), and a reason when the output could not be compared."""
+    it occurs (``worst``, an index tuple), a reason when the output could not be
+    compared, and ``first``: the first element (in row-major order) that breaks the
+    rule, None when none does. For non-finite outputs ``worst`` and ``first`` are both
+    the first offending element."""
 
     passed: bool
     max_abs: float
@@ -53,6 +63,7 @@ class Comparison(NamedTuple):
     tol_ratio: float
     worst: tuple[int, ...] | None
     detail: str
+    first: tuple[int, ...] | None = None
 
 
 def compare(out, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> Comparison:
@@ -74,11 +85,11 @@ def compare(out, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> Comp
     if hidden.any():
         where = tuple(int(i) for i in torch.nonzero(hidden)[0])
         detail = f"{int(hidden.sum())} finite outputs where the reference is NaN (a NaN input was hidden)"
-        return Comparison(False, math.inf, math.inf, math.inf, where, detail)
+        return Comparison(False, math.inf, math.inf, math.inf, where, detail, where)
     bad = ~torch.isfinite(out) & ~want_nan
     if bad.any():
         where = tuple(int(i) for i in torch.nonzero(bad)[0])
-        return Comparison(False, math.inf, math.inf, math.inf, where, f"{int(bad.sum())} non-finite outputs")
+        return Comparison(False, math.inf, math.inf, math.inf, where, f"{int(bad.sum())} non-finite outputs", where)
     out, expected = out.masked_fill(want_nan, 0.0), expected.masked_fill(want_nan, 0.0)
     err = (out - expected).abs()
     ratio = err / (atol + rtol * expected.abs())
@@ -86,7 +97,34 @@ def compare(out, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> Comp
     worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), ratio.shape))
     max_rel = float((err / expected.abs().clamp(min=1e-6)).max())
     tol_ratio = float(ratio.max())
-    return Comparison(tol_ratio <= 1.0, float(err.max()), max_rel, tol_ratio, worst, "")
+    beyond = torch.nonzero(ratio > 1.0)
+    first = tuple(int(i) for i in beyond[0]) if beyond.numel() else None
+    return Comparison(tol_ratio <= 1.0, float(err.max()), max_rel, tol_ratio, worst, "", first)
+
+
+def compare_lse(lse, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> Comparison:
+    """Compare a log-sum-exp ``lse`` with the float64 ``expected`` (in the same base) by
+    the pass rule. ``-inf`` (a row without keys) must come back ``-inf`` and NaN (a NaN
+    input) NaN; a non-finite value where the reference is finite fails too."""
+    if not isinstance(lse, torch.Tensor):
+        return Comparison(False, math.inf, math.inf, math.inf, None, f"returned {type(lse).__name__}, not a tensor")
+    got = lse.detach().cpu().double()
+    if got.shape != expected.shape:
+        return Comparison(
+            False, math.inf, math.inf, math.inf, None, f"shape {tuple(got.shape)} != {tuple(expected.shape)}"
+        )
+    special = ~torch.isfinite(expected)
+    lost = special & ~((got == expected) | (got.isnan() & expected.isnan()))
+    if lost.any():
+        where = tuple(int(i) for i in torch.nonzero(lost)[0])
+        detail = (f"{int(lost.sum())} rows not kept NaN or -inf (a NaN input, or no key): "
+                  f"{float(got[where])} where the reference is {float(expected[where])}")  # fmt: skip
+        return Comparison(False, math.inf, math.inf, math.inf, where, detail, where)
+    bad = ~special & ~torch.isfinite(got)
+    if bad.any():
+        where = tuple(int(i) for i in torch.nonzero(bad)[0])
+        return Comparison(False, math.inf, math.inf, math.inf, where, f"{int(bad.sum())} non-finite outputs", where)
+    return compare(got.masked_fill(special, 0.0), expected.masked_fill(special, 0.0), atol, rtol)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

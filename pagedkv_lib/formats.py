@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv_lib.checks.scalars import is_int
 from pagedkv_lib.indexing import check_page_size, locate, slot_of
 from pagedkv_lib.window import RingWindow
 
@@ -340,7 +341,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int | None = None)
         b = int(torch.nonzero((counts < 0) | (counts > lens))[0])
         raise ValueError(f"request {b} appends {int(counts[b])} tokens but seq_lens[{b}]={int(lens[b])}")
     total = int(counts.sum())
-    if nnz is not None and (isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < total):
+    if nnz is not None and (not is_int(nnz) or nnz < total):
         raise ValueError(f"nnz={nnz!r} must be an int >= the {total} appended tokens")
     batch = torch.repeat_interleave(torch.arange(lens.numel()), counts)
     within = torch.arange(total) - torch.repeat_interleave(indptr[:-1], counts)

@@ -30,6 +30,7 @@ import threading
 import torch
 
 from pagedkv_lib.allocator import OutOfBlocksError
+from pagedkv_lib.checks.scalars import check_int
 from pagedkv_lib.manager import KVCacheManager
 from pagedkv_lib.pool import PagedKVPool
 
@@ -53,8 +54,7 @@ class GlobalKVCacheManager:
         block_size`` tokens, length 0), freeing its old blocks first if it is live; return
         its block table. OutOfBlocksError, with nothing changed, if they do not fit;
         ValueError unless ``num_blocks`` is an int >= 0."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 0")
+        check_int("num_blocks", num_blocks)
         with self._lock:
             old = self.manager.block_table(seq_id) if seq_id in self._lengths else []
             room = self.manager.num_free + len(old)

@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedkv_lib.checks.scalars import check_int, check_positive_int
 from pagedkv_lib.formats import check_has_values, slot_mapping
 from pagedkv_lib.indexing import split_slot
 from pagedkv_lib.quant import fp8_decode, fp8_encode, fp8_token_scales
@@ -91,8 +92,7 @@ class IndexerKPool:
         sizes = {"num_blocks": num_blocks, "block_size": block_size, "head_dim": head_dim, "num_layers": num_layers}
         for name, value in {**sizes, "pad": pad}.items():
             low = 0 if name == "pad" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} must be an int >= {low}")
+            check_int(name, value, low)
         self.block_size, self.head_dim, self.num_layers = block_size, head_dim, num_layers
         self.per_token_size = head_dim + SCALE_BYTES
         self.block_bytes = block_size * self.per_token_size
@@ -286,10 +286,8 @@ def indexer_topk(q, weights, k_cache, block_table, seq_len: int, head_dim: int, 
         raise ValueError(f"q must be [index_heads, {head_dim}], got {_describe(q)}")
     if not (isinstance(weights, torch.Tensor) and weights.shape == (q.shape[0],)):
         raise ValueError(f"weights must be [{q.shape[0]}] (one per indexer head), got {_describe(weights)}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k={top_k!r} must be a positive int")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len={seq_len!r} must be an int >= 0")
+    check_positive_int("top_k", top_k)
+    check_int("seq_len", seq_len)
     block_size = k_cache.shape[1]
     table = torch.as_tensor(block_table).view(1, -1)
     pos = torch.arange(seq_len)

@@ -11,6 +11,8 @@ from typing import TypeVar
 
 import torch
 
+from pagedkv_lib.checks.scalars import check_positive_int
+
 __all__ = [
     "check_page_size",
     "is_power_of_two",
@@ -32,8 +34,7 @@ def is_power_of_two(n: int) -> bool:
 def check_page_size(page_size: int, owner: str = "") -> None:
     """Raise ValueError unless ``page_size`` is a positive int (tokens per page); the
     message starts with ``owner`` (``"PagedKVPool: page_size=0 ..."``) when given."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"{owner + ': ' if owner else ''}page_size={page_size!r} must be a positive int")
+    check_positive_int("page_size", page_size, owner)
 
 
 def locate(position: Index, page_size: int) -> tuple[Index, Index]:

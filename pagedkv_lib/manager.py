@@ -55,6 +55,7 @@ import threading
 from typing import ClassVar, NamedTuple
 
 from pagedkv_lib.allocator import BlockAllocator, OutOfBlocksError
+from pagedkv_lib.checks.scalars import check_int, is_int
 from pagedkv_lib.flight import Flight
 from pagedkv_lib.indexing import check_page_size, locate, slot_of
 from pagedkv_lib.locking import deepcopy_locked, locked
@@ -121,8 +122,7 @@ class KVCacheManager:
             raise ValueError("prefix_cache cannot be combined with a ring window: the ring overwrites full blocks")
         if copy_fn is not None and not callable(copy_fn):
             raise ValueError(f"copy_fn={copy_fn!r} is not callable")
-        if isinstance(secondary_blocks, bool) or not isinstance(secondary_blocks, int) or secondary_blocks < 0:
-            raise ValueError(f"secondary_blocks={secondary_blocks!r} must be an int >= 0")
+        check_int("secondary_blocks", secondary_blocks)
         if secondary_blocks and not (prefix_cache and copy_fn is not None):
             raise ValueError("secondary_blocks > 0 needs prefix_cache=True and a copy_fn to move the blocks")
         self._lock = type(self).lock_type()
@@ -289,8 +289,7 @@ class KVCacheManager:
         secondary pool each is offloaded first, as an eviction by an append would
         (SGLang's ``RadixCache.evict``; vLLM's ``reset_prefix_cache`` drops them all).
         ValueError unless ``num_blocks`` is an int >= 0; a ``copy_fn`` that raises undoes it."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 0")
+        check_int("num_blocks", num_blocks)
         k = min(num_blocks, self.prefix_cache.num_evictable) if self.prefix_cache else 0
         if not self._copies_needed(False, self.allocator.num_free + k):
             for _ in range(k):
@@ -325,8 +324,7 @@ class KVCacheManager:
         docstring says what is forgotten).
         """
         seq = self._get(seq_id)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n={n!r} must be an int >= 0")
+        check_int("n", n)
         if token_ids is not None:
             token_ids = as_token_ids(token_ids, "token_ids")
             if len(token_ids) != n:
@@ -427,7 +425,7 @@ class KVCacheManager:
         seq = self._get(seq_id)
         if num_tokens is None:
             num_tokens = seq.num_tokens
-        elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        elif not is_int(num_tokens):
             raise ValueError(f"num_tokens={num_tokens!r} is not an int")
         elif not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"num_tokens={num_tokens} must be in [0, {seq.num_tokens}] (the tokens of {seq_id!r})")
@@ -589,8 +587,7 @@ class KVCacheManager:
         ring window (the drafts overwrote ring slots whose earlier K/V is gone).
         """
         seq = self._get(seq_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
+        check_int("num_tokens", num_tokens)
         if self.window is not None and num_tokens:
             raise ValueError("rollback() is impossible with a ring window: the dropped tokens overwrote ring slots")
         uncommitted = seq.num_tokens - seq.num_committed

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv_lib.checks.scalars import check_int, check_positive_int
+
 __all__ = [
     "KVDtype",
     "ModelSpec",
@@ -118,13 +120,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelSpec {self.name!r}: {field}={value!r} must be a positive int")
+            check_positive_int(field, getattr(self, field), f"ModelSpec {self.name!r}")
         for field in ("kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"ModelSpec {self.name!r}: {field}={value!r} must be an int >= 0")
+            check_int(field, getattr(self, field), owner=f"ModelSpec {self.name!r}")
         if self.qk_rope_head_dim and not self.kv_lora_rank:
             raise ValueError(f"ModelSpec {self.name!r}: qk_rope_head_dim needs kv_lora_rank > 0 (MLA)")
         if not self.is_mla and self.num_q_heads % self.num_kv_heads:
@@ -188,12 +186,6 @@ def get_preset(name: str) -> ModelSpec:
         raise ValueError(f"preset={name!r} is unknown; known presets: {sorted(PRESETS)}") from None
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return value
-
-
 def kv_heads_per_rank(spec: ModelSpec, tensor_parallel: int = 1) -> int:
     """KV heads one tensor-parallel rank stores.
 
@@ -201,7 +193,7 @@ def kv_heads_per_rank(spec: ModelSpec, tensor_parallel: int = 1) -> int:
     heads than ranks each head is replicated so every rank holds one, which needs
     ``tensor_parallel % num_kv_heads == 0``. MLA's latent is replicated on every rank.
     """
-    tp = _positive_int("tensor_parallel", tensor_parallel)
+    tp = check_positive_int("tensor_parallel", tensor_parallel)
     if spec.is_mla:
         return 1
     heads = spec.num_kv_heads
@@ -227,8 +219,7 @@ def kv_bytes_per_token(spec: ModelSpec, dtype: object = torch.float16, tensor_pa
 def _lengths(seq_lens: Iterable[int] | torch.Tensor) -> list[int]:
     values = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
     for i, n in enumerate(values):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"seq_lens[{i}]={n!r} must be an int >= 0")
+        check_int(f"seq_lens[{i}]", n)
     return values
 
 
@@ -238,7 +229,7 @@ def padded_tokens(seq_lens: Iterable[int] | torch.Tensor, page_size: int | None 
     lengths = _lengths(seq_lens)
     if page_size is None:
         return sum(lengths)
-    page = _positive_int("page_size", page_size)
+    page = check_positive_int("page_size", page_size)
     return sum(-(-n // page) * page for n in lengths)
 
 
@@ -266,12 +257,11 @@ def max_tokens(
 ) -> int:
     """The inverse question: how many tokens fit in ``budget_bytes`` on one rank
     (whole pages only when ``page_size`` is given)."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-        raise ValueError(f"budget_bytes={budget_bytes!r} must be an int >= 0")
+    check_int("budget_bytes", budget_bytes)
     per_token = kv_bytes_per_token(spec, dtype, tensor_parallel)
     if page_size is None:
         return budget_bytes // per_token
-    page = _positive_int("page_size", page_size)
+    page = check_positive_int("page_size", page_size)
     return budget_bytes // (per_token * page) * page
 
 

@@ -60,11 +60,13 @@ import torch
 
 from pagedkv_lib.checks import (
     MLACacheDims,
+    check_int,
     check_mla_append_args,
     check_mla_csr_append_args,
     check_mla_decode_args,
     check_mla_latent_csr_args,
     check_mla_rope_args,
+    check_positive_int,
     mla_cache_dims,
     rope_position_source,
 )
@@ -143,8 +145,7 @@ class MLAPool:
             ("kv_lora_rank", kv_lora_rank),
             ("qk_rope_head_dim", qk_rope_head_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MLAPool: {name}={value!r} must be a positive int")
+            check_positive_int(name, value, "MLAPool")
         self.ckv_cache = torch.zeros((num_pages, page_size, kv_lora_rank), dtype=dtype, device=device)
         self.kpe_cache = torch.zeros((num_pages, page_size, qk_rope_head_dim), dtype=dtype, device=device)
 
@@ -270,8 +271,7 @@ def gather_mla_latent(ckv_cache, kpe_cache, block_table_row, num_tokens: int):
     page the tokens need must be a page of the pool (ValueError otherwise)."""
     dims = mla_cache_dims(ckv_cache, kpe_cache)
     row = index_tensor("block_table_row", block_table_row, 1)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
+    check_int("num_tokens", num_tokens)
     block, offset = locate(torch.arange(num_tokens), dims.page_size)
     if num_tokens and int(block[-1]) >= row.numel():
         raise ValueError(f"num_tokens={num_tokens} needs {int(block[-1]) + 1} pages; block_table_row has {row.numel()}")
@@ -476,8 +476,7 @@ def decode_flops(shape: MLAShape, seq_len: int, form: str) -> int:
     """
     if form not in FLOP_FORMS:
         raise ValueError(f"form={form!r} must be one of {FLOP_FORMS}")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len={seq_len!r} must be an int >= 0")
+    check_int("seq_len", seq_len)
     h, r, dn, dr, dv = shape
     qk, n = dn + dr, seq_len
     if form == "naive":

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedkv_lib.checks.scalars import check_int
 from pagedkv_lib.locking import deepcopy_locked, locked, new_lock
 
 __all__ = ["COPY_KINDS", "OffloadStats", "SecondaryPool"]
@@ -62,8 +63,7 @@ class SecondaryPool:
 
     def __init__(self, num_blocks: int, block_bytes: int = 0, lock=None) -> None:
         for name, value, low in (("num_blocks", num_blocks, 1), ("block_bytes", block_bytes, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"SecondaryPool: {name}={value!r} must be an int >= {low}")
+            check_int(name, value, low, "SecondaryPool")
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self._lock = new_lock() if lock is None else lock

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedkv_lib.checks.scalars import check_positive_int
 from pagedkv_lib.indexing import check_page_size, element_offset
 
 __all__ = ["LAYOUTS", "CacheDims", "check_layout", "cache_dims", "cache_strides", "PagedKVPool"]
@@ -103,8 +104,7 @@ class PagedKVPool:
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"PagedKVPool: {name}={value!r} must be a positive int")
+            check_positive_int(name, value, "PagedKVPool")
         self.layout = check_layout(layout)
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads

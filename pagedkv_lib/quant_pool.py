@@ -32,8 +32,10 @@ from pagedkv_lib.checks import (
     check_global_scale,
     check_kv_format,
     check_nvfp4_head_dim,
+    check_positive_int,
     check_quant_pool,
     global_scale_shape,
+    is_number,
     quant_widths,
     scale_pool_shape,
 )
@@ -84,8 +86,7 @@ class QuantizedKVPool:
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"QuantizedKVPool: {name}={value!r} must be a positive int")
+            check_positive_int(name, value, "QuantizedKVPool")
         encode = k_scale_encode is not None or v_scale_encode is not None
         if encode and scale_mode is None and kv_dtype == "nvfp4":
             scale_mode = "block_encode"
@@ -219,7 +220,7 @@ class QuantizedKVPool:
 
     def _head_scales(self, name: str, value) -> list[float]:
         """``value`` as ``num_kv_heads`` checked fp32 scales (a number is used for every head)."""
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if is_number(value):
             return [check_global_scale(name, value)] * self.num_kv_heads
         values = list(value) if isinstance(value, (list, tuple)) else torch.as_tensor(value).flatten().tolist()
         if len(values) != self.num_kv_heads:

@@ -34,6 +34,7 @@ from pagedkv_lib.formats import PAD, index_tensor
 from pagedkv_lib.indexing import locate, split_slot
 from pagedkv_lib.merge_state import merge_lse_weighted
 from pagedkv_lib.pool import cache_dims
+from pagedkv_lib.score_mods import alibi_bias, check_score_mods, sink_share, soft_cap
 from pagedkv_lib.window import RingWindow, Window, window_mask
 
 __all__ = [
@@ -274,16 +275,22 @@ def base2_lse(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isposinf(lse) | masked.isnan().any(dim=-1), float("nan"))
 
 
-def _attend(q, k, v, mask, scale: float, dtype: torch.dtype):
-    """``(out, lse)``: softmax attention of ``q [nq, Hq, D]`` over ``k, v [nk, Hk, D]``
-    under ``mask [nq, nk]`` (query head ``h`` reads KV head ``h // (Hq // Hk)``) and its
-    base-2 log-sum-exp ``[nq, Hq]`` float64 (:func:`base2_lse`). Rows with nothing
-    visible return zeros (lse ``-inf``); NaN in a query or visible key comes back NaN."""
+def _attend(q, k, v, mask, scale: float, dtype: torch.dtype, qpos, mods: dict):
+    """``(out, lse)``: softmax attention of ``q [nq, Hq, D]`` at positions ``qpos [nq]``
+    over ``k, v [nk, Hk, D]`` (key ``j`` at position ``j``) under ``mask [nq, nk]`` (query
+    head ``h`` reads KV head ``h // (Hq // Hk)``), with the score modifiers ``mods``
+    (:mod:`pagedkv_lib.score_mods`), and its base-2 log-sum-exp ``[nq, Hq]`` float64
+    (:func:`base2_lse`). Rows with nothing visible return zeros (lse ``-inf``); NaN in
+    a query or visible key comes back NaN."""
     group = q.shape[1] // k.shape[1]
     k = k.cpu().to(dtype).repeat_interleave(group, dim=1)
     v = v.cpu().to(dtype).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.cpu().to(dtype), k) * scale
+    scores = soft_cap(torch.einsum("qhd,khd->hqk", q.cpu().to(dtype), k) * scale, mods["logits_soft_cap"])
+    distance = torch.arange(k.shape[0])[None, :] - qpos[:, None]  # key - query position [nq, nk]
+    scores = scores + alibi_bias(mods["alibi_slopes"], distance[None], 0, 3, dtype)
     probs = masked_softmax(scores, mask[None])
+    if mods["sinks"] is not None:
+        probs = probs * sink_share(scores, mask[None], mods["sinks"].cpu().view(-1, 1, 1))
     return torch.einsum("hqk,khd->qhd", probs, v), base2_lse(scores, mask[None]).transpose(0, 1)
 
 
@@ -300,6 +307,10 @@ def paged_prefill_attention(
     causal: bool = True,
     return_lse: bool = False,
     tree_mask=None,
+    *,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of several new query tokens per sequence over the paged KV.
 
@@ -323,11 +334,17 @@ def paged_prefill_attention(
     is visible to row ``r`` only where ``tree_mask[r, j]`` (lower-triangular with a
     true diagonal, :func:`pagedkv_lib.checks.check_tree_mask`); a linear window masks
     on top of it.
+
+    ``logits_soft_cap``, ``alibi_slopes``, ``sinks`` (``[num_q_heads]`` float32): the
+    score modifiers of :mod:`pagedkv_lib.score_mods` (a query at position ``p``, key at
+    ``j``: ALiBi adds ``slope * (j - p)``); the LSE is over the keys, without the sink.
     """
     dtype = _compute_dtype(precision)
     indptr, table, lens = check_prefill_args(
         q, cache, qo_indptr, block_tables, seq_lens, layout, window, scale, causal, tree_mask
     )
+    check_score_mods(q.shape[1], logits_soft_cap, alibi_slopes, sinks)
+    mods = {"logits_soft_cap": logits_soft_cap, "alibi_slopes": alibi_slopes, "sinks": sinks}
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.zeros(q.shape, dtype=dtype)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
@@ -340,7 +357,7 @@ def paged_prefill_attention(
         mask = window_mask(qpos, torch.arange(n), window, causal)
         if tree_mask is not None:  # a new token is seen by the rows the tree says
             mask[:, n - (hi - lo) :] &= tree_mask[lo:hi, : hi - lo].cpu()
-        out[lo:hi], lse[lo:hi] = _attend(q[lo:hi], k, v, mask, scale, dtype)
+        out[lo:hi], lse[lo:hi] = _attend(q[lo:hi], k, v, mask, scale, dtype, qpos, mods)
     out = out if precision == "fp64" else out.to(q.dtype)
     return (out, lse) if return_lse else out
 
@@ -355,6 +372,10 @@ def paged_decode_attention(
     window: Window | None = None,
     precision: str = "fp32",
     return_lse: bool = False,
+    *,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Decode attention: one query token per sequence, ``q [batch, num_q_heads, head_dim]``.
 
@@ -367,9 +388,11 @@ def paged_decode_attention(
     ``q.dtype`` (float64 with ``precision="fp64"``, the oracle setting); with
     ``return_lse=True`` ``(out, lse)``, ``lse [batch, num_q_heads]`` float64 the base-2
     log-sum-exp of the scaled scores (:func:`base2_lse`, ``-inf`` for length 0).
+    ``logits_soft_cap``, ``alibi_slopes``, ``sinks``: as :func:`paged_prefill_attention`.
     """
     dtype = _compute_dtype(precision)
     table, lens = check_decode_args(q, cache, block_tables, seq_lens, layout, window, scale, linear=True)
+    check_score_mods(q.shape[1], logits_soft_cap, alibi_slopes, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     batch, max_len = lens.numel(), int(lens.max()) if lens.numel() else 0
     dims = cache_dims(cache, layout)
@@ -393,8 +416,11 @@ def paged_decode_attention(
     v = v.masked_fill(~mask[:, :, None, None], 0.0)
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bhd,bthd->bht", q.cpu().to(dtype), k) * scale
+    scores = soft_cap(torch.einsum("bhd,bthd->bht", q.cpu().to(dtype), k) * scale, logits_soft_cap)
+    scores = scores + alibi_bias(alibi_slopes, (pos[None, :] - (lens[:, None] - 1))[:, None, :], 1, 3, dtype)
     probs = masked_softmax(scores, mask[:, None, :])
+    if sinks is not None:
+        probs = probs * sink_share(scores, mask[:, None, :], sinks.cpu().view(1, -1, 1))
     out = torch.einsum("bht,bthd->bhd", probs, v)
     out = out if precision == "fp64" else out.to(q.dtype)
     return (out, base2_lse(scores, mask[:, None, :])) if return_lse else out

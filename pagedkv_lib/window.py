@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import torch
 
+from pagedkv_lib.checks.scalars import check_int, check_positive_int, is_int
+
 __all__ = ["RingWindow", "LinearWindow", "Window", "window_mask"]
 
 Index = TypeVar("Index", int, torch.Tensor)
@@ -46,12 +48,9 @@ class RingWindow:
 
     def __post_init__(self) -> None:
         for field in ("max_attention_window", "tokens_per_block"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"RingWindow: {field}={value!r} must be a positive int")
+            check_positive_int(field, getattr(self, field), "RingWindow")
         sinks = self.sink_tokens
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"RingWindow: sink_tokens={sinks!r} must be an int >= 0")
+        check_int("sink_tokens", sinks, owner="RingWindow")
         if self.max_attention_window <= sinks:
             raise ValueError(
                 f"RingWindow: max_attention_window={self.max_attention_window} must exceed "
@@ -170,7 +169,7 @@ class LinearWindow:
 
     def __post_init__(self) -> None:
         w = self.window_left
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        if not is_int(w) or w < 0:
             raise ValueError(
                 f"LinearWindow: window_left={w!r} must be an int >= 0 (FlashInfer's window_left; "
                 "its -1, no window, is window=None)"
@@ -181,7 +180,7 @@ class LinearWindow:
         """vLLM's ``sliding_window = w`` (a query sees ``w`` keys, its own included) as
         ``LinearWindow(window_left=w - 1)``."""
         w = sliding_window
-        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        if not is_int(w) or w < 1:
             raise ValueError(f"sliding_window={w!r} must be an int >= 1 (vLLM's count of keys, the query's own too)")
         return cls(w - 1)
 

@@ -216,7 +216,7 @@ def _widget_snapshot(model_id: str, state: dict) -> str:
     return f'<div class="pk-widget"><p class="pk-note">{note}</p>{"".join(parts)}</div>'
 
 
-_LINK = re.compile(r"\]\((\d\d_\w+)\.ipynb\)")
+_LINK = re.compile(r"\]\((\d\d[a-z]?_\w+)\.ipynb\)")
 
 
 def offline_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -251,7 +251,7 @@ def export_html(nb: nbformat.NotebookNode) -> str:
 
 
 def _selected(names: list[str]) -> list[Path]:
-    sources = sorted(SOURCES.glob("[0-9][0-9]_*.py"))
+    sources = sorted(SOURCES.glob("[0-9][0-9]*_*.py"))
     if names:
         sources = [s for s in sources if any(n in s.stem for n in names)]
         if not sources:

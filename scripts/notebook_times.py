@@ -1,7 +1,7 @@
 """Notebook run times: measured once, written into every place that states them.
 
-``notebooks/run_times.toml`` is the one source. Each notebook's entry holds the measured
-wall time of a cold run (a fresh kernel, every cell in order: what JupyterLab's "Restart
+``notebooks/run_times.toml`` is the one source. Each notebook's entry holds the fastest and
+slowest measured wall times of cold runs (a fresh kernel, every cell in order: what JupyterLab's "Restart
 Kernel and Run All Cells" does), the minutes to read it, and for notebook 12 the extra
 time of a first run that converts the model's weights. The header line ``**Time:** ...``
 of every notebook source and the table in ``notebooks/README.md`` are rendered from it,
@@ -11,7 +11,7 @@ and ``tests/test_notebooks.py`` fails if either disagrees.
     python scripts/notebook_times.py apply                # rewrite headers and README from it
     python scripts/notebook_times.py check                # exit 1 where they disagree
 
-``measure`` rebuilds each notebook from its source, times one cold run and stores the
+``measure`` rebuilds each notebook from its source, times two cold runs (``--runs``), stores the
 executed notebook (as ``build_notebooks.py refresh`` does); run it on a quiet machine (nothing else running)
 and say which machine in ``machine``. ``apply`` edits the header's markdown cell in the
 source and in the stored ``.ipynb`` alike (a markdown change needs no re-execution).
@@ -47,17 +47,24 @@ def rounded_seconds(seconds: float) -> int:
     return int(step * round(seconds / step))
 
 
+def run_range(entry: dict) -> str:
+    """The measured range of a notebook's cold runs, as a reader is told it: ``"10-15 s"``
+    (``run_s`` is ``[fastest, slowest]``; one figure when they round alike)."""
+    low, high = (rounded_seconds(s) for s in entry["run_s"])
+    return f"{low} s" if low == high else f"{low}-{high} s"
+
+
 def header_line(entry: dict) -> str:
     """The ``**Time:**`` line of a notebook's first cell, from its toml entry."""
     how = "Restart and Run All, 2 CPU cores"
     if "first_run_extra_s" in entry:
         how += f"; +{rounded_seconds(entry['first_run_extra_s'])} s once, converting weights"
-    return f"# **Time:** about {rounded_seconds(entry['run_s'])} s to run ({how}), {entry['read_min']} minutes to read."
+    return f"# **Time:** {run_range(entry)} to run ({how}), {entry['read_min']} minutes to read."
 
 
 def readme_cell(entry: dict) -> str:
     """The last column of a notebook's row in ``notebooks/README.md``."""
-    run = f"{rounded_seconds(entry['run_s'])} s"
+    run = run_range(entry)
     if "first_run_extra_s" in entry:
         run += f" (+{rounded_seconds(entry['first_run_extra_s'])} s the first time)"
     return f"{run} / {entry['read_min']} min"
@@ -73,30 +80,40 @@ def load() -> dict:
 def _write_toml(data: dict) -> None:
     lines = [
         "# Written by `python scripts/notebook_times.py measure`; rendered into each notebook's",
-        "# **Time:** line and notebooks/README.md by `apply`. run_s: one cold run (fresh kernel,",
-        "# all cells), seconds; read_min: minutes to read; first_run_extra_s: weight conversion.",
+        "# **Time:** line and notebooks/README.md by `apply`. run_s: the fastest and slowest",
+        "# of the cold runs (fresh kernel, all cells), seconds; read_min: minutes to read;",
+        "# first_run_extra_s: weight conversion.",
         f'machine = "{data["machine"]}"',
         f'measured = "{data["measured"]}"',
         "",
         "[notebooks]",
     ]
     for stem, entry in sorted(data["notebooks"].items()):
-        fields = ", ".join(f"{k} = {round(v, 1) if isinstance(v, float) else v}" for k, v in entry.items())
+        fields = ", ".join(f"{k} = {_toml_value(v)}" for k, v in entry.items())
         lines.append(f'"{stem}" = {{ {fields} }}')
     TIMES.write_text("\n".join(lines) + "\n")
 
 
-def measure(names: list[str], machine: str | None) -> None:
-    """Time a cold run of each named notebook (all by default) and update the toml."""
+def _toml_value(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return str(round(v, 1) if isinstance(v, float) else v)
+
+
+def measure(names: list[str], machine: str | None, runs: int = 2) -> None:
+    """Time ``runs`` cold runs of each named notebook (all by default), store the first
+    run's outputs and update the toml with the fastest and slowest (``run_s``)."""
     data = load()
     for src in bn._selected(names):
         nb = bn.build(src)  # what "Restart Kernel and Run All Cells" runs, stored as refresh does
         entry = data["notebooks"].setdefault(src.stem, {"read_min": _stated_read_minutes(src)})
-        entry["run_s"] = bn.execute(nb, bn.NOTEBOOKS, src.stem)
+        times = [bn.execute(nb, bn.NOTEBOOKS, src.stem)]
         bn.write(nb, bn.NOTEBOOKS / f"{src.stem}.ipynb", src)
+        times += [bn.execute(bn.build(src), bn.NOTEBOOKS, src.stem) for _ in range(runs - 1)]
+        entry["run_s"] = [min(times), max(times)]
         if "first_run_extra_s" in entry:
-            entry["first_run_extra_s"] = _first_run_extra(src.stem, entry["run_s"])
-        print(f"{src.stem}: {entry['run_s']:.1f} s")
+            entry["first_run_extra_s"] = _first_run_extra(src.stem, min(times))
+        print(f"{src.stem}: {run_range(entry)} ({', '.join(f'{t:.1f}' for t in times)} s)")
     data["measured"] = time.strftime("%Y-%m-%d")
     if machine:
         data["machine"] = machine
@@ -174,11 +191,12 @@ def main() -> None:
     p_measure = sub.add_parser("measure", help="time cold runs and update the toml")
     p_measure.add_argument("names", nargs="*", help="substrings of notebook names (default: all)")
     p_measure.add_argument("--machine", help="what the machine is, for the toml")
+    p_measure.add_argument("--runs", type=int, default=2, help="cold runs per notebook (default 2)")
     sub.add_parser("apply", help="rewrite headers and README from the toml")
     sub.add_parser("check", help="exit 1 where headers or README disagree with the toml")
     args = parser.parse_args()
     if args.command == "measure":
-        measure(args.names, args.machine)
+        measure(args.names, args.machine, args.runs)
     elif args.command == "apply":
         apply()
     else:

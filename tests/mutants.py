@@ -86,7 +86,7 @@ DECODE_MUTANTS = [
     Mutant(
         "gqa_off_by_one",
         "query head h is served by the KV head of query head h - 1",
-        {"decode": ((_HEADS, _HEADS_SHIFTED),)},
+        {"device.attention_core": ((_HEADS, _HEADS_SHIFTED),)},
         "paged_decode_attention",
     ),
 ]  # fmt: skip
@@ -129,19 +129,21 @@ APPEND_MUTANTS = [
 
 # Write kernels that take the RoPE angle from the cache position instead of
 # rope_positions (TensorRT-LLM's speculative-decoding, M-RoPE and Helix sources ignored).
+# The MHA and quantized writes start from device.addressing.kv_write_start, the MLA write
+# reads its positions itself.
 _ROPE_FROM = "rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, "
 _ROPE_AT_CACHE = "rotary_positions(tokens, num_tokens, valid, positions_ptr, "
 ROTARY_MUTANTS = [
     Mutant(
-        f"{module}_rope_at_cache_position",
+        f"{family}_rope_at_cache_position",
         "RoPE at the cache position: the rotary positions given apart from it are ignored",
         {module: ((_ROPE_FROM, _ROPE_AT_CACHE),)},
         entry,
     )
-    for module, entry in (
-        ("write", "append_paged_kv_csr"),
-        ("quant_write", "append_paged_kv_quant_csr_pool"),
-        ("mla_write", "append_paged_mla_kv_csr"),
+    for family, module, entry in (
+        ("write", "device.addressing", "append_paged_kv_csr"),
+        ("quant_write", "device.addressing", "append_paged_kv_quant_csr_pool"),
+        ("mla_write", "mla_write", "append_paged_mla_kv_csr"),
     )
 ]
 

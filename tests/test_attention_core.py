@@ -56,8 +56,8 @@ def _read_source(family: str) -> str:
 def test_read_kernel_calls_the_shared_core(family):
     source = _read_source(family)
     calls = CORE_CALLS + (() if family.startswith("prefill") else SPLIT_KV_CALLS)
-    if "decode_split_range(" in source:  # the MHA and quantized decodes' one-call prologue
-        calls = tuple(c for c in calls if c not in ("sequence_span(", "split_tiles(")) + ("decode_split_range(",)
+    if "decode_split_start(" in source:  # the MHA and quantized decodes' one-call prologue
+        calls = tuple(c for c in calls if c not in ("sequence_span(", "split_tiles(")) + ("decode_split_start(",)
     missing = [call for call in calls if call not in source]
     assert not missing, f"the {family} kernel does not call {missing} of pagedkv_kernels.device.attention_core"
 

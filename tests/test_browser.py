@@ -48,7 +48,7 @@ NOTEBOOKS = Path(os.environ.get("PAGEDKV_BROWSER_NOTEBOOKS") or ROOT / "notebook
 SHOTS = Path(os.environ.get("PAGEDKV_BROWSER_SHOTS") or ROOT / "build" / "browser")
 EXECUTED = Path(os.environ.get("PAGEDKV_EXECUTED_DIR") or ROOT / "build" / "executed")
 CONFIG = tomllib.loads((Path(__file__).with_name("browser_notebooks.toml")).read_text())
-NAMES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+NAMES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))
 MODE = os.environ.get("PAGEDKV_BROWSER", "auto").strip().lower()
 CHROMIUM = os.environ.get("PAGEDKV_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 # The flags a root CI machine without a network needs (see .ci/run); --headless comes from Playwright.

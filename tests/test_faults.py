@@ -19,7 +19,7 @@ from pagedkv_lab import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The test that catches each fault of the engine, peer-kernel and concurrency families (the harness
+# The test that catches each fault of the engine, peer-kernel, caches and concurrency families (the harness
 # families are held to their checks by tests/test_verify.py::test_every_fault_has_a_check).
 CAUGHT_IN = {
     ("engine", "decode_rope_off_by_one"): (
@@ -44,6 +44,23 @@ CAUGHT_IN = {
     ("peer kernel", "whole_page_loads"): (
         "test_vllm_verify.py",
         "test_a_kernel_that_reads_the_unwritten_tail_of_a_last_page_is_told_so",
+    ),
+    ("caches", "slot_by_count"): (
+        "test_caches_before_paging.py",
+        "test_planted_slot_by_count_gives_a_live_sequences_slot_to_a_newcomer",
+    ),
+    ("caches", "shared_length"): (
+        "test_caches_before_paging.py",
+        "test_planted_shared_length_writes_layer_one_a_row_too_far",
+    ),
+    ("caches", "one_row_append"): ("test_caches_before_paging.py", "test_planted_one_row_append_cannot_take_a_chunk"),
+    ("caches", "read_before_write"): (
+        "test_caches_before_paging.py",
+        "test_planted_read_before_write_leaves_a_token_blind_to_itself",
+    ),
+    ("caches", "gqa_repeat_copy"): (
+        "test_caches_before_paging.py",
+        "test_planted_gqa_repeat_copy_copies_group_times_the_bytes",
     ),
 }
 STEP_PATH = (
@@ -122,8 +139,8 @@ def test_a_faulty_kernel_copy_differs_from_the_correct_kernel_only_in_its_marked
     assert len(changed) <= 8, f"{name}: a diff of {len(changed)} lines is more than the wrong line(s)"
 
 
-def test_every_engine_peer_kernel_and_concurrency_fault_has_a_test_that_catches_it():
-    families = ("engine", "peer kernel", "concurrency")
+def test_every_engine_peer_kernel_cache_and_concurrency_fault_has_a_test_that_catches_it():
+    families = ("engine", "peer kernel", "caches", "concurrency")
     assert set(CAUGHT_IN) == {(f.family, f.name) for f in faults.REGISTRY if f.family in families}
     for (family, name), (path, test) in CAUGHT_IN.items():
         assert f"def {test}(" in (ROOT / "tests" / path).read_text(), f"{family} fault {name}: {path}::{test} is gone"
@@ -136,3 +153,16 @@ def test_the_harness_names_are_exactly_its_families_and_unknown_names_are_refuse
         faults.check_faults({"decode_rope_off_by_one"})  # an engine fault: not the harness's
     with pytest.raises(ValueError, match="families"):
         faults.faults_of("kernel")
+
+
+@pytest.mark.parametrize("name", ["past_len_zero", "int32_offset"])
+def test_a_harness_copy_differs_from_the_function_it_replaces_in_its_one_marked_line(name):
+    """The faulty copies notebook 08 shows as one wrong line: the same source (the name
+    aside) but for one line, which carries ``# the wrong line``."""
+    fault = faults.faults_of("harness")[name]
+    (role,) = fault.replaces
+    good = inspect.getsource(fault.correct(role)).splitlines()
+    bad = inspect.getsource(fault.part(role)).replace(fault.part(role).__name__, fault.correct(role).__name__, 1)
+    changed = [(g, b) for g, b in zip(good, bad.splitlines(), strict=True) if g != b]
+    assert len(changed) == 1 and "# the wrong line" in changed[0][1], changed
+    assert changed[0][1].partition("#")[0].strip() != changed[0][0].strip(), f"{name}: only a comment differs"

@@ -21,7 +21,7 @@ import pagedkv_lab
 from pagedkv_lab.exercises.files import default_dir
 from pagedkv_lab.exercises.result import where_in_learner_code
 from pagedkv_lab.grading import sandbox
-from pagedkv_lab.grading.remote import LearnerException, _restore, remote_exception
+from pagedkv_lab.grading.remote import LearnerException, _reseat, _restore, remote_exception
 from pagedkv_lab.grading.wire import HEAD, Opaque, WireError, pack, unpack
 from pagedkv_lib.allocator import BlockAllocator
 
@@ -123,17 +123,30 @@ def test_an_answer_is_written_back_into_the_checkers_own_objects():
     theirs_buffer = torch.arange(12.0)  # the learner's kernel also wrote a guard byte (index 11)
     theirs = [theirs_buffer[2:10], [0, 1, 3], BlockAllocator(4)]
     theirs[2].allocate_many(3)
-    done: set = set()
+    done: dict = {}
     for mine, answer in zip([pool, table, allocator], theirs):
         _restore(mine, answer, done)
     assert torch.equal(buffer, theirs_buffer) and table == [0, 1, 3] and allocator.num_free == 1
 
 
+def test_a_returned_view_of_an_argument_comes_back_as_a_view_of_the_checkers_argument():
+    # GQA's read (exercise 10) returns a broadcast of its argument: judged by storage pointer
+    pool = torch.arange(24.0).view(4, 2, 3)
+    kv = pool[1:3]  # an offset into the pool's storage
+    theirs = torch.arange(24.0).view(4, 2, 3)[1:3]  # the argument as it came back, its own storage
+    done: dict = {}
+    _restore(kv, theirs, done)
+    view, copy = _reseat((theirs.unsqueeze(2).expand(2, 2, 4, 3), theirs.clone()), done)
+    at = pool.untyped_storage().data_ptr()
+    assert view.untyped_storage().data_ptr() == at and view.stride(2) == 0 and torch.equal(view[:, 1, 3], kv[:, 1])
+    assert copy.untyped_storage().data_ptr() != at  # a copy stays a copy
+
+
 def test_an_answer_of_another_kind_is_refused():
     with pytest.raises(WireError, match="came back as"):
-        _restore([1, 2], (1, 2), set())
+        _restore([1, 2], (1, 2), {})
     with pytest.raises(WireError, match="another dtype, shape or stride"):
-        _restore(torch.zeros(4), torch.zeros(2, 2), set())
+        _restore(torch.zeros(4), torch.zeros(2, 2), {})
 
 
 def test_a_learners_exception_keeps_its_name_kind_message_and_place():
@@ -156,7 +169,8 @@ def test_the_sandboxs_root_holds_the_suite_but_not_the_checkout_or_the_course():
     checkout = str(ROOT)
     inside = [b for b in binds if b == checkout or b.startswith(checkout + os.sep)]
     packages = {str(Path(p).resolve()) for p in sandbox._package_dirs()}
-    assert set(inside) <= packages, inside  # the packages, never the checkout (exercises/, .git)
+    environment = {os.path.realpath(sys.prefix)}  # a venv made inside the checkout (make setup's .venv)
+    assert set(inside) <= packages | environment, inside  # never the checkout itself (exercises/, .git)
     assert not any(str(default_dir()).startswith(b.rstrip("/") + "/") for b in binds), binds
     hidden = sandbox._hidden()
     assert str(Path(pagedkv_lab.__file__).parent / "exercises" / "mistakes.py") in hidden

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from build_notebooks import SOURCES, source_cells  # noqa: E402
 
-NAMES = sorted(p.stem for p in SOURCES.glob("[0-9][0-9]_*.py"))
+NAMES = sorted(p.stem for p in SOURCES.glob("[0-9][0-9]*_*.py"))
 GUARD = """try:  # the set-up, one call; a Python without the suite says how to install it instead
     from pagedkv_lab.notebook import setup
 except ImportError as err:

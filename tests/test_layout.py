@@ -17,7 +17,8 @@ only point to its own floor or below:
 
 Also: every kernel module named in the package docstring, no private name imported
 across modules, no kernel module over 600 lines, no Python function over 80 lines
-outside Triton kernels.
+outside Triton kernels, and the int rule (an int that is not a bool) written once, in
+:mod:`pagedkv_lib.checks.scalars`.
 """
 
 import ast
@@ -32,6 +33,11 @@ SOURCES = {"pagedkv_lib": ROOT / "pagedkv_lib", "pagedkv_kernels": KERNELS, "pag
            "pagedkv_lab": ROOT / "pagedkv_lab"}  # fmt: skip
 MAX_KERNEL_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
+PRODUCTION = [*SOURCES.values(), ROOT / "benchmarks", ROOT / "scripts"]
+# The one home of ``isinstance(x, bool) or not isinstance(x, int)``, and a module another
+# change is restructuring: its number check becomes ``checks.is_number`` when that lands.
+INT_RULE_HOME = ROOT / "pagedkv_lib" / "checks" / "scalars.py"
+INT_RULE_NOT_YET: set = set()
 
 # (prefix, floor): the longest prefix that names a module gives its floor. Inside the
 # kernels the rooms are fractional floors, so that the same rule (look down only) orders them.
@@ -173,7 +179,40 @@ def test_no_kernel_module_is_over_600_lines():
     assert over == {}, f"split these kernel modules by family: {over}"
 
 
-@pytest.mark.parametrize("folder", [*SOURCES.values(), ROOT / "benchmarks", ROOT / "scripts"], ids=lambda p: p.name)
+def _type_names(node: ast.expr) -> set[str]:
+    """The names in ``isinstance``'s second argument: ``int``, ``(int, float)``, ``int | float``."""
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.Tuple):
+        return set().union(*(_type_names(e) for e in node.elts))
+    if isinstance(node, ast.BinOp):
+        return _type_names(node.left) | _type_names(node.right)
+    return set()
+
+
+def _int_rules_written_out(path: Path, root: Path = ROOT) -> list[str]:
+    """``isinstance(x, bool)`` beside ``isinstance(x, int)`` (or ``(int, float)``) of the
+    same ``x`` in one boolean expression, in either order and polarity: the rule of
+    :func:`pagedkv_lib.checks.is_int` (``is_number``) written out again."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.BoolOp):
+            continue
+        calls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and ast.unparse(c.func) == "isinstance"]
+        calls = [(ast.unparse(c.args[0]), _type_names(c.args[1]), c.lineno) for c in calls if len(c.args) == 2]
+        ints = {x for x, types, _ in calls if "int" in types}
+        found |= {line for x, types, line in calls if types == {"bool"} and x in ints}
+    return [f"{path.relative_to(root)}:{line}" for line in sorted(found)]
+
+
+def test_the_int_rule_is_written_once():
+    paths = sorted(p for folder in PRODUCTION for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+    paths = [p for p in paths if p != INT_RULE_HOME and p not in INT_RULE_NOT_YET]
+    found = [hit for path in paths for hit in _int_rules_written_out(path)]
+    assert found == [], f"call pagedkv_lib.checks.is_int / is_number (or check_int, check_positive_int): {found}"
+
+
+@pytest.mark.parametrize("folder", PRODUCTION, ids=lambda p: p.name)
 def test_no_python_function_outside_triton_kernels_is_over_80_lines(folder):
     paths = sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
     found = [hit for path in paths for hit in _long_functions(path, MAX_FUNCTION_LINES)]
@@ -205,3 +244,14 @@ def test_the_checks_can_fail(tmp_path):
         "pagedkv_kernels.device.rope:7 imports pagedkv_kernels.decode (kernels, above kernels)",
     ]
     assert upward_imports(up, "pagedkv_kernels.tools.verify") == []
+    rules = tmp_path / "rules.py"
+    rules.write_text(
+        "a = isinstance(n, bool) or not isinstance(n, int) or n < 0\n"
+        "b = not isinstance(n, int) or isinstance(n, bool)\n"
+        "c = all(isinstance(v, int) and not isinstance(v, bool) for v in vs)\n"
+        "d = (\n    isinstance(s, bool)\n    or not isinstance(s, (int, float))\n)\n"
+        "e = isinstance(t, int | float) and not isinstance(t, bool)\n"
+        "f = isinstance(n, bool) or isinstance(m, int)\n"  # two names: not the rule
+        "g = not isinstance(flag, bool)\n"
+    )
+    assert _int_rules_written_out(rules, tmp_path) == [f"rules.py:{n}" for n in (1, 2, 3, 5, 8)]

@@ -537,6 +537,32 @@ def test_without_namespaces_the_grade_still_comes_from_the_checker(monkeypatch):
     assert "your notebook defines no function bytes_per_token" in " ".join(result.message.split()), result.message
 
 
+# --------------------------------------------------------------------------- tensors and views on the wire
+
+
+def test_the_cache_exercises_grade_in_the_learner_process_as_in_the_notebook():
+    # 09's functions write into the checker's pool through the wire; 10's returns a view of
+    # its argument, which must come back as a view (the checker compares storage pointers),
+    # and its planted copy as a copy. One learner process for all four runs (about 1 s warm).
+    from pagedkv_lab.exercises.files import load_solution
+
+    slips = {"prealloc_cache": "writes a decode token one row past", "gqa_broadcast": "copies the KV heads"}
+    with LearnerProcess(TIMEOUT_S) as process:
+        for i, (name, slip) in enumerate(slips.items()):
+            spec = get(name)
+            mistake = next(m for m in MISTAKES if m.exercise == name and m.what.startswith(slip))
+            solution = (default_dir() / "solutions" / f"{spec.stem}.py").read_text()
+            for j, planted in enumerate((None, mistake)):
+                code = solution if planted is None else solution.replace(mistake.old, mistake.new)
+                (run,) = process.run_cells([(f"cell_{i}{j}", code)])
+                remote = spec.checker(*(process.function(f) for f in spec.functions))
+                space = load_solution(spec, replace=None if planted is None else (mistake.old, mistake.new))
+                here = spec.checker(*(space[f] for f in spec.functions))
+                assert run.error is None and remote.passed == here.passed == (planted is None), remote.message
+                flat = " ".join(remote.message.split())
+                assert planted is None or (planted.message in flat and flat == " ".join(here.message.split())), flat
+
+
 # --------------------------------------------------------------------------- the course files
 
 
@@ -548,7 +574,7 @@ def test_course_generator_refuses_bad_points_and_unknown_exercises_before_writin
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("number", ["01", "02", "03", "04", "05"])
+@pytest.mark.parametrize("number", ["01", "09", "10", "02", "03", "04", "05"])
 def test_every_generated_assignment_passes_its_own_autograder_cell(tmp_path, number):
     # The source notebook's cells run in order as one module, solution markers and all
     # (they are comments); its autograder cell asserts the check passed. display() is

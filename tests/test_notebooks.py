@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from build_notebooks import KERNELSPEC, SOURCES, source_cells  # noqa: E402
 
-NAMES = sorted(p.stem for p in SOURCES.glob("[0-9][0-9]_*.py"))
+NAMES = sorted(p.stem for p in SOURCES.glob("[0-9][0-9]*_*.py"))
 # Notebooks being rewritten whose asserts still lack messages. Strict xfail: once a rewrite
 # gives every assert a message, the test passes unexpectedly and fails until the name goes.
 ASSERT_MESSAGES_PENDING: set[str] = set()
@@ -36,7 +36,7 @@ def _needs_triton(name: str) -> bool:
 
 
 def test_every_notebook_has_a_source_and_back():
-    built = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    built = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     assert built == NAMES
 
 

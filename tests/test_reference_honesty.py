@@ -143,3 +143,29 @@ def test_the_harness_fails_a_kernel_that_zeroes_nan_rows_and_passes_the_suites(f
     report = verify.run(**{f"{family}_fn": hiding}, checks=(family,), isolate=False)
     failed = [r for r in _nan_results(report) if r.passed is False]
     assert failed and "a NaN input was hidden" in failed[0].detail, report
+
+
+def test_score_modifiers_in_the_references_match_the_formula_row_by_row():
+    """Soft cap, ALiBi and sinks (:mod:`pagedkv_lib.score_mods`) in the decode and prefill
+    references against the formula written out for one row at a time: ``s = c tanh(s /
+    c) + slope (j - p)``, ``p_j = e^{s_j} / (e^{sink} + sum_k e^{s_k})``; the LSE over the
+    keys alone. A zero-length row stays 0 with a sink. Milliseconds."""
+    from pagedkv_lib.score_mods import alibi_slopes_for
+
+    cache, (table, lens) = paged_pool(), (torch.tensor([[3, 0, 5], [1, 2, 4]]), torch.tensor([9, 0]))
+    q = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    mods = dict(logits_soft_cap=1.5, alibi_slopes=alibi_slopes_for(4), sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    out, lse = reference.paged_decode_attention(q, cache, table, lens, precision="fp64", return_lse=True, **mods)
+    k, v = reference.gather_paged_kv(cache, table[0], 9)
+    for h in range(4):
+        s = (k[:, h // 2] @ q[0, h]) / math.sqrt(8)
+        s = 1.5 * torch.tanh(s / 1.5) + float(mods["alibi_slopes"][h]) * (torch.arange(9) - 8)
+        weights = torch.exp(s) / (torch.exp(s).sum() + math.exp(float(mods["sinks"][h])))
+        torch.testing.assert_close(out[0, h], weights @ v[:, h // 2], rtol=1e-12, atol=1e-12)
+        assert abs(float(lse[0, h]) - float(torch.logsumexp(s, 0)) / math.log(2)) < 1e-12
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isinf(lse[1]).all()
+    prefill = reference.paged_prefill_attention(q[:1], cache, torch.tensor([0, 1, 1]), table, lens, precision="fp64",
+                                                **mods)  # fmt: skip
+    torch.testing.assert_close(prefill[0], out[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"sinks must be a float32 tensor \[num_q_heads\] = \[4\]"):
+        reference.paged_decode_attention(q, cache, table, lens, sinks=torch.zeros(3))

@@ -1,11 +1,13 @@
 """The conformance harness: it passes on correct code, and every fault breaks a check."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 import pagedkv_kernels as kernels
+from pagedkv_kernels.tools import verify as suite_tool
 from pagedkv_lab import faults, verify
 from pagedkv_lib import reference
 
@@ -35,12 +37,28 @@ def test_every_fault_has_a_check():
     assert set(CAUGHT_BY) | set(QUANT_CAUGHT_BY) == set(faults.FAULTS)
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_harness_passes_on_correct_code(impl):
+@pytest.fixture(scope="module")
+def suite_report():
+    """The harness on the suite's kernels, every family (merge, quantized, MLA, prefix hits,
+    LSEs), with the contracts their command line declares: run once for the tests below
+    (~15 s on 2 cores), in-process."""
+    defaults, contracts = suite_tool.suite_defaults()
+    return verify.run(**defaults, contracts=contracts, hypothesis_examples=3)
+
+
+def test_harness_passes_on_the_reference():
+    impl = "reference"
     report = verify.run(*IMPLEMENTATIONS[impl], rotary_append_fn=ROTARY_APPEND[impl], hypothesis_examples=3)
     assert report.passed, str(report)
     checks = {r.check for r in report.results if r.passed}
     assert {"append", "decode", "prefill", "append[hypothesis]", "decode[hypothesis]", *CAUGHT_BY.values()} <= checks
+
+
+def test_harness_passes_on_the_suites_kernels_every_family(suite_report):
+    assert suite_report.passed, str(suite_report)
+    checks = {r.check for r in suite_report.results if r.passed}
+    families = {"append", "decode", "prefill", "merge", "quant_decode", "mla_decode", "prefix_hit"}
+    assert families | {"append[hypothesis]", "decode[hypothesis]", *CAUGHT_BY.values()} <= checks
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -105,21 +123,31 @@ def test_report_table_counts_and_plot():
 
 def test_cli_exits_nonzero_only_when_a_check_fails():
     cmd = [sys.executable, "-m", "pagedkv_lab.verify", "--reference", "--hypothesis", "0"]
+    cmd += ["--checks", "chunked_prefill"]
     ok = subprocess.run(cmd, capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "0 failed" in ok.stdout, ok.stdout + ok.stderr
     bad = subprocess.run([*cmd, "--fault", "past_len_zero"], capture_output=True, text=True)
     assert bad.returncode == 1 and "FAIL" in bad.stdout
 
 
-def test_cli_on_the_suites_kernels_lives_on_the_kernels_side():
-    """``python -m pagedkv_kernels.tools.verify`` runs the suite's kernels; the library's own command
-    line asks for the kernels to check instead of importing them. In-process: isolation
-    has tests of its own (tests/test_verify_foreign.py), and costs ~0.25 s a case."""
+def test_cli_on_the_suites_kernels_lives_on_the_kernels_side(tmp_path):
+    """``python -m pagedkv_kernels.tools.verify`` runs the suite's kernels (here only the
+    merge and decode checks: the full grid runs in-process above); the library's own
+    command line asks for the kernels to check instead of importing them."""
+    report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "pagedkv_kernels.tools.verify", "--hypothesis", "0", "--no-isolate"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*cmd, "--checks", "merge,decode", "--json", str(report)], capture_output=True, text=True)
     assert out.returncode == 0 and "0 failed" in out.stdout, out.stdout + out.stderr
+    checks = {r["check"] for r in json.loads(report.read_text())["results"] if r["status"] == "pass"}
+    assert checks == {"merge", "decode"}, checks
     bare = subprocess.run([sys.executable, "-m", "pagedkv_lab.verify"], capture_output=True, text=True)
     assert bare.returncode == 2 and "python -m pagedkv_kernels.tools.verify" in bare.stderr
+
+
+def test_cli_refuses_an_unknown_check_by_name():
+    cmd = [sys.executable, "-m", "pagedkv_lab.verify", "--reference", "--checks", "decode,bogus"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 2 and "bogus" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("value", ["-5", "many"])

@@ -31,8 +31,11 @@ from pagedkv_lab import peer_kernels as peer_conventions
 from pagedkv_lab.faults import peer_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAT = dict(cache_layout="flat", strided_kv=False)
-TUPLE = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes="pow2", min_seq_len=1, windows=False)
+# The peer store needs contiguous caches, and the peer decode reads V with K's strides:
+# both declare K and V sharing strides (the harness gives V its own otherwise).
+FLAT = dict(cache_layout="flat", strided_kv=False, kv_strides="shared")
+TUPLE = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes="pow2", min_seq_len=1, windows=False,
+             kv_strides="shared")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the adapters

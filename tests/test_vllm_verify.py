@@ -28,8 +28,10 @@ from pagedkv_lab import peer_kernels as peer_conventions
 from pagedkv_lab.faults import peer_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-# An honest contract for a kernel whose tile is one page (tl.dot needs >= 16 rows).
-VLLM = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes=(16, 32, 64, 128, 256), min_seq_len=1, windows=False)
+# An honest contract for a kernel whose tile is one page (tl.dot needs >= 16 rows), which
+# reads V with K's strides (and whose store needs contiguous caches).
+VLLM = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes=(16, 32, 64, 128, 256), min_seq_len=1, windows=False,
+            kv_strides="shared")  # fmt: skip
 
 
 @verify.contract(**VLLM, strided_kv=False)
@@ -153,7 +155,7 @@ def test_prefill_receives_its_declared_layout_and_is_guarded():
     assert verify.run_case("prefill", case, prefill_fn=tuple_prefill, isolate=False).passed
     assert len(seen) == 1
 
-    @verify.contract(cache_layout="kv_tuple")
+    @verify.contract(cache_layout="kv_tuple", kv_strides="shared")  # its V contiguous: numel + 1 is past its end
     def prefill_writing_past_v(q, cache, qo_indptr, block_tables, seq_lens, layout="NHD", window=None):
         out = tuple_prefill(q, cache, qo_indptr, block_tables, seq_lens, layout=layout, window=window)
         v = cache[1]
@@ -266,7 +268,7 @@ def test_scenario_failures_name_request_step_pages_and_element_and_a_missing_sca
     by = {r.check: r for r in report.results}
     for name in ("chunked_prefill", "fork_cow", "reused_page"):
         detail = by[name].detail
-        assert by[name].passed is False and "first wrong element at" in detail, (name, detail)
+        assert by[name].passed is False and "first beyond tolerance: " in detail, (name, detail)
         assert "head " in detail and "feature " in detail and ("pages " in detail or "table " in detail)
     assert "decode after 4 chunk steps" in by["chunked_prefill"].detail
     assert "not a page-reuse bug" in by["reused_page"].detail and "stale block table" not in by["reused_page"].detail

@@ -31,7 +31,9 @@ Here, by role (``tests/test_layout.py`` keeps the floors):
   copies, parallel units, fingerprints), :mod:`~pagedkv_kernels.host.validate` (what a
   launch needs beyond :mod:`pagedkv_lib.checks`), :mod:`~pagedkv_kernels.host.tiles`
   (tile sizes per backend and GPU plan), :mod:`~pagedkv_kernels.host.read_plan` (what
-  every read plan fixes), :mod:`~pagedkv_kernels.host.quant_launch`;
+  every read plan fixes), :mod:`~pagedkv_kernels.host.write_plan` (what the MHA and the
+  quantized write plans fix, and their launch arguments),
+  :mod:`~pagedkv_kernels.host.quant_launch`;
 * **adapters** to other calling conventions (``adapters/``):
   :mod:`~pagedkv_kernels.adapters.prefix_prefill` (vLLM's ``context_attention_fwd``),
   :mod:`~pagedkv_kernels.adapters.quant_pool_entry` (entry points on a pool object);

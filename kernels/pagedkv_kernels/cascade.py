@@ -138,8 +138,7 @@ def _prefix_pass_args(q, cache, layout: str, shared_pages, shared_len: int) -> t
     """``(block_tables [1, pages], seq_lens [1], qo_indptr [2])`` of the prefix pass (one
     request of every query, on ``q``'s device), after checking ``shared_len`` and that
     ``shared_pages`` is a 1-D integer tensor with a page for every prefix token."""
-    if not isinstance(shared_len, int) or isinstance(shared_len, bool) or shared_len < 0:
-        raise ValueError(f"shared_len={shared_len!r} must be an int >= 0")
+    checks.check_int("shared_len", shared_len)
     pages = index_tensor("shared_pages", host_copy(shared_pages), 1)
     page_size = kv_cache_view(cache, layout).dims.page_size
     if pages.numel() * page_size < shared_len:

@@ -55,9 +55,8 @@ from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import Window
 
 from .device.attention_core import (
-    decode_split_range,
+    decode_split_start,
     load_kv_tile,
-    load_scaled_queries,
     online_softmax_step,
     softmax_state,
     store_partial,
@@ -102,8 +101,7 @@ def decode_split_kernel(
     stride_page, stride_kv, stride_n, stride_h, stride_d,
     stride_table,
     # strides: the partial output [batch, heads, split, dim] and its lse [batch, heads, split]
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
     # sizes
     qk_scale, group, head_dim, page_size, num_splits,
     # window (pagedkv_kernels.host.read_plan.window_args)
@@ -114,24 +112,11 @@ def decode_split_kernel(
 ):  # fmt: skip
     """Program ``(b, kv_head, split)``: the split's normalised partial output of every
     query head of the KV head's GQA group, and its base-2 log-sum-exp."""
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi = decode_split_range(
-        b, split, num_splits,
+    (b, kv_head, split, heads, g_mask, d_mask, q,
+     table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi, offs_n, offs_d) = decode_split_start(
+        q_ptr, stride_qb, stride_qh, stride_qd, qk_scale, group, head_dim,
         block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
-        page_size, sink_tokens, window_recent,
-        BLOCK_N, WINDOW, IS_CSR,
-    )  # fmt: skip
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < group  # group 5 runs in BLOCK_G = 8 lanes
-    d_mask = offs_d < head_dim  # head_dim 80 runs in BLOCK_D = 128 lanes
-    heads = kv_head * group + offs_g
-    q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, d_mask, stride_qb, stride_qh, stride_qd, qk_scale)
-
+        page_size, num_splits, sink_tokens, window_recent, BLOCK_G, BLOCK_N, BLOCK_D, WINDOW, IS_CSR)  # fmt: skip
     head_off = kv_head.to(tl.int64) * stride_h + offs_d.to(tl.int64) * stride_d
     m_i, l_i, acc = softmax_state(BLOCK_G, BLOCK_D)
     tile = tile_lo

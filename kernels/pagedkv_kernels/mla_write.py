@@ -46,7 +46,7 @@ from .device.rope import (
 )
 from .device.rounding import round_to
 from .host import validate
-from .host.launch import TokenIndex, fingerprint, memory_key
+from .host.launch import TokenIndex, csr_index, fingerprint, memory_key, slot_index
 from .host.tiles import mla_append_block_t, pow2
 
 __all__ = [
@@ -157,7 +157,7 @@ def mla_append_kernel(
 # --------------------------------------------------------------------------- launch checks
 
 
-def _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index_tensors: dict) -> None:
+def _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index: dict) -> None:
     for name, t in (("ckv", ckv), ("kpe", kpe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         validate.check_device(name, t)
     for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
@@ -167,10 +167,9 @@ def _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index_tensors: dict) ->
         for src_name, src in (("ckv", ckv), ("kpe", kpe)):
             validate.check_no_overlap(name, t, src_name, src)
     validate.check_caches_disjoint(ckv_cache, kpe_cache)
-    for name, (t, fits) in index_tensors.items():
-        validate.check_index_tensor(name, t, fits_int32=fits)
+    given = validate.check_write_index(index)
     for cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):  # apart from each other: above
-        validate.check_disjoint([cache], [(name, t) for name, (t, _) in index_tensors.items()])
+        validate.check_disjoint([cache], given)
 
 
 # --------------------------------------------------------------------------- append
@@ -202,7 +201,7 @@ class MLAAppendPlan:
         return (triton.cdiv(self.num_tokens, self.block_t),)
 
 
-def _append_plan(ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, **index) -> MLAAppendPlan:
+def _append_plan(ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, index: dict) -> MLAAppendPlan:
     dims = checks.mla_cache_dims(ckv_cache, kpe_cache)
     block_r, block_p = pow2(dims.kv_lora_rank), pow2(dims.qk_rope_head_dim)
     inv_freq = reference.rope_inv_freq(dims.qk_rope_head_dim, rope_theta).to(ckv_cache.device) if rope else None
@@ -238,14 +237,9 @@ def plan_append_mla(
     written). Arguments and errors as :func:`append_paged_mla_kv`."""
     slots = checks.check_mla_append_args(ckv, kpe, ckv_cache, kpe_cache, slot_mapping)
     checks.check_mla_rope_args(rope, positions, rope_theta, kpe, slots)
-    index = {"slot_mapping": (slot_mapping, False)}
-    if rope is not None:
-        index["positions"] = (positions, False)
+    index = slot_index(slot_mapping, positions if rope is not None else None)
     _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index)
-    return _append_plan(
-        ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, slot_mapping=slot_mapping,
-        positions=positions if rope is not None else None,
-    )  # fmt: skip
+    return _append_plan(ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, index)
 
 
 def plan_append_mla_csr(
@@ -269,19 +263,9 @@ def plan_append_mla_csr(
     )
     source, name = checks.rope_position_source(rope, positions, rope_positions)
     checks.check_mla_rope_args(rope, source, rope_theta, kpe, slots, name)
-    index = {
-        "batch_indices": (batch_indices, False),
-        "positions": (positions, False),
-        "kv_indices": (kv_indices, True),
-        "kv_indptr": (kv_indptr, True),
-    }
-    if rope_positions is not None:
-        index["rope_positions"] = (rope_positions, False)
+    index = csr_index(batch_indices, positions, kv_indices, kv_indptr, rope_positions)
     _check_append_launch(ckv, kpe, ckv_cache, kpe_cache, index)
-    return _append_plan(
-        ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, batch_indices=batch_indices, positions=positions,
-        kv_indptr=kv_indptr, kv_indices=kv_indices, rope_positions=rope_positions,
-    )  # fmt: skip
+    return _append_plan(ckv, kpe, ckv_cache, kpe_cache, rope, rope_theta, index)
 
 
 def run_append_mla(

@@ -45,8 +45,7 @@ from pagedkv_lib.window import RingWindow
 from .decode import SplitKVPlan, split_kv_fields, visible_lengths
 from .device.addressing import row_offset
 from .device.attention_core import (
-    decode_split_range,
-    load_scaled_queries,
+    decode_split_start,
     online_softmax_step,
     softmax_state,
     store_partial,
@@ -121,8 +120,7 @@ def quant_decode_split_kernel(
     sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
     stride_table,
     # strides: the partial output [batch, heads, split, dim] and its lse [batch, heads, split]
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
     # sizes
     qk_scale, group, head_dim, page_size, num_splits,
     # ring window (pagedkv_kernels.host.read_plan.window_args)
@@ -133,23 +131,11 @@ def quant_decode_split_kernel(
 ):  # fmt: skip
     """Program ``(b, kv_head, split)``: as :func:`pagedkv_kernels.decode.decode_split_kernel`, with
     K and V dequantized from codes and scales in the inner loop."""
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi = decode_split_range(
-        b, split, num_splits,
+    (b, kv_head, split, heads, g_mask, d_mask, q,
+     table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi, offs_n, offs_d) = decode_split_start(
+        q_ptr, stride_qb, stride_qh, stride_qd, qk_scale, group, head_dim,
         block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
-        page_size, sink_tokens, window_recent,
-        BLOCK_N, HAS_WINDOW, IS_CSR,
-    )  # fmt: skip
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < group
-    d_mask = offs_d < head_dim
-    heads = kv_head * group + offs_g
-    q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, d_mask, stride_qb, stride_qh, stride_qd, qk_scale)
+        page_size, num_splits, sink_tokens, window_recent, BLOCK_G, BLOCK_N, BLOCK_D, HAS_WINDOW, IS_CSR)  # fmt: skip
     if FORMAT == 4:  # one scale per KV head: [K heads, V heads]; the grid's axis 1 is the KV heads
         k_gs = tl.load(gscale_ptr + kv_head)
         v_gs = tl.load(gscale_ptr + tl.num_programs(1) + kv_head)

@@ -50,23 +50,21 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv_lib import checks, reference
+from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_strides
 from pagedkv_lib.quant_pool import QuantizedKVPool
 from pagedkv_lib.window import RingWindow
 
-from .device.addressing import ring_params, row_offset, token_rows
+from .device.addressing import kv_write_start, ring_params, row_offset
 from .device.quant_codes import e2m1_encode, finite_abs, fp8_decode, fp8_encode
 from .device.rope import (
-    ROPE_CODES,
     rope_cos_sin,
     rope_feature_pair,
     rope_pair_features,
     rope_q_in_place,
     rope_rotate,
-    rotary_positions,
 )
-from .host.launch import TokenIndex, memory_key
+from .host.launch import csr_index, memory_key, slot_index
 from .host.quant_launch import (
     FORMAT_CODES,
     check_pool_launch,
@@ -78,10 +76,11 @@ from .host.tiles import quant_write_tiles
 from .host.validate import (
     check_device,
     check_disjoint,
-    check_index_tensor,
     check_kernel_dtype,
     check_no_self_overlap,
+    check_write_index,
 )
+from .host.write_plan import WritePlan, write_constexprs, write_launch_args, write_plan_fields
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 
 __all__ = [
@@ -202,9 +201,7 @@ def quant_append_kernel(
     # sizes
     num_tokens, num_kv_heads, num_q_heads, head_dim, page_size,
     # strides of k, v and q [token, head, feature]
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_qt, stride_qh, stride_qd,
     # strides of the codes and of the scales, in the order of pagedkv_kernels.device.addressing.cache_offset
     stride_page, stride_kv, stride_n, stride_h, stride_d,
     sstride_page, sstride_kv, sstride_n, sstride_h, sstride_g,
@@ -215,24 +212,15 @@ def quant_append_kernel(
     HAS_Q: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``: quantize and store K
-    and V; head blocks past the KV heads rotate Q (only with ``HAS_Q``). RoPE angles come
-    from ``rope_pos_ptr`` (:func:`pagedkv_kernels.device.rope.rotary_positions`); stores are masked by
-    ``valid`` alone."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, row, valid = token_rows(
-        tokens, num_tokens,
-        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
-        page_size, sink_tokens, bubble_len, cyclic_cache_len,
-        CSR, HAS_WINDOW,
+    """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h`` (as the MHA write's,
+    :func:`pagedkv_kernels.device.addressing.kv_write_start`): quantize and store K and V; head
+    blocks past the KV heads rotate Q (only with ``HAS_Q``). RoPE angles come from
+    ``rope_pos_ptr``; stores are masked by ``valid`` alone."""
+    tok, page, row, valid, pos, rotated, hb, kv_blocks = kv_write_start(
+        num_tokens, num_kv_heads, page_size, sink_tokens, bubble_len, cyclic_cache_len,
+        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, rope_pos_ptr,
+        CSR, HAS_WINDOW, ROPE, ROPE_POS, BLOCK_T, BLOCK_H,
     )
-    tok = tokens.to(tl.int64)
-    kv_blocks = tl.cdiv(num_kv_heads, BLOCK_H)
-    hb = tl.program_id(1)
-    if ROPE != 0:
-        pos, rotated = rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, ROPE_POS)
-    else:
-        pos, rotated = tokens, valid  # unused without RoPE
     if hb < kv_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_th = valid[:, None] & (heads < num_kv_heads)[None, :]
@@ -295,8 +283,10 @@ def _check_apart(k, v, pool, q, index, v_tail) -> None:
 
 
 @dataclass(frozen=True)
-class QuantAppendPlan:
-    """A validated quantized append, checked once and launched by :func:`run_append_quant`.
+class QuantAppendPlan(WritePlan):
+    """A validated quantized append, checked once and launched by :func:`run_append_quant`:
+    the fields of :class:`~pagedkv_kernels.host.write_plan.WritePlan` (``checked`` is the
+    memory key of k, v, the pool's codes, scales and global scale, and q) and these.
 
     ``pool`` is the pool's :func:`pool_fingerprint`; index tensors are the caller's
     device tensors made contiguous.
@@ -304,59 +294,34 @@ class QuantAppendPlan:
 
     pool: tuple
     format: int  # FORMAT_CODES value
-    num_tokens: int
-    num_kv_heads: int
-    num_q_heads: int  # 0 without q
-    head_dim: int
-    page_size: int
     k_dtype: torch.dtype
     v_dtype: torch.dtype
-    q_dtype: torch.dtype | None
-    index: TokenIndex  # slot or CSR form (positions also for RoPE)
-    window: RingWindow | None
-    rope: str | None
-    inv_freq: torch.Tensor | None
     v_tail: VTailPlan | None  # zeroes the V tails of the codes and the scales after the append
-    tiles: tuple[int, int, int]
-    checked: tuple  # memory_key of k, v, the pool's codes, scales and global scale, q
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        block_t, block_h, _ = self.tiles
-        heads = triton.cdiv(self.num_kv_heads, block_h) + triton.cdiv(self.num_q_heads, block_h)
-        return triton.cdiv(self.num_tokens, block_t), heads
 
 
 def _memory_key(k, v, pool, q) -> tuple:
     return memory_key(k, v, pool.data, pool.scales, pool.global_scale, q)
 
 
-def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, **index) -> QuantAppendPlan:
+def _plan(k, v, pool, q, rope, rope_theta, window, v_tail, index: dict) -> QuantAppendPlan:
     _check_apart(k, v, pool, q, index.items(), v_tail)
-    num_q_heads = 0 if q is None else q.shape[1]
+    fields = write_plan_fields(
+        k.shape[0], pool.num_kv_heads, pool.head_dim, pool.page_size, q, window, rope, rope_theta, pool.device, index
+    )
     plan = QuantAppendPlan(
         pool=pool_fingerprint(pool),
         format=FORMAT_CODES[(pool.kv_dtype, pool.scale_mode)],
-        num_tokens=k.shape[0],
-        num_kv_heads=pool.num_kv_heads,
-        num_q_heads=num_q_heads,
-        head_dim=pool.head_dim,
-        page_size=pool.page_size,
         k_dtype=k.dtype,
         v_dtype=v.dtype,
-        q_dtype=None if q is None else q.dtype,
-        window=window,
-        rope=rope,
-        inv_freq=reference.rope_inv_freq(pool.head_dim, rope_theta).to(pool.device) if rope else None,
         v_tail=None if v_tail is None else v_tail_plan((pool.data, pool.scales), pool.layout, v_tail),
         tiles=quant_write_tiles(
             k.shape[0],
-            max(pool.num_kv_heads, num_q_heads),
+            max(pool.num_kv_heads, fields["num_q_heads"]),
             pool.head_dim,
             min_heads=pool.num_kv_heads if pool.scale_mode == "token_all_heads" else 1,
         ),
         checked=_memory_key(k, v, pool, q),
-        index=TokenIndex.of(**index),
+        **fields,
     )
     return plan
 
@@ -372,14 +337,10 @@ def plan_append_quant(
     checks.check_rope_args(rope, positions, rope_theta, q, k, pool.shape_proxy, pool.layout, slots)
     check_pool_launch(pool)
     _check_inputs(k, v, pool, q)
-    check_index_tensor("slot_mapping", slot_mapping, fits_int32=False)
-    if rope is not None:
-        check_index_tensor("positions", positions, fits_int32=False)
+    index = slot_index(slot_mapping, positions if rope is not None else None)
+    check_write_index(index)
     tail = None if zero_v_tail is None else v_tail_tensors(pool.shape_proxy, pool.layout, zero_v_tail, slots)
-    return _plan(
-        k, v, pool, q, rope, rope_theta, None, tail, slot_mapping=slot_mapping,
-        positions=positions if rope is not None else None,
-    )  # fmt: skip
+    return _plan(k, v, pool, q, rope, rope_theta, None, tail, index)
 
 
 def plan_append_quant_csr(
@@ -395,21 +356,12 @@ def plan_append_quant_csr(
     checks.check_rope_args(rope, source, rope_theta, q, k, pool.shape_proxy, pool.layout, slots, name)
     check_pool_launch(pool)
     _check_inputs(k, v, pool, q)
-    for name, t, fits in (
-        ("batch_indices", batch_indices, False),
-        ("positions", positions, False),
-        ("kv_indices", kv_indices, True),
-        ("kv_indptr", kv_indptr, True),
-        *([("rope_positions", rope_positions, False)] if rope_positions is not None else []),
-    ):
-        check_index_tensor(name, t, fits_int32=fits)
+    index = csr_index(batch_indices, positions, kv_indices, kv_indptr, rope_positions)
+    check_write_index(index)
     tail = None
     if kv_last_page_len is not None:
         tail = v_tail_tensors(pool.shape_proxy, pool.layout, (kv_indptr, kv_indices, kv_last_page_len), slots)
-    return _plan(
-        k, v, pool, q, rope, rope_theta, window, tail, batch_indices=batch_indices, positions=positions,
-        kv_indptr=kv_indptr, kv_indices=kv_indices, rope_positions=rope_positions,
-    )  # fmt: skip
+    return _plan(k, v, pool, q, rope, rope_theta, window, tail, index)
 
 
 def run_append_quant(plan: QuantAppendPlan, k, v, data, scales, global_scale, q=None) -> None:
@@ -445,24 +397,15 @@ def _check_run_inputs(plan: QuantAppendPlan, k, v, pool, q) -> None:
 
 
 def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
-    block_t, block_h, block_d = plan.tiles
     scales = pool.scales if pool.scales is not None else pool.data  # per tensor: never dereferenced
-    sstrides = scale_strides(pool)
     # fmt: off
     quant_append_kernel[plan.grid](
         k, v, pool.data, scales, pool.global_scale, k if q is None else q,
-        *plan.index.launch_args(),
-        k if plan.inv_freq is None else plan.inv_freq,
-        plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
-        *k.stride(),
-        *v.stride(),
-        *((0, 0, 0) if q is None else q.stride()),
+        *write_launch_args(plan, k, v, q),
         *cache_strides(pool.data, pool.layout),
-        *sstrides,
+        *scale_strides(pool),
         *ring_params(plan.window),
-        FORMAT=plan.format, CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope],
-        ROPE_POS=plan.index.own_rope_positions, HAS_Q=q is not None,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        FORMAT=plan.format, **write_constexprs(plan, q),
     )
     # fmt: on
 
@@ -471,22 +414,15 @@ def _launch(plan: QuantAppendPlan, k, v, pool, q) -> None:
 
 
 def append_paged_kv_quant(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    global_scale: torch.Tensor,
+    # the new rows; the pool's tensors; where each token goes; the pool's format and layout
+    k: torch.Tensor, v: torch.Tensor,
+    data: torch.Tensor, scales: torch.Tensor | None, global_scale: torch.Tensor,
     slot_mapping: torch.Tensor,
-    kv_dtype: str = "fp8",
-    scale_mode: str | None = None,
-    layout: str = "NHD",
-    *,
-    rope: str | None = None,
-    positions: torch.Tensor | None = None,
-    rope_theta: float = 10000.0,
-    q: torch.Tensor | None = None,
-    zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+    kv_dtype: str = "fp8", scale_mode: str | None = None, layout: str = "NHD",
+    # fused options, as append_paged_kv's
+    *, rope: str | None = None, positions: torch.Tensor | None = None, rope_theta: float = 10000.0,
+    q: torch.Tensor | None = None, zero_v_tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:  # fmt: skip
     """Quantize ``k, v [num_tokens, num_kv_heads, head_dim]`` (fp32/fp16/bf16, any strides)
     into a quantized pool in place (returns None).
 
@@ -517,26 +453,16 @@ def append_paged_kv_quant(
 
 
 def append_paged_kv_quant_csr(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    global_scale: torch.Tensor,
-    batch_indices: torch.Tensor,
-    positions: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_dtype: str = "fp8",
-    scale_mode: str | None = None,
-    layout: str = "NHD",
-    *,
-    window: RingWindow | None = None,
-    rope: str | None = None,
-    rope_theta: float = 10000.0,
-    q: torch.Tensor | None = None,
-    kv_last_page_len: torch.Tensor | None = None,
+    # the new rows; the pool's tensors; where each token goes; the pool's format and layout
+    k: torch.Tensor, v: torch.Tensor,
+    data: torch.Tensor, scales: torch.Tensor | None, global_scale: torch.Tensor,
+    batch_indices: torch.Tensor, positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+    kv_dtype: str = "fp8", scale_mode: str | None = None, layout: str = "NHD",
+    # fused options, as append_paged_kv_csr's
+    *, window: RingWindow | None = None, rope: str | None = None, rope_theta: float = 10000.0,
+    q: torch.Tensor | None = None, kv_last_page_len: torch.Tensor | None = None,
     rope_positions: torch.Tensor | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """:func:`append_paged_kv_quant` addressed by request and position over a CSR page
     table, as :func:`pagedkv_kernels.write.append_paged_kv_csr` (the kernel computes each
     token's page and row; ``window``; RoPE at the absolute position, or at

@@ -53,31 +53,30 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv_lib import checks, reference
+from pagedkv_lib import checks
 from pagedkv_lib.pool import cache_dims, cache_strides
 from pagedkv_lib.window import RingWindow
 
-from .device.addressing import ring_params, row_offset, token_rows
+from .device.addressing import kv_write_start, ring_params, row_offset
 from .device.rope import (
-    ROPE_CODES,
     copy_tile,
     rope_cos_sin,
     rope_q_in_place,
     rope_tile,
-    rotary_positions,
 )
-from .host.launch import TokenIndex, fingerprint, memory_key
+from .host.launch import csr_index, fingerprint, memory_key, slot_index
 from .host.tiles import write_tiles
 from .host.validate import (
     check_device,
     check_disjoint,
     check_in_storage,
-    check_index_tensor,
     check_kernel_dtype,
     check_no_overlap,
     check_no_self_overlap,
     check_same_layout,
+    check_write_index,
 )
+from .host.write_plan import WritePlan, write_constexprs, write_launch_args, write_plan_fields
 from .v_tail import VTailPlan, run_v_tail, v_tail_plan, v_tail_tensors
 
 __all__ = [
@@ -103,9 +102,7 @@ def append_kernel(
     # sizes
     num_tokens, num_kv_heads, num_q_heads, head_dim, page_size,
     # strides of k, v and q [token, head, feature]
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_qt, stride_qh, stride_qd,
     # strides of the pool in the order of pagedkv_kernels.device.addressing.cache_offset
     stride_page, stride_kv, stride_n, stride_h, stride_d,
     # ring window (pagedkv_kernels.device.addressing.ring_params)
@@ -114,23 +111,18 @@ def append_kernel(
     CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, ROPE_POS: tl.constexpr, HAS_Q: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h``. Head blocks past the
-    KV heads rotate Q (only with ``HAS_Q``); their programs write nothing to the cache.
-    RoPE angles come from ``rope_pos_ptr`` (:func:`pagedkv_kernels.device.rope.rotary_positions`), the
-    cache store is masked by ``valid`` alone."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, row, valid = token_rows(
-        tokens, num_tokens,
-        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
-        page_size, sink_tokens, bubble_len, cyclic_cache_len,
-        CSR, HAS_WINDOW,
+    """Program ``(t, h)``: tokens ``t*BLOCK_T ...`` x head block ``h`` (their rows, rotary
+    positions and head block from :func:`pagedkv_kernels.device.addressing.kv_write_start`). Head
+    blocks past the KV heads rotate Q (only with ``HAS_Q``); their programs write nothing
+    to the cache. RoPE angles come from ``rope_pos_ptr``, the cache store is masked by
+    ``valid`` alone."""
+    tok, page, row, valid, pos, rotated, hb, kv_blocks = kv_write_start(
+        num_tokens, num_kv_heads, page_size, sink_tokens, bubble_len, cyclic_cache_len,
+        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, rope_pos_ptr,
+        CSR, HAS_WINDOW, ROPE, ROPE_POS, BLOCK_T, BLOCK_H,
     )
-    tok = tokens.to(tl.int64)
-    kv_blocks = tl.cdiv(num_kv_heads, BLOCK_H)
-    hb = tl.program_id(1)
     if ROPE != 0:
         pair = tl.arange(0, BLOCK_D // 2)
-        pos, rotated = rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, ROPE_POS)
         cos, sin = rope_cos_sin(pos, inv_freq_ptr, pair, pair < head_dim // 2)
     if hb < kv_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -170,8 +162,10 @@ def append_kernel(
 
 
 @dataclass(frozen=True)
-class AppendPlan:
-    """A validated append: everything :func:`run_append` launches, checked once.
+class AppendPlan(WritePlan):
+    """A validated append: everything :func:`run_append` launches, checked once (the
+    fields of :class:`~pagedkv_kernels.host.write_plan.WritePlan`, ``checked`` being
+    ``memory_key(k, v, cache, q)``, and these).
 
     Index tensors are the caller's device tensors made contiguous (the kernel reads
     them densely); ``cache`` and ``k``/``v``/``q`` given to :func:`run_append` must have
@@ -181,39 +175,20 @@ class AppendPlan:
 
     layout: str
     cache: tuple  # (shape, strides, dtype, device) of the pool
-    num_tokens: int  # tokens written (the index tensors' length)
     kv_rows: int  # rows of k and v (and q): num_tokens or more
-    num_kv_heads: int
-    num_q_heads: int  # 0 without q
-    head_dim: int
-    page_size: int
     kv_dtype: torch.dtype
-    q_dtype: torch.dtype | None
     q_rows: int  # rows of q (0 without q)
-    index: TokenIndex  # slot or CSR form (positions, or rope_positions, for RoPE)
-    window: RingWindow | None
-    rope: str | None
-    inv_freq: torch.Tensor | None  # float64 [head_dim / 2] on the device, with rope
     v_tail: VTailPlan | None  # the V-tail zeroing run after the append
-    tiles: tuple[int, int, int]  # (BLOCK_T, BLOCK_H, BLOCK_D)
-    checked: tuple  # memory_key(k, v, cache, q) of the tensors planned with
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        block_t, block_h, _ = self.tiles
-        heads = triton.cdiv(self.num_kv_heads, block_h) + triton.cdiv(self.num_q_heads, block_h)
-        return triton.cdiv(self.num_tokens, block_t), heads
 
 
-def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
-    """Launch checks of a write: devices, kernel dtypes, index tensors, and a pool that
-    can be written (no element reached twice, inside its storage, not overlapping the
-    inputs)."""
+def _check_write_launch(k, v, cache, q, index: dict) -> None:
+    """Launch checks of a write: devices, kernel dtypes, index tensors (``index``: by
+    name, None when absent), and a pool that can be written (no element reached twice,
+    inside its storage, not overlapping the inputs)."""
     for name, t in (("k", k), ("v", v), ("cache", cache)):
         check_device(name, t)
     check_kernel_dtype("cache", cache)
-    for name, (t, fits) in index_tensors.items():
-        check_index_tensor(name, t, fits_int32=fits)
+    given = check_write_index(index)
     check_no_self_overlap("cache", cache)
     check_in_storage("cache", cache)
     for name, t in (("k", k), ("v", v)):
@@ -223,7 +198,7 @@ def _check_write_launch(k, v, cache, q, index_tensors: dict) -> None:
         check_kernel_dtype("q", q)
         check_no_self_overlap("q", q)
         check_no_overlap("q", q, "cache", cache)
-    check_disjoint([("cache", cache), ("q", q)], [(name, t) for name, (t, _) in index_tensors.items()])
+    check_disjoint([("cache", cache), ("q", q)], given)
 
 
 def _check_plan_index_apart(plan: AppendPlan, cache, q) -> None:
@@ -234,34 +209,26 @@ def _check_plan_index_apart(plan: AppendPlan, cache, q) -> None:
     check_disjoint([("cache", cache), ("q", q)], read)
 
 
-def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, num_tokens, **index) -> AppendPlan:
+def _plan(k, v, cache, layout, q, rope, rope_theta, window, v_tail, num_tokens, index: dict) -> AppendPlan:
     """The :class:`AppendPlan` of arguments already checked; ``v_tail`` is the checked
     ``(kv_indptr, kv_indices, kv_last_page_len)`` or None (checked here apart from the
     tensors the launch writes: the V-tail launch reads them)."""
     if v_tail is not None:
         check_disjoint([("cache", cache), ("q", q)], list(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), v_tail)))
     dims = cache_dims(cache, layout)
-    num_q_heads = 0 if q is None else q.shape[1]
-    inv_freq = reference.rope_inv_freq(dims.head_dim, rope_theta).to(cache.device) if rope else None
+    fields = write_plan_fields(
+        num_tokens, dims.num_kv_heads, dims.head_dim, dims.page_size, q, window, rope, rope_theta, cache.device, index
+    )
     return AppendPlan(
         layout=layout,
         cache=fingerprint(cache),
-        num_tokens=num_tokens,
         kv_rows=k.shape[0],
-        num_kv_heads=dims.num_kv_heads,
-        num_q_heads=num_q_heads,
-        head_dim=dims.head_dim,
-        page_size=dims.page_size,
         kv_dtype=k.dtype,
-        q_dtype=None if q is None else q.dtype,
         q_rows=0 if q is None else q.shape[0],
-        window=window,
-        rope=rope,
-        inv_freq=inv_freq,
         v_tail=None if v_tail is None else v_tail_plan((cache,), layout, v_tail),
-        tiles=write_tiles(num_tokens, max(dims.num_kv_heads, num_q_heads), dims.head_dim),
+        tiles=write_tiles(num_tokens, max(dims.num_kv_heads, fields["num_q_heads"]), dims.head_dim),
         checked=memory_key(k, v, cache, q),
-        index=TokenIndex.of(**index),
+        **fields,
     )
 
 
@@ -282,15 +249,10 @@ def plan_append(
     (nothing is written). Arguments and errors as :func:`append_paged_kv`."""
     slots = checks.check_append_args(k, v, cache, slot_mapping, layout)
     checks.check_rope_args(rope, positions, rope_theta, q, k, cache, layout, slots)
-    index = {"slot_mapping": (slot_mapping, False)}
-    if rope is not None:
-        index["positions"] = (positions, False)
+    index = slot_index(slot_mapping, positions if rope is not None else None)
     _check_write_launch(k, v, cache, q, index)
     tail = None if zero_v_tail is None else v_tail_tensors(cache, layout, zero_v_tail, slots)
-    return _plan(
-        k, v, cache, layout, q, rope, rope_theta, None, tail, slots.numel(), slot_mapping=slot_mapping,
-        positions=positions if rope is not None else None,
-    )  # fmt: skip
+    return _plan(k, v, cache, layout, q, rope, rope_theta, None, tail, slots.numel(), index)
 
 
 def plan_append_csr(
@@ -315,20 +277,10 @@ def plan_append_csr(
     slots = checks.check_csr_append_args(k, v, cache, batch_indices, positions, kv_indices, kv_indptr, layout, window)
     source, name = checks.rope_position_source(rope, positions, rope_positions)
     checks.check_rope_args(rope, source, rope_theta, q, k, cache, layout, slots, name)
-    index = {
-        "batch_indices": (batch_indices, False),
-        "positions": (positions, False),
-        "kv_indices": (kv_indices, True),
-        "kv_indptr": (kv_indptr, True),
-    }
-    if rope_positions is not None:
-        index["rope_positions"] = (rope_positions, False)
+    index = csr_index(batch_indices, positions, kv_indices, kv_indptr, rope_positions)
     _check_write_launch(k, v, cache, q, index)
     tail = None if zero_v_tail is None else v_tail_tensors(cache, layout, zero_v_tail, slots)
-    return _plan(
-        k, v, cache, layout, q, rope, rope_theta, window, tail, slots.numel(), batch_indices=batch_indices,
-        positions=positions, kv_indptr=kv_indptr, kv_indices=kv_indices, rope_positions=rope_positions,
-    )  # fmt: skip
+    return _plan(k, v, cache, layout, q, rope, rope_theta, window, tail, slots.numel(), index)
 
 
 def _check_run_inputs(plan: AppendPlan, k, v, cache, q) -> None:
@@ -365,21 +317,13 @@ def run_append(plan: AppendPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.
 
 
 def _launch(plan: AppendPlan, k, v, cache, q) -> None:
-    block_t, block_h, block_d = plan.tiles
     # fmt: off
     append_kernel[plan.grid](
         k, v, cache, k if q is None else q,  # q_ptr is never dereferenced without HAS_Q
-        *plan.index.launch_args(),
-        k if plan.inv_freq is None else plan.inv_freq,
-        plan.num_tokens, plan.num_kv_heads, plan.num_q_heads, plan.head_dim, plan.page_size,
-        *k.stride(),
-        *v.stride(),
-        *((0, 0, 0) if q is None else q.stride()),
+        *write_launch_args(plan, k, v, q),
         *cache_strides(cache, plan.layout),
         *ring_params(plan.window),
-        CSR=plan.index.csr, HAS_WINDOW=plan.window is not None, ROPE=ROPE_CODES[plan.rope],
-        ROPE_POS=plan.index.own_rope_positions, HAS_Q=q is not None,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        **write_constexprs(plan, q),
     )
     # fmt: on
 

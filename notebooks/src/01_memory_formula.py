@@ -16,7 +16,7 @@
 #
 # **Before this:** Python; knowing that attention keeps a key and a value per token helps.
 #
-# **Time:** about 4 s to run (Restart and Run All, 2 CPU cores), 15 minutes to read.
+# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 15 minutes to read.
 # Nothing here needs a GPU or Triton.
 
 # %%
@@ -232,4 +232,5 @@ widgets.memory_explorer()
 # * TensorRT-LLM's `KVCacheManager` (`cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`)
 #   turns `free_gpu_memory_fraction` into a number of blocks the same way.
 #
-# **Next:** [02 · Block tables](02_block_tables.ipynb): who owns which page.
+# **Next:** [01b · The caches before paging](01b_caches_before_paging.ipynb): what a cache without
+# pages copies and reserves.

@@ -19,9 +19,10 @@
 # * convert between vLLM's padded block tables, FlashInfer's CSR page table and slot mappings;
 # * see why a block manager shared between threads needs a lock, on a timeline of a lost block.
 #
-# **Before this:** [01 · The KV-cache memory formula](01_memory_formula.ipynb).
+# **Before this:** [01 · The KV-cache memory formula](01_memory_formula.ipynb) and
+# [01b · The caches before paging](01b_caches_before_paging.ipynb) (why pages).
 #
-# **Time:** about 4 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
+# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
 # No GPU or Triton needed.
 
 # %%

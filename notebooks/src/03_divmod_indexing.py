@@ -20,7 +20,7 @@
 #
 # **Before this:** [02 · Block tables](02_block_tables.ipynb).
 #
-# **Time:** about 4 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
+# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
 # No GPU or Triton needed.
 
 # %%

@@ -22,7 +22,7 @@
 # **Before this:** [02 · Block tables](02_block_tables.ipynb) and
 # [03 · Divmod indexing](03_divmod_indexing.ipynb).
 #
-# **Time:** about 4 s to run (Restart and Run All, 2 CPU cores), 25 minutes to read.
+# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 25 minutes to read.
 # No GPU or Triton needed.
 #
 # Cells that change the cache start from a copy of the state the previous cell left

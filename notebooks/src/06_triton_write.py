@@ -25,7 +25,7 @@
 # **Before this:** [02 · Block tables](02_block_tables.ipynb) (slot mapping, CSR page tables)
 # and [03 · Divmod indexing](03_divmod_indexing.ipynb) (divmod, strides).
 #
-# **Time:** about 4 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
+# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook): the kernels run compiled
 # on a GPU, or in Triton's interpreter on a CPU.
 
@@ -409,15 +409,18 @@ assert torch.equal(q_dev[-2:], q[-2:]), "the padding tokens' query rows must be 
 # `run_append(plan_append(...))`: the plan checks once, the run launches). Here it is as
 # the module holds it today, its parameters grouped by role as in Triton's matmul
 # tutorial (pointers, sizes, each tensor's strides, the ring window, constexprs), and the
-# helper that turns a tile of tokens into `(page, row, valid)` (`kernels/pagedkv_kernels/device/addressing.py:
-# token_rows`, shared with the quantized and MLA writes): the slot form of step (a) and
-# the CSR form of step (b) are both in it, chosen by a constexpr. Its RoPE is step (c)'s
+# helpers it starts from (`kernels/pagedkv_kernels/device/addressing.py`): `kv_write_start`, shared
+# with the quantized write, gives the program its tokens, their rotary positions and its
+# head block, and `token_rows`, shared with the MLA write too, turns the tile of tokens
+# into `(page, row, valid)`: the slot form of step (a) and the CSR form of step (b) are
+# both in it, chosen by a constexpr. Its RoPE is step (c)'s
 # rotation written once, in `kernels/pagedkv_kernels/device/rope.py` (`rope_tile` around `rope_rotate`, which
 # the quantized and MLA writes call too), and its plain copies are `copy_tile` there.
 
 # %% tags=["nbval-ignore-output"]
 # (shows the module's current source; shown, not compared)
 display(viz.source_code(production.append_kernel))
+display(viz.source_code(addressing.kv_write_start))
 display(viz.source_code(addressing.token_rows))
 
 # %% [markdown]

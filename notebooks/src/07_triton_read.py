@@ -28,7 +28,7 @@
 # [03 · Divmod indexing](03_divmod_indexing.ipynb) and
 # [06 · The Triton write kernel](06_triton_write.ipynb) (a kernel in the page).
 #
-# **Time:** about 8 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
+# **Time:** 8 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook): the kernels run compiled
 # on a GPU, or in Triton's interpreter on a CPU.
 

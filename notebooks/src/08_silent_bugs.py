@@ -12,9 +12,11 @@
 #
 # Faults are switched on by name, explicitly (`faults={"past_len_zero"}`): the harness
 # swaps the one component the fault is about. Nothing is patched globally, so no fault
-# outlives its cell. Each section shows the fault's code as the registry holds it: a diff
-# of the correct part (red) and the faulty part that replaces it (green), or, where the
-# scenario itself builds the faulty input, the scenario's source.
+# outlives its cell. Each section shows the fault as its wrong line: the correct code
+# with the one line the fault changes, the correct line in red and the wrong one in
+# green, two lines of context around them. The lines come from the code itself: the
+# registry's faulty copy of a function against the function it replaces, or the
+# harness scenario that plants the fault.
 #
 # **You will learn to**
 # * recognise the symptom of seven silent paged-cache bugs, and the check that catches each;
@@ -26,7 +28,7 @@
 # [05](05_cow_forking.ipynb); [06](06_triton_write.ipynb) and [07](07_triton_read.ipynb)
 # introduce the kernels tested here. Needs Triton (Linux, WSL, a container or a hosted notebook).
 #
-# **Time:** about 35 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
+# **Time:** 35 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
 
 # %%
 try:  # the set-up, one call; a Python without the suite says how to install it instead
@@ -60,13 +62,12 @@ for name, what in faults.FAULTS.items():
 
 
 def show_wrong_line(name):
-    """Display the harness fault ``name``'s code from the registry: each faulty part as a
-    diff against the correct part it replaces (red: the correct line, green: the faulty
-    one), or its source where it wraps a callable or where the scenario builds the input."""
+    """Display the harness fault ``name`` as its wrong line (``viz.show_fault``): the
+    correct line in red, the faulty one in green, two lines of context around them."""
     (fault,) = [f for f in faults.REGISTRY if f.name == name and f.family == "harness"]
-    for shown in viz.show_fault(fault):
-        assert shown.lines, f"{name}: nothing to show"
-        assert shown.added or shown.removed or not fault.replaces, f"{name}: the diff is empty"
+    for shown in viz.show_fault(fault, context=2):
+        assert len(shown.added) == 1, f"{name}: one wrong line should be marked, not {shown.added}"
+        assert len(shown.lines) <= 12, f"{name}: {len(shown.lines)} lines shown, at most 12 wanted"
         display(shown)
 
 
@@ -75,30 +76,44 @@ def show_wrong_line(name):
 #
 # A prompt written in chunks must place each chunk at
 # `past_len = cache_len - chunk_len` (notebook 03). Forget it and every chunk lands on
-# the first rows. The first chunk is still right, so a test on short prompts passes;
-# the error grows with the number of chunks. Check: `chunked_prefill` (pool equals a
-# single write, decode equals the contiguous oracle).
+# the first rows: each chunk overwrites the one before, and the rows past the first
+# chunk are never written. A prompt of one chunk is still right, so a test on short
+# prompts passes. The plot shows the decode's error against the contiguous oracle
+# after *all* chunks are written, against the number of chunks (chunks of 8 tokens;
+# the never-written rows hold finite stale values here, `poison="none"`, where a pool of
+# NaN would give NaN). From two chunks on it is about 1, as large as the values
+# themselves, however many chunks follow: not a small drift but a different answer.
+# Check: `chunked_prefill` (the pool after each chunk equals a single write: it fails
+# after the second chunk; then the decode equals the contiguous oracle).
 
 # %% tags=["nbval-ignore-output"]
 # (the code as it is now; shown, not compared)
 show_wrong_line("past_len_zero")
 
 # %%
-lengths = [8, 16, 24, 32, 48, 64]
-err_off = [verify.check_chunked_prefill(*triton_kernels, set(), prompt_len=n).max_abs for n in lengths]
-on = [verify.check_chunked_prefill(*triton_kernels, {"past_len_zero"}, prompt_len=n) for n in lengths]
+chunks = [1, 2, 3, 4, 6, 8]  # a prompt of 8 * c tokens, written in c chunks of 8
+after_all = {
+    label: [
+        verify.check_chunked_prefill(*triton_kernels, f, prompt_len=8 * c, poison="none", stop_at_pool=False)
+        for c in chunks
+    ]
+    for label, f in (("correct past_len", set()), ("past_len = 0", {"past_len_zero"}))
+}
 fig = viz.line_plot(
-    lengths,
-    {"correct past_len": [max(e, 1e-9) for e in err_off], "past_len = 0": [max(r.max_abs, 1e-9) for r in on]},
-    "chunked prefill (chunks of 8): decode error against the oracle",
-    "prompt length (tokens)",
-    "max |error|",
+    chunks,
+    {label: [max(r.max_abs, 1e-9) for r in results] for label, results in after_all.items()},
+    "decode error after all chunks are written (chunks of 8 tokens)",
+    "number of chunks",
+    "max |error| against the oracle",
     logy=True,
 )
 plt.show()
-assert all(e < 1e-5 for e in err_off), f"the correct kernels should stay within 1e-5: {err_off}"
-assert on[0].passed, "a single chunk hides the bug: the first length should pass"
-assert not any(r.passed for r in on[1:]), "with two chunks or more, past_len = 0 must be caught"
+on = after_all["past_len = 0"]
+print("past_len = 0, decode error after all chunks:", [f"{r.max_abs:.2f}" for r in on])
+assert all(r.passed and r.max_abs < 1e-5 for r in after_all["correct past_len"]), "the correct kernels failed"
+assert on[0].passed, "a single chunk hides the bug: one chunk should pass"
+assert all(not r.passed and r.max_abs > 0.5 for r in on[1:]), "from two chunks on, the decode should be off by ~1"
+assert all("after chunk step 1 " in r.detail for r in on[1:]), "the check should see the pool wrong after chunk 2"
 
 # %% [markdown]
 # ## 2. The ring window on the write side only
@@ -299,7 +314,8 @@ assert not results["stale_block_table"].passed, "reused_page missed the stale ta
 # A pool of 70,000 pages of 16 tokens x 8 heads x 128 (fp16, 4.6 GB) has 2.3e9
 # elements, more than `2**31 - 1`. An offset computed in int32 wraps to a negative or
 # small number and the kernel writes some other page, exactly as on a GPU. Computed here,
-# not allocated: the offset of the last V row of each page, in int64 and in int32.
+# not allocated: the offset of the last V row of each page, exact (Python ints) and
+# with the strides in int32 (the wrong line above).
 
 # %% tags=["nbval-ignore-output"]
 # (the code as it is now; shown, not compared)
@@ -308,8 +324,8 @@ show_wrong_line("int32_offset")
 # %%
 strides = (2 * 16 * 8 * 128, 16 * 8 * 128, 8 * 128, 128, 1)
 pages = torch.arange(0, 70_000, 500)
-exact = element_offset(strides, pages, 1, 7, 15, 127)
-wrapped = faults.element_offset_int32(strides, pages, 1, 7, 15, 127)
+exact = torch.tensor([element_offset(strides, p, 1, 7, 15, 127) for p in pages.tolist()])  # Python ints: exact
+wrapped = torch.tensor([int(faults.element_offset_int32(strides, p, 1, 7, 15, 127)) for p in pages.tolist()])
 fig = viz.line_plot(
     pages.tolist(),
     {"int64 (exact)": exact.tolist(), "int32": wrapped.tolist()},
@@ -395,7 +411,10 @@ display(viz.source_code(peer_conventions.store_flat_kernel))
 #    `(k_cache, v_cache)` pair this kernel takes (other layouts: `"kv_tuple"` for
 #    FlashInfer's and vLLM's flash layout, `"vllm_x"` for vLLM's x-packed keys);
 # 3. a **contract**: what the kernel supports. This one needs contiguous K/V
-#    (`strided_kv=False`); a case that has strided K/V is checked with contiguous K/V
+#    (`strided_kv=False`) and a cache laid out as it allocates one, K and V with the
+#    same strides (`kv_strides="shared"`; otherwise the harness gives V longer rows than
+#    K, to catch a kernel that reads V with K's strides); a case that has strided K/V is
+#    checked with contiguous K/V
 #    instead, a page size, head dim or dtype the kernel does not take is replaced by the
 #    nearest one it does (the case says what was `substituted`), and only a case with
 #    nothing admitted to move to is listed as *outside the declared contract*, neither
@@ -403,7 +422,7 @@ display(viz.source_code(peer_conventions.store_flat_kernel))
 
 
 # %%
-@verify.contract(cache_layout="flat", strided_kv=False)
+@verify.contract(cache_layout="flat", strided_kv=False, kv_strides="shared")
 def flat_store(k, v, cache, slot_mapping):
     k_cache, v_cache = cache
     peer_conventions.store_kvcache_flat(k, v, k_cache, v_cache, slot_mapping)
@@ -434,7 +453,7 @@ assert guard_diff.added and all("# the fault" in line for line in guard_diff.add
 
 
 # %%
-@verify.contract(cache_layout="flat", strided_kv=False)
+@verify.contract(cache_layout="flat", strided_kv=False, kv_strides="shared")
 def flat_store_without_guard(k, v, cache, slot_mapping):
     peer_kernels.store_kvcache_flat_no_minus_one_guard(k, v, *cache, slot_mapping)
 
@@ -451,10 +470,19 @@ assert all(r.case["padding"] > 0 for r in unguarded.failures), "only cases with 
 # value_cache [num_blocks, block_size, num_kv_heads, head_dim]`, whose tile is one block
 # (so blocks of 16 or more, as `tl.dot` needs), which never sees an empty sequence and
 # has no sliding window: pages of 1 and 5 become 16 and 32, an empty sequence is dropped
-# from its batch, HND becomes NHD. Each case shows what was `substituted`.
+# from its batch, HND becomes NHD. Each case shows what was `substituted`. It also reads
+# V with K's strides, as a kernel written for one allocation of both does:
+# `kv_strides="shared"`.
 
 # %%
-VLLM = dict(cache_layout="kv_tuple", layouts=("NHD",), page_sizes=(16, 32, 64, 128, 256), min_seq_len=1, windows=False)
+VLLM = dict(
+    cache_layout="kv_tuple",
+    layouts=("NHD",),
+    page_sizes=(16, 32, 64, 128, 256),
+    min_seq_len=1,
+    windows=False,
+    kv_strides="shared",
+)
 
 
 @verify.contract(**VLLM)
@@ -495,9 +523,12 @@ assert "the tail of a partly filled last page" in nan.attribution, "the whole-pa
 #
 # A kernel with standing failures hides a new bug among them. Save a report, then run
 # again with `baseline=` (or `--baseline report.json` on the command line): the report
-# lists only the new failures, the fixed cases and the margins that moved, and fails only
-# on new failures. Here the baseline is the whole-page decode; the new run plants a
-# second bug, a missing softmax scale, in the same kernel's short cases.
+# lists only the new failures, the standing failures that now fail for a new *cause*,
+# the fixed cases and the margins that moved, and fails on new failures and new causes.
+# Here the baseline is the whole-page decode; the new run plants a second bug, a missing
+# softmax scale, in the same kernel's short cases. The cases the NaN tails already
+# failed still fail, so by status alone nothing changed there; but they used to pass
+# with finite stale values, and now do not: a new cause.
 
 
 # %%
@@ -510,7 +541,57 @@ saved = verify.Report([verify.run_case("decode", c, decode_fn=whole_page_decode,
 again = verify.Report([verify.run_case("decode", c, decode_fn=unscaled_decode, isolate=False) for c in short])
 diff = verify.baseline.diff_against(again.results, saved)
 print(diff.summary())
+for result, then, now in diff.new_causes[:2]:
+    print(f"  seq_lens={result.case['seq_lens']}: {', '.join(then)}  ->  {', '.join(now)}")
 assert diff.new_failures and not diff.fixed, "the missing scale should show as new failures, and nothing as fixed"
+assert diff.new_causes and not diff.still_failing, "every standing failure should now fail for a new cause too"
+
+# %% [markdown]
+# ### A kernel with preconditions: vLLM's chunked prefill and paged decode
+#
+# Some kernels are right only under conditions their engine always meets. vLLM's
+# `chunked_prefill_paged_decode` sends the requests of several queries to a prefill
+# that reads the context from the cache and the new tokens' K/V from the `key`/`value`
+# it is given, and every other request to a paged decode that reads the cache alone and
+# stores its row at the request's first query. So the new tokens must be **both** in the
+# cache and given apart, and a request **without queries** must never come: its decode
+# would store into the next request's row. A copy in that convention
+# (`peer_kernels.chunked_prefill_paged_decode`, the decode a Triton kernel of the
+# unified-attention kind):
+
+# %% tags=["nbval-ignore-output"]
+# (the code as it is now; shown, not compared)
+display(viz.source_code(peer_conventions.chunked_prefill_paged_decode))
+
+# %% [markdown]
+# Its contract says so with two fields: `new_tokens="both"` (the harness writes the new
+# tokens into the pool *and* passes them as `k_new=`, `v_new=`) and `min_q_len=1` (a
+# request without queries is dropped from its batch, as an empty sequence is). Without
+# `min_q_len`, a case holding such a request fails, and the report names the request
+# whose row was overwritten; with it, the same case passes.
+
+
+# %%
+def vllm_chunked_prefill(q, cache, qo_indptr, block_tables, seq_lens, k_new, v_new):
+    return peer_conventions.chunked_prefill_paged_decode(q, *cache, k_new, v_new, qo_indptr, block_tables, seq_lens)
+
+
+VLLM_PREFILL = dict(cache_layout="kv_tuple", layouts=("NHD",), new_tokens="both")
+zero_query = next(c for c in verify.prefill_grid() if (16, 0) in c["requests"] and c["layout"] == "NHD")
+print("requests (seq_len, q_len):", zero_query["requests"])
+for fields in ({}, {"min_q_len": 1}):
+    contracts = {"prefill_fn": verify.Contract(**VLLM_PREFILL, **fields)}
+    r = verify.run_case("prefill", zero_query, prefill_fn=vllm_chunked_prefill, contracts=contracts, isolate=False)
+    print(f"{fields or 'without min_q_len'}: {r.status}  {r.detail.split('; the worst')[0] or r.case['substituted']}")
+    assert r.passed is bool(fields), "only min_q_len=1 should make the request without queries leave the case"
+
+# %% [markdown]
+# Other fields state other preconditions: `fp32_dots="tf32"` (fp32 dots on tf32 tensor
+# cores, judged by fp16's tolerance), `kv_strides="shared"` (above), `score_mods=("sinks",
+# "alibi", "softcap")` (the float64 references implement all three), `lse="base2"` or
+# `"natural"` (the LSE a kernel returns is checked too), and a `"flat"` cache carries its
+# `page_size` for a slot-table kernel. A merge of attention states is a family of its
+# own (`merge_fn=`), in either LSE base.
 
 # %% [markdown]
 # ### Caveat: bf16 in Triton's interpreter
@@ -556,7 +637,7 @@ assert diff.new_failures and not diff.fixed, "the missing scale should show as n
 #
 # | fault | symptom shown | caught by |
 # |---|---|---|
-# | `past_len_zero` | error grows with the number of chunks | `chunked_prefill` |
+# | `past_len_zero` | 1 chunk right; 2 to 8 chunks: decode after all of them off by about 1 | `chunked_prefill` |
 # | `window_write_only` | wrong from the first token after the sinks | `ring_window` |
 # | `v_tail_not_zeroed` | NaN rows from a whole-page reader | `v_tail` |
 # | `no_copy_on_write` | the child's rows hold the parent's tokens | `fork_cow` |
@@ -568,8 +649,10 @@ assert diff.new_failures and not diff.fixed, "the missing scale should show as n
 # engine's interface passed inside its declared contract (flat slot cache; vLLM's paged
 # layout, every case moved inside a contract of pages of 16 or more), its planted `-1`
 # bug was reported with the tensor and the offset it hit, a whole-page read was
-# attributed to the unwritten tail of a last page, and a baseline run showed only the
-# newly planted bug.
+# attributed to the unwritten tail of a last page, a baseline run showed the newly
+# planted bug (new failures, and new causes of the standing ones), and vLLM's chunked
+# prefill with paged decode failed a request without queries until its contract said
+# `min_q_len=1`.
 #
 # ## Try this
 #

@@ -31,7 +31,7 @@
 # [06 · The Triton write kernel](06_triton_write.ipynb) (the store, RoPE) and
 # [07 · The Triton read kernel](07_triton_read.ipynb) (online softmax, split-KV).
 #
-# **Time:** about 6 s to run (Restart and Run All, 2 CPU cores), 25 minutes to read.
+# **Time:** 6 s to run (Restart and Run All, 2 CPU cores), 25 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook).
 
 # %%

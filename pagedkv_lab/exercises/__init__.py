@@ -13,10 +13,11 @@ inputs, what was expected, what came back, where it first differs and a hint; fo
 kernel exercises it also draws the pool rows that were wrong (a PNG, shown inline in a
 notebook). Exceptions from the learner's code become such a message too.
 
-The exercises, in order (:data:`EXERCISES`): ``kv_bytes``, ``slot_mapping``,
-``cow_append``, ``ring_window``, ``prefix_cache``, ``append_kernel``, ``merge_kernel``,
-``decode_kernel``. Before class: ``python -m pagedkv_lab.exercises check --solutions``
-(every solution passes) and ``check --stubs`` (every stub fails with a message).
+The exercises, in the workshop's order (:data:`EXERCISES`): ``kv_bytes``,
+``prealloc_cache`` (09), ``gqa_broadcast`` (10), ``slot_mapping``, ``cow_append``,
+``ring_window``, ``prefix_cache``, ``append_kernel``, ``merge_kernel``, ``decode_kernel``.
+Before class: ``python -m pagedkv_lab.exercises check --solutions`` (every solution
+passes) and ``check --stubs`` (every stub fails with a message).
 
 Importing this package never imports triton or ``kernels``: a learner's kernel brings
 triton itself, after ``pagedkv_lib`` has chosen the backend.

@@ -17,16 +17,13 @@ from functools import partial
 
 from pagedkv_lab.exercises.cases import Case, Mismatch, as_ints, first_wrong_index, run_cases
 from pagedkv_lab.exercises.result import LearnerError, call, show
+from pagedkv_lib.checks import is_number
 from pagedkv_lib.formats import pad_block_tables, slot_mapping
 from pagedkv_lib.indexing import is_power_of_two, locate, locate_pow2
 from pagedkv_lib.memory import ModelSpec, kv_bytes_per_token, padded_tokens
 from pagedkv_lib.window import RingWindow
 
 __all__ = ["check_kv_bytes", "check_slot_mapping", "check_ring_window"]
-
-
-def _not_a_number(got) -> bool:
-    return isinstance(got, bool) or not isinstance(got, (int, float))
 
 
 # --------------------------------------------------------------------------- 01 kv_bytes
@@ -80,7 +77,7 @@ FRAGMENTATION_BATCHES = (
 def _run_bytes_per_token(m: ModelCase, bytes_per_token) -> Mismatch | None:
     want = kv_bytes_per_token(ModelSpec("m", m.layers, m.heads, m.heads, m.dim), _DTYPE_OF_BYTES[m.nbytes])
     got = call("bytes_per_token", bytes_per_token, m.layers, m.heads, m.dim, m.nbytes)
-    if not _not_a_number(got) and got == want:
+    if is_number(got) and got == want:
         return None
     hint = ""
     if isinstance(got, (int, float)) and got:
@@ -117,7 +114,7 @@ def _run_fragmentation(c: BatchCase, fragmentation) -> Mismatch | None:
     padded = padded_tokens(lens, c.page_size)
     want = 1 - sum(lens) / padded if padded else 0.0
     got = call("fragmentation", fragmentation, list(lens), c.page_size)
-    if not _not_a_number(got) and math.isclose(got, want, abs_tol=1e-12):
+    if is_number(got) and math.isclose(got, want, abs_tol=1e-12):
         return None
     hint = _fragmentation_hint(got, lens, c.page_size, padded)
     return Mismatch(f"{want:.6f} ({padded - sum(lens)} empty of {padded} slots)", show(got), hint=hint)

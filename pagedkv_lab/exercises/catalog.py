@@ -1,11 +1,12 @@
-"""The exercises, in order: what each asks for and which check judges it."""
+"""The exercises, in the workshop's order (09 and 10 come right after 01; their numbers
+leave the others' as they were): what each asks for and which check judges it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedkv_lab.exercises import bookkeeping, check_append, check_decode, check_merge, sharing
+from pagedkv_lab.exercises import bookkeeping, caches, check_append, check_decode, check_merge, sharing
 
 __all__ = ["Exercise", "EXERCISES", "get"]
 
@@ -39,6 +40,22 @@ EXERCISES: dict[str, Exercise] = {
             ("bytes_per_token", "fragmentation"),
             bookkeeping.check_kv_bytes,
             "the memory formula; pages round every sequence up",
+        ),
+        Exercise(
+            9,
+            "prealloc_cache",
+            "Prefill and decode writes into a preallocated cache",
+            ("prefill_write", "decode_write"),
+            caches.check_prealloc_cache,
+            "slots and the first free row, seq_lens[slot]; a reused slot; refusing a full one before any write",
+        ),
+        Exercise(
+            10,
+            "gqa_broadcast",
+            "GQA's read through a view",
+            ("broadcast_kv_for_gqa",),
+            caches.check_gqa_broadcast,
+            "query head h reads KV head h // group; expand (stride 0) is a view, repeat is a copy",
         ),
         Exercise(
             2,

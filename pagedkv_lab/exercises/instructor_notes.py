@@ -157,7 +157,7 @@ def _section(exercise: Exercise, folder: Path, mistakes: list[Mistake], seconds:
 
 def render_notes(mistakes: Iterable[Mistake] = MISTAKES, folder: Path | None = None, measure: bool = True) -> str:
     """The text of ``exercises/INSTRUCTOR.md``. ``measure`` times each reference solution's
-    check (all eight: the kernel ones need Triton); without it the times read
+    check (all of them: the kernel ones need Triton); without it the times read
     :data:`NOT_MEASURED`. Raises ValueError if a planted mistake passes its check or its
     message no longer contains the words that name it."""
     folder = folder or default_dir()

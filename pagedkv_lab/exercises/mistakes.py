@@ -46,6 +46,73 @@ MISTAKES: tuple[Mistake, ...] = (
         "",
         "do not divide by zero",
     ),
+    # 09-10, the caches before paging (they come right after 01 in the workshop)
+    Mistake(
+        "prealloc_cache",
+        "writes a decode token one row past the first free row",
+        "row = seq_lens[slot]  # the first free row",
+        "row = seq_lens[slot] + 1",
+        "one row too far",
+    ),
+    Mistake(
+        "prealloc_cache",
+        "never advances seq_lens after a decode write",
+        "        seq_lens[slot] += 1\n",
+        "",
+        "advance seq_lens[slot] by 1",
+    ),
+    Mistake(
+        "prealloc_cache",
+        "adds the prompt to a reused slot's old length",
+        "seq_lens[slot] = n",
+        "seq_lens[slot] += n",
+        "set seq_lens[slot] = n",
+    ),
+    Mistake(
+        "prealloc_cache",
+        "writes token i into slot i instead of slots[i]",
+        "k_cache[slot, row] = k[i]",
+        "k_cache[i, row] = k[i]",
+        "go to slot slots[i]",
+    ),
+    Mistake(
+        "prealloc_cache",
+        "never checks for a full slot (IndexError past the last row)",
+        "    for slot in slots:  # every slot checked before the first write\n"
+        "        if seq_lens[slot] >= max_seq_len:\n"
+        '            raise ValueError(f"slot {slot} is full: it holds max_seq_len={max_seq_len} tokens")\n',
+        "",
+        "raise ValueError before writing anything",
+    ),
+    Mistake(
+        "gqa_broadcast",
+        "copies the KV heads (a broadcast that is no view)",
+        "kv.unsqueeze(2).expand(shape)",
+        "kv.unsqueeze(2).expand(shape).contiguous()",
+        "expand makes the group dimension with stride 0",
+    ),
+    Mistake(
+        "gqa_broadcast",
+        "interleaves the heads (query head h reads KV head h % num_kv_heads)",
+        "kv.unsqueeze(2).expand(shape)",
+        "kv.repeat(1, group, 1).view(shape)",
+        "heads are grouped, not interleaved",
+    ),
+    Mistake(
+        "gqa_broadcast",
+        "flattens the group into num_q_heads (reshape copies)",
+        "kv.unsqueeze(2).expand(shape)",
+        "kv.unsqueeze(2).expand(shape).reshape(kv.shape[0], num_q_heads, kv.shape[2])",
+        "keep the group as a dimension of its own",
+    ),
+    Mistake(
+        "gqa_broadcast",
+        "does not refuse a head count that does not divide",
+        "    if num_q_heads % num_kv_heads:\n"
+        '        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")\n',
+        "",
+        "refuse with ValueError",
+    ),
     Mistake(
         "slot_mapping",
         "takes the offset as pos // page_size",

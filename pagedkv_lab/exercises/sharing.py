@@ -14,6 +14,7 @@ from functools import partial
 from pagedkv_lab.exercises.cases import Case, Mismatch, as_ints, first_wrong_index, run_cases
 from pagedkv_lab.exercises.result import call, show
 from pagedkv_lib.allocator import BlockAllocator
+from pagedkv_lib.checks import is_int
 from pagedkv_lib.manager import KVCacheManager
 from pagedkv_lib.sharing import block_hash
 
@@ -297,7 +298,7 @@ def _run_lookup(c: LookupCase, num_cached_tokens) -> Mismatch | None:
     cached = {h for p in cached_prompts for h in _chain(p, ps)}
     want = _cached_tokens(cached_prompts, prompt, ps)
     got = call("num_cached_tokens", num_cached_tokens, list(prompt), set(cached), ps)
-    if not (isinstance(got, bool) or not isinstance(got, int)) and got == want:
+    if is_int(got) and got == want:
         return None
     hint = ""
     hits = 0

@@ -18,6 +18,9 @@ Who switches faults on, by name:
 * notebook 08 and the harness tests, for kernels written to other engines'
   conventions (family ``peer kernel``, :data:`PEER_KERNEL_FAULTS`): faulty copies of
   :mod:`pagedkv_lab.peer_kernels`' kernels;
+* notebook 01b and ``tests/test_caches_before_paging.py``, for the caches before paging
+  (family ``caches``, :data:`CACHE_FAULTS`): the exercise set's sketches, each as the
+  correct part of :mod:`pagedkv_lib.contiguous_cache` with its wrong line;
 * the thread stress test, its rate script and notebook 02, for bookkeeping shared between
   threads (family ``concurrency``): a manager or allocator whose lock is a no-op.
 
@@ -25,7 +28,8 @@ Nothing is patched globally, so a fault never leaks into the next cell or test.
 
 Modules: :mod:`~pagedkv_lab.faults.harness` (the harness's parts and wrappers),
 :mod:`~pagedkv_lab.faults.quantized` (quantized pools), :mod:`~pagedkv_lab.faults.engine`
-(engine parts), :mod:`~pagedkv_lab.faults.concurrency` (locks that exclude nobody),
+(engine parts), :mod:`~pagedkv_lab.faults.caches` (the caches before paging),
+:mod:`~pagedkv_lab.faults.concurrency` (locks that exclude nobody),
 :mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports triton and
 :mod:`pagedkv_kernels`, so nothing here imports it).
 """
@@ -58,6 +62,7 @@ __all__ = [
     "FAULTS",
     "ENGINE_FAULTS",
     "PEER_KERNEL_FAULTS",
+    "CACHE_FAULTS",
     "faults_of",
     "check_faults",
     "engine_parts",
@@ -81,7 +86,7 @@ __all__ = [
     "shared_kv_scale",
 ]
 
-FAMILIES = ("harness", "quantized", "engine", "peer kernel", "concurrency")
+FAMILIES = ("harness", "quantized", "engine", "peer kernel", "caches", "concurrency")
 
 
 def load(path: str):
@@ -122,10 +127,12 @@ _H = "pagedkv_lab.faults.harness:"
 _Q = "pagedkv_lab.faults.quantized:"
 _E = "pagedkv_lab.faults.engine:"
 _K = "pagedkv_lab.faults.peer_kernels:"
-_C = "pagedkv_lab.faults.concurrency:"
+_T = "pagedkv_lab.faults.concurrency:"  # threads
 _PEER = "pagedkv_lab.peer_kernels:"
 _MANAGER = {"manager": "pagedkv_lib.manager:KVCacheManager"}
 _SCENARIOS = "pagedkv_lab.verify.scenarios"
+_C = "pagedkv_lab.faults.caches:"
+_LIB = "pagedkv_lib.contiguous_cache:"
 
 
 def _peer(name: str, family_fn: str, kernel: str, wrong: str) -> Fault:
@@ -249,7 +256,7 @@ REGISTRY: tuple[Fault, ...] = (
         "concurrency",
         "the block manager's lock is a no-op: its operations' check-then-act steps (room, lookup, take, "
         "refcount) interleave between threads, and blocks are lost, handed out twice or freed while in use",
-        parts={"manager": f"{_C}UnlockedManager", "lock": f"{_C}NoLock"},
+        parts={"manager": f"{_T}UnlockedManager", "lock": f"{_T}NoLock"},
         replaces={**_MANAGER, "lock": "threading:RLock"},
     ),
     _peer(
@@ -277,6 +284,45 @@ REGISTRY: tuple[Fault, ...] = (
         "decode: whole pages are loaded, masked by head_dim only, so NaN in the unwritten tail "
         "of a last page poisons the output (0 * NaN), as vLLM's Triton attention once did",
     ),
+    Fault(
+        "slot_by_count",
+        "caches",
+        "a new sequence takes slot len(seq_to_slot), the number of live sequences: after a free that is a live "
+        "sequence's slot, and the newcomer's prefill overwrites its K/V",
+        parts={"cache": f"{_C}CountedSlotPreallocKVCache"},
+        replaces={"cache": f"{_LIB}PreallocKVCache"},
+    ),
+    Fault(
+        "shared_length",
+        "caches",
+        "one length per sequence for all layers, advanced by every layer's write: each layer after the first "
+        "appends one row further than the one before, past an unwritten row",
+        parts={"cache": f"{_C}SharedLengthPreallocKVCache"},
+        replaces={"cache": f"{_LIB}PreallocKVCache"},
+    ),
+    Fault(
+        "one_row_append",
+        "caches",
+        "the pool grows one row per call: a prompt chunk or speculative drafts (several tokens) cannot be appended",
+        parts={"append": f"{_C}append_write_one_row"},
+        replaces={"append": f"{_LIB}append_write"},
+    ),
+    Fault(
+        "read_before_write",
+        "caches",
+        "a step reads the cache before writing its own K/V: a token attends to the history but not to itself "
+        "(a prompt's first token to nothing)",
+        parts={"attention": f"{_C}ReadBeforeWriteMHA"},
+        replaces={"attention": f"{_LIB}MHAWithCache"},
+    ),
+    Fault(
+        "gqa_repeat_copy",
+        "caches",
+        "GQA's read repeats every KV head group times (repeat_interleave): a copy of group x the cached bytes "
+        "at every step, where a broadcast view copies nothing",
+        parts={"broadcast": f"{_C}broadcast_kv_by_repeat"},
+        replaces={"broadcast": f"{_LIB}broadcast_kv_for_gqa"},
+    ),
 )
 
 
@@ -292,6 +338,7 @@ def faults_of(*families: str) -> dict[str, Fault]:
 FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("harness", "quantized").items()}
 ENGINE_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("engine").items()}
 PEER_KERNEL_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("peer kernel").items()}
+CACHE_FAULTS: dict[str, str] = {n: f.wrong for n, f in faults_of("caches").items()}
 
 
 def _check_names(faults, known: dict) -> frozenset[str]:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv_lib.formats import get_batch_indices_positions
-from pagedkv_lib.indexing import element_offset
+from pagedkv_lib.checks import is_int
+from pagedkv_lib.formats import PAD, get_batch_indices_positions, index_tensor
+from pagedkv_lib.indexing import Index
 from pagedkv_lib.manager import KVCacheManager
 from pagedkv_lib.pool import cache_dims
 from pagedkv_lib.window import RingWindow
@@ -32,13 +33,35 @@ __all__ = [
 ]
 
 
-def chunk_positions_from_zero(append_indptr, seq_lens):
-    """:func:`pagedkv_lib.formats.get_batch_indices_positions` with the bug: every chunk
-    starts at position 0 (the forgotten ``past_len = seq_len - chunk_len``)."""
-    batch, positions = get_batch_indices_positions(append_indptr, seq_lens)
-    counts = torch.as_tensor(append_indptr)[1:] - torch.as_tensor(append_indptr)[:-1]
-    past = (torch.as_tensor(seq_lens) - counts).to(positions.dtype)
-    return batch, positions - past[batch.long()]  # the wrong line: positions
+# A copy of pagedkv_lib.formats.get_batch_indices_positions with one line changed (the
+# fault past_len_zero), so that notebook 08 shows the correct function and its wrong line.
+def chunk_positions_from_zero(append_indptr, seq_lens, nnz: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request and position ``[nnz]`` (int32) of every appended token.
+
+    ``append_indptr [batch + 1]`` delimits each request's new tokens in the ragged
+    batch; ``seq_lens [batch]`` are the lengths after the append, so the new tokens of
+    request ``b`` take its last ``append_indptr[b+1] - append_indptr[b]`` positions.
+    ``nnz`` (FlashInfer's argument) sizes the output beyond ``append_indptr[-1]``, for a
+    padded batch: the tail entries are padding, request ``-1`` at position 0.
+    """
+    indptr = index_tensor("append_indptr", append_indptr, 1)
+    lens = index_tensor("seq_lens", seq_lens, 1)
+    if indptr.numel() != lens.numel() + 1:
+        raise ValueError(f"append_indptr needs {lens.numel() + 1} entries for {lens.numel()} seq_lens")
+    counts = indptr[1:] - indptr[:-1]
+    if (counts < 0).any() or (counts > lens).any():
+        b = int(torch.nonzero((counts < 0) | (counts > lens))[0])
+        raise ValueError(f"request {b} appends {int(counts[b])} tokens but seq_lens[{b}]={int(lens[b])}")
+    total = int(counts.sum())
+    if nnz is not None and (not is_int(nnz) or nnz < total):
+        raise ValueError(f"nnz={nnz!r} must be an int >= the {total} appended tokens")
+    batch = torch.repeat_interleave(torch.arange(lens.numel()), counts)
+    within = torch.arange(total) - torch.repeat_interleave(indptr[:-1], counts)
+    positions = within  # the wrong line: past_len = seq_len - chunk_len forgotten
+    pad = (nnz or total) - total
+    batch = torch.cat([batch, torch.full((pad,), PAD, dtype=batch.dtype)])
+    positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
+    return batch.to(torch.int32), positions.to(torch.int32)
 
 
 def chunk_positions(append_indptr, seq_lens, fault: bool = False):
@@ -65,6 +88,8 @@ class NoCopyOnWriteManager(KVCacheManager):
     """A manager whose forks share pages but whose writes never copy them first."""
 
     def _needs_copy(self, block: int) -> bool:
+        """A write into ``block`` must go to a private copy: another table (or the prefix
+        cache) still reads it."""
         return False
 
 
@@ -77,17 +102,33 @@ def minus_one_as_index(append_fn, cache_arg: int = 2, slots_arg: int = 3):
         cache, slots = args[cache_arg], args[slots_arg]
         layout = kwargs.get("layout", args[4] if len(args) > 4 else "NHD")
         dims = cache_dims(cache, layout)
-        args[slots_arg] = torch.where(slots < 0, slots + dims.num_pages * dims.page_size, slots)
+        args[slots_arg] = torch.where(slots < 0, slots + dims.num_pages * dims.page_size, slots)  # the wrong line
         return append_fn(*args, **kwargs)
 
     return append
 
 
-def element_offset_int32(strides, page, kv, head, entry, feat):
-    """:func:`pagedkv_lib.indexing.element_offset` evaluated in int32 tensors, which
-    wrap silently on overflow exactly as 32-bit GPU index arithmetic does."""
-    as32 = [torch.as_tensor(x, dtype=torch.int32) for x in (page, kv, head, entry, feat)]
-    return element_offset(tuple(torch.tensor(s, dtype=torch.int32) for s in strides), *as32)
+# A copy of pagedkv_lib.indexing.element_offset with one line changed (the fault
+# int32_offset): the strides become int32 tensors, so with integer indices every product
+# and sum is 32-bit and wraps silently, as a kernel's int32 index arithmetic does.
+def element_offset_int32(
+    strides: tuple[int, int, int, int, int],
+    page: Index,
+    kv: Index,
+    head: Index,
+    entry: Index,
+    feat: Index,
+) -> Index:
+    """Element offset of ``cache[page, kv, ...]`` from the pool's 5 strides (in elements).
+
+    ``strides`` are ``(stride_page, stride_kv, stride_n, stride_h, stride_d)`` in the
+    layout-independent order page, K/V, token row, head, feature, so NHD
+    ``[pages, 2, page_size, heads, dim]`` and HND ``[pages, 2, heads, page_size, dim]``
+    share one formula: ``page*sp + kv*skv + entry*sn + head*sh + feat*sd``.
+    Multiply by the element size for bytes.
+    """
+    sp, skv, sn, sh, sd = torch.tensor(strides, dtype=torch.int32)  # the wrong line: 32-bit offsets
+    return page * sp + kv * skv + entry * sn + head * sh + feat * sd
 
 
 def whole_page_decode(q, cache, block_tables, seq_lens, layout: str = "NHD"):
@@ -128,7 +169,7 @@ def chunk_local_mask(prefill_fn):
     def prefill(q, cache, qo_indptr, block_tables, seq_lens, *args, **kwargs):
         indptr = torch.as_tensor(qo_indptr)
         q_lens = (indptr[1:] - indptr[:-1]).to(device=seq_lens.device, dtype=seq_lens.dtype)
-        return prefill_fn(q, cache, qo_indptr, block_tables, q_lens, *args, **kwargs)
+        return prefill_fn(q, cache, qo_indptr, block_tables, q_lens, *args, **kwargs)  # the fault: q_lens
 
     return prefill
 

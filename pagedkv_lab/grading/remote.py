@@ -7,9 +7,12 @@ runs the notebook's cells there and hands out :class:`RemoteFunction` stand-ins.
 one sends its arguments (:mod:`.wire`) and gets back the return value and the arguments
 as the learner's function left them, which are written back into the checker's own
 objects (a list filled in place, a pool a kernel wrote into, an allocator's refcounts),
-as if the function had run here. An exception the learner's code raised is raised here
-as a :class:`LearnerException` of the same name (a subclass of the built-in exception it
-was, where it was one), carrying where in the learner's cells it happened.
+as if the function had run here; a returned tensor that views an argument (GQA's
+broadcast read) comes back as the same view of the checker's argument, so that a view is
+told from a copy by its storage pointer here as in the learner's notebook. An exception
+the learner's code raised is raised here as a :class:`LearnerException` of the same name
+(a subclass of the built-in exception it was, where it was one), carrying where in the
+learner's cells it happened.
 
 Every reply must arrive by one deadline, the learner's time budget: a process that hangs,
 dies, or answers something that is not a reply fails the call with a
@@ -121,9 +124,11 @@ def remote_exception(info) -> LearnerException:
 _MUTABLE = (torch.Tensor, list, dict, set, deque, tuple)
 
 
-def _restore(mine, theirs, done: set) -> None:
+def _restore(mine, theirs, done: dict) -> None:
     """Write ``theirs`` (an argument as the learner's function left it) into ``mine`` (the
-    checker's object it was sent from). Raises :class:`WireError` where they differ in kind."""
+    checker's object it was sent from). ``done`` maps the storage pointer of each argument
+    tensor as it came back to the checker's storage it was written into. Raises
+    :class:`WireError` where they differ in kind."""
     if isinstance(mine, torch.Tensor):
         if not isinstance(theirs, torch.Tensor) or (mine.dtype, mine.shape, mine.stride()) != (
             theirs.dtype,
@@ -131,12 +136,13 @@ def _restore(mine, theirs, done: set) -> None:
             theirs.stride(),
         ):
             raise WireError("a tensor came back with another dtype, shape or stride")
-        storage = mine.untyped_storage()
-        if storage.data_ptr() not in done:
-            if theirs.untyped_storage().nbytes() != storage.nbytes():
+        storage, came_back = mine.untyped_storage(), theirs.untyped_storage()
+        if came_back.data_ptr() not in done:
+            if came_back.nbytes() != storage.nbytes():
                 raise WireError("a tensor's storage came back with another size")
-            storage.copy_(theirs.untyped_storage())
-            done.add(storage.data_ptr())
+            storage.copy_(came_back)
+            if came_back.nbytes():  # empty storages share no bytes to be told apart by
+                done[came_back.data_ptr()] = storage
     elif type(mine) in (list, dict, set, deque):
         if type(theirs) is not type(mine):
             raise WireError(f"a {type(mine).__name__} came back as a {type(theirs).__name__}")
@@ -163,6 +169,22 @@ def _restore(mine, theirs, done: set) -> None:
         mine.__dict__.update(theirs.__dict__)
 
 
+def _reseat(value, storages: dict):
+    """``value`` (a return value) with every tensor that views an argument's storage as it
+    came back (``storages``: :func:`_restore`'s map) set on the checker's storage of that
+    argument, at the same offset, shape and strides; tuples and lists are walked."""
+    if isinstance(value, torch.Tensor):
+        mine = storages.get(value.untyped_storage().data_ptr()) if value.untyped_storage().nbytes() else None
+        if mine is None:
+            return value
+        return torch.empty(0, dtype=value.dtype, device=mine.device).set_(
+            mine, value.storage_offset(), value.shape, value.stride()
+        )
+    if type(value) in (list, tuple):
+        return type(value)(_reseat(v, storages) for v in value)
+    return value
+
+
 class RemoteFunction:
     """Stands for the learner's function ``name`` in the checker: calling it runs the
     learner's function in the learner process (see the module docstring)."""
@@ -182,7 +204,7 @@ class RemoteFunction:
         try:
             if not isinstance(reply, dict) or not isinstance(reply.get("args"), list):
                 raise WireError("a reply without the arguments")
-            done: set = set()
+            done: dict = {}
             if len(reply["args"]) != len(args):
                 raise WireError("a reply with another number of arguments")
             for mine, theirs in zip(args, reply["args"]):
@@ -201,7 +223,7 @@ class RemoteFunction:
             raise self.process.ended(f"it answered something that is not a reply ({err})") from None
         if "error" in reply:
             raise remote_exception(reply["error"])
-        return reply.get("value")
+        return _reseat(reply.get("value"), done)
 
 
 class LearnerProcess:

@@ -9,7 +9,7 @@ wrapped function (or their import paths, ``"package.module:function"``). Inputs 
 built on :func:`pagedkv_lib.runtime.device`; expectations come from the float64
 references on the CPU (copies are exact, so appends must match bit for bit).
 
-Two kinds of checks:
+Three kinds of checks:
 
 * a **case grid** (:mod:`.append_checks`, :mod:`.decode_checks`: layouts, dtypes, head
   dims, page sizes, GQA ratios, empty and length-1 sequences, padding slots,
@@ -22,13 +22,24 @@ Two kinds of checks:
   zeroing, copy-on-write fork, a freed and reused page, prefill chunk by chunk, a
   mid-page prefix hit through the prefill kernel), in pages the kernels' contracts
   admit, and a self-check of offsets past 2**31 that calls no kernel. Each fault of
-  :mod:`pagedkv_lab.faults` breaks one of them.
+  :mod:`pagedkv_lab.faults` breaks one of them;
+* a **merge family** (:mod:`.merge_checks`, ``merge_fn``): attention states merged in
+  the base-2 or natural-log convention, empty states, NaN states.
+
+A decode or prefill that returns a log-sum-exp (``Contract.lse``) has it checked too,
+and a kernel that writes into ``out=`` writes into a guarded buffer (:mod:`.read_call`).
 
 Grid cases outside a kernel's contract are replaced by equivalent ones inside it
-(:meth:`Contract.project`); a family or run that checks nothing of the kernel fails. A
-case that fails on non-finite outputs is re-run with finite stale values, and the
-report says which unused rows the kernel reads (:mod:`.stale`); ``baseline=`` reports
-only what changed against a saved report (:mod:`.baseline`).
+(:meth:`Contract.project`); a family or run that checks nothing of the kernel fails, and
+a check that reached its verdict without calling a callable under test is a self-check,
+never the kernel's pass. A contract also states real kernels' preconditions (a query
+per request, the new tokens both in the pool and apart, tf32 dots, K and V sharing
+strides, sinks, ALiBi, a soft cap). A case or scenario that fails on non-finite
+outputs is re-run with finite stale values, and the report says which unused rows the
+kernel reads (:mod:`.stale`); ``baseline=`` reports only what changed against a saved
+report, a new cause of a standing failure included (:mod:`.baseline`). A callable that
+raises inside Triton's interpreter is reported with its kernel's file and line
+(:mod:`.errors`); a mismatch names the first element beyond tolerance and the worst.
 
 A callable that raises fails the case it raised on; the run goes on. From a shell:
 ``python -m pagedkv_lab.verify --append-fn pkg.mod:fn --decode-fn pkg.mod:fn`` (or
@@ -41,7 +52,9 @@ masked ``tl.load`` without ``other=`` reads NaN, as undefined as on a GPU;
 Modules: :mod:`.runner` (:func:`run`, :func:`run_case`), :mod:`.cli` and ``__main__``
 (the command line), :mod:`.contract` (what a kernel declares), :mod:`.grid` (case grids,
 their inputs), :mod:`.append_checks`, :mod:`.decode_checks`, :mod:`.prefill_checks`,
-:mod:`.quant_checks`, :mod:`.mla_checks` (one case grid per family), :mod:`.generated`
+:mod:`.quant_checks`, :mod:`.mla_checks`, :mod:`.merge_checks` (one case grid per
+family), :mod:`.read_call` (score modifiers, ``out=`` and the LSE around a read kernel's
+call), :mod:`.errors` (what a callable raised, and where), :mod:`.generated`
 (hypothesis cases), :mod:`.scenarios`, :mod:`.prefill_scenarios` and :mod:`.bench`
 (their test bench), :mod:`.guards` (canary bytes around every tensor), :mod:`.stale`,
 :mod:`.isolation` (a child process per check), :mod:`.report`, :mod:`.baseline`, and
@@ -56,6 +69,7 @@ from pagedkv_lab.verify.cli import main
 from pagedkv_lab.verify.contract import FULL, Contract, contract, contract_of
 from pagedkv_lab.verify.decode_checks import decode_case, decode_grid, long_decode_cases
 from pagedkv_lab.verify.generated import generated_cases
+from pagedkv_lab.verify.merge_checks import merge_case, merge_grid, merge_inputs
 from pagedkv_lab.verify.mla_checks import (
     deepseek_v2_case,
     mla_append_case,
@@ -127,6 +141,10 @@ __all__ = [
     "prefill_grid",
     "long_prefill_cases",
     "prefill_case",
+    # merges of attention states
+    "merge_grid",
+    "merge_inputs",
+    "merge_case",
     # quantized pools
     "quant_append_grid",
     "quant_append_case",

@@ -17,6 +17,7 @@ import math
 import torch
 
 from pagedkv_lab.verify.contract import Contract, contract_of
+from pagedkv_lab.verify.errors import raised
 from pagedkv_lab.verify.grid import accepts, cover, rand
 from pagedkv_lab.verify.guards import Guards
 from pagedkv_lab.verify.report import CaseResult
@@ -122,7 +123,8 @@ def _call(fn, args, layout: str, **kwargs):
 def append_case(append_fn, case: dict, contract: Contract | None = None) -> CaseResult:
     """Run one append case; the pool must equal the reference's bit for bit, nothing
     outside the given tensors may change, and ``k``, ``v`` and ``slot_mapping`` must
-    be left as they were."""
+    be left as they were. The pool's K and V have distinct strides unless the kernel
+    declares them shared (:meth:`Contract.pool_kv_strides`)."""
     contract = contract or contract_of(append_fn)
     reason = contract.outside(case)
     if reason:
@@ -132,13 +134,13 @@ def append_case(append_fn, case: dict, contract: Contract | None = None) -> Case
     expected = cache.clone()
     reference.append_paged_kv(k, v, expected, slots, layout)
     dev, guards = runtime.device(), Guards()
-    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
+    native = guards.place_pool(cache, contract.cache_layout, layout, dev, contract.pool_kv_strides())
     originals = {"k": k, "v": v, "slot_mapping": slots}
     inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
     try:
         _call(append_fn, (inputs["k"], inputs["v"], native, inputs["slot_mapping"]), layout)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult("append", case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
+        return CaseResult("append", case, False, math.inf, 0.0, 0.0, raised(err))
     dims = (expected.shape[0], case["page_size"], case["num_kv_heads"], case["head_dim"])
     got = to_paged(native if isinstance(native, torch.Tensor) else tuple(native), contract.cache_layout, layout, *dims)
     ok, max_abs, _ = bit_compare(got.cpu(), expected, layout)

@@ -4,7 +4,8 @@
 Python references), or ``python -m pagedkv_kernels.tools.verify`` (the suite's Triton kernels, which
 lives on the kernels' side so that this library never imports them). ``--json PATH``
 also writes the report as JSON, for other projects' CI; ``--baseline PATH`` compares
-with such a saved report, prints only what changed and exits 1 only on new failures."""
+with such a saved report, prints only what changed and exits 1 only on new failures
+and on standing failures with a new cause."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from pagedkv_lab import faults as F
 from pagedkv_lab import poisoning
 from pagedkv_lab.verify.runner import FN_ARGS, run
-from pagedkv_lib import block_copy, indexer_cache, quant_reference, reference, runtime
+from pagedkv_lib import block_copy, indexer_cache, merge_state, quant_reference, reference, runtime
 
 __all__ = ["main", "non_negative_int"]
 
@@ -30,6 +31,7 @@ _HELP = {
     "indexer_scatter_fn": "your indexer-K cache scatter (kernels.indexer_k_cache_scatter)",
     "block_copy_fn": "your multi-layer block copy (kernels.copy_paged_blocks)",
     "rotary_append_fn": "your CSR append with rope_positions (kernels.append_paged_kv_csr)",
+    "merge_fn": "your merge of attention states (kernels.merge_states; base-2 LSEs unless its contract says)",
 }
 REFERENCES = {  # --reference: the Python references of every family that has one
     "append_fn": reference.append_paged_kv,
@@ -40,6 +42,7 @@ REFERENCES = {  # --reference: the Python references of every family that has on
     "indexer_scatter_fn": indexer_cache.scatter_indexer_k,
     "block_copy_fn": block_copy.copy_blocks,
     "rotary_append_fn": reference.append_paged_kv_csr,
+    "merge_fn": merge_state.merge_states,
 }
 
 
@@ -64,10 +67,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: str = "python -m pagedkv_lab.verify"):
+def main(
+    argv: list[str] | None = None,
+    *,
+    defaults: dict | None = None,
+    prog: str = "python -m pagedkv_lab.verify",
+    contracts: dict | None = None,
+):
     """Parse ``argv``, run the harness, print the report; return 0 when every check passed,
     1 when one failed (argparse exits 2 on a usage error). ``defaults`` (``{"append_fn":
-    ..., ...}``) are the callables used when none is named on the command line."""
+    ..., ...}``) are the callables used when none is named on the command line, and
+    ``contracts`` (``{"decode_fn": Contract(...), ...}``) what they declare."""
     parser = argparse.ArgumentParser(prog=prog, description="Run the pagedkv conformance harness on paged-KV kernels.")
     for arg in FN_ARGS:
         parser.add_argument(f"--{arg.replace('_', '-')}", dest=arg, metavar="MODULE:FN", help=_HELP.get(arg))
@@ -77,12 +87,18 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
         "--hypothesis", type=non_negative_int, default=10, metavar="N", help="generated cases per op (default 10)"
     )
     parser.add_argument("--fault", action="append", default=[], choices=sorted(F.FAULTS), help="switch a fault on")
+    parser.add_argument(
+        "--checks",
+        type=lambda text: tuple(name.strip() for name in text.split(",") if name.strip()),
+        metavar="NAME[,NAME]",
+        help="only these checks (e.g. decode,merge; default: every check the given callables allow)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument(
         "--baseline",
         type=Path,
         metavar="PATH",
-        help="a saved --json report: print only what changed, exit 1 only on new failures",
+        help="a saved --json report: print only what changed, exit 1 only on new failures or new causes",
     )
     parser.add_argument("--no-isolate", action="store_true", help="run checks in this process (no crash isolation)")
     parser.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S", help="seconds per check")
@@ -93,12 +109,13 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
     )
     args = parser.parse_args(argv)
     named = {arg: getattr(args, arg) for arg in FN_ARGS if getattr(args, arg)}
+    declared = None
     if args.reference:
         fns = REFERENCES
     elif named:
         fns = named
     elif defaults:
-        fns = defaults
+        fns, declared = defaults, contracts
     else:
         flags = " / ".join(f"--{arg.replace('_', '-')}" for arg in FN_ARGS)
         parser.error(f"name the kernels to check ({flags}), or --reference; "
@@ -116,6 +133,8 @@ def main(argv: list[str] | None = None, *, defaults: dict | None = None, prog: s
             timeout_s=args.timeout,
             poison_masked=poison,
             baseline=args.baseline,
+            contracts=declared,
+            **({"checks": args.checks} if args.checks else {}),
         )
     except ValueError as err:  # an import path that does not resolve, an unknown fault, a bad baseline
         parser.error(str(err))

@@ -21,11 +21,12 @@ import torch
 from pagedkv_lab.verify.contract import Contract, contract_of
 from pagedkv_lab.verify.grid import accepts, cover, rand
 from pagedkv_lab.verify.guards import Guards
-from pagedkv_lab.verify.report import CaseResult
+from pagedkv_lab.verify.read_call import call_read, check_lse, score_mod_cases, score_mod_kwargs
+from pagedkv_lab.verify.report import CaseResult, located
 from pagedkv_lab.verify.stale import restrict_poison
 from pagedkv_lib import reference, runtime
 from pagedkv_lib.cache_layouts import to_paged
-from pagedkv_lib.compare import DTYPES, TOLERANCES, compare, first_difference
+from pagedkv_lib.compare import DTYPES, compare, first_difference
 from pagedkv_lib.formats import pad_block_tables, scatter_pages, slot_mapping
 from pagedkv_lib.pool import PagedKVPool
 from pagedkv_lib.window import LinearWindow, RingWindow, Window
@@ -38,6 +39,7 @@ __all__ = [
     "case_window",
     "write_sequence",
     "read_changes",
+    "score_mod_decode_cases",
 ]
 
 
@@ -59,6 +61,20 @@ def long_decode_cases() -> list[dict]:
          "window_left": 96, "num_splits": None},
         {**base, "page_size": 1, "group": 1, "num_kv_heads": 1, "seq_lens": [90, 2], "window_left": 0},
     ]  # fmt: skip
+
+
+def score_mod_decode_cases() -> list[dict]:
+    """Cases with score modifiers (:func:`.read_call.score_mod_cases`), for a kernel that
+    declares them: the soft cap over empty, length-1 and page-aligned sequences, ALiBi
+    over 70 keys, sinks next to an empty and a length-1 sequence, and all three over
+    300 keys in three splits (the sink must be counted once, not once per split)."""
+    base = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 16, "group": 2, "num_kv_heads": 2}
+    return score_mod_cases([
+        {**base, "seq_lens": [0, 1, 37, 16]},
+        {**base, "layout": "HND", "dtype": "fp16", "page_size": 5, "seq_lens": [70, 5]},
+        {**base, "dtype": "bf16", "group": 4, "num_kv_heads": 1, "seq_lens": [1, 33, 0]},
+        {**base, "seq_lens": [300, 129], "num_splits": 3},
+    ])  # fmt: skip
 
 
 def decode_grid(full: bool = False) -> list[dict]:
@@ -164,22 +180,26 @@ def read_changes(kind: str, case: dict, cache, native, cache_layout: str, origin
 
 
 def decode_case(decode_fn, case: dict, contract: Contract | None = None) -> CaseResult:
-    """Run one decode case: the output within tolerance of the float64 reference, and
-    the pool, ``q`` and the page table bit-for-bit unchanged, nothing written next to
-    them. The pool is built in the kernel's declared cache layout."""
+    """Run one decode case: the output within tolerance of the float64 reference (and
+    the LSE, for a kernel declaring one), and the pool, ``q`` and the page table
+    bit-for-bit unchanged, nothing written next to them or past ``out=``. The pool is
+    built in the kernel's declared cache layout (with distinct K and V strides unless it
+    declares them shared); score modifiers as :mod:`.read_call`."""
     contract = contract or contract_of(decode_fn)
     reason = contract.outside(case)
     if reason:
         return CaseResult("decode", case, None, outside=reason)
     q, cache, tables, lens, window = decode_inputs(case)
-    layout = case["layout"]
-    expected = reference.paged_decode_attention(q, cache, tables, lens, layout=layout, window=window, precision="fp64")
-    atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
+    layout, mods = case["layout"], score_mod_kwargs(case, q.shape[1])
+    expected, expected_lse = reference.paged_decode_attention(
+        q, cache, tables, lens, layout=layout, window=window, precision="fp64", return_lse=True, **mods
+    )
+    atol, rtol = contract.tolerance(case["dtype"])
     dev, guards = runtime.device(), Guards()
-    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
+    native = guards.place_pool(cache, contract.cache_layout, layout, dev, contract.pool_kv_strides())
     originals = {"q": q, "block_tables": tables, "seq_lens": lens}
     inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
-    kwargs, notes = {}, []
+    kwargs, notes = dict(mods), []
     if accepts(decode_fn, "layout"):
         kwargs["layout"] = layout
     if window is not None:
@@ -189,21 +209,24 @@ def decode_case(decode_fn, case: dict, contract: Contract | None = None) -> Case
             kwargs["num_splits"] = case["num_splits"]
         else:
             notes.append("decode_fn takes no num_splits: ran with its own")
-    try:
-        out = decode_fn(inputs["q"], native, inputs["block_tables"], inputs["seq_lens"], **kwargs)
-    except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult("decode", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
+    args = (inputs["q"], native, inputs["block_tables"], inputs["seq_lens"])
+    out, lse, error = call_read(decode_fn, args, kwargs, contract, inputs["q"], guards)
+    if error:
+        return CaseResult("decode", case, False, math.inf, math.inf, atol, error)
     result = compare(out, expected, atol, rtol)
-    ok, detail = result.passed, result.detail
-    if not ok and result.worst is not None:
-        b, h = result.worst[:2]
-        where = f"sequence {b} (length {int(lens[b])}), query head {h}"
-        if detail:  # non-finite outputs: where the first one is
-            detail = f"{detail}, the first at {where}"
-        else:
-            detail = f"first beyond tolerance: {where}, |err| = {result.tol_ratio:.3g} x (atol + rtol |ref|)"
+
+    def where(idx):
+        return f"sequence {idx[0]} (length {int(lens[idx[0]])}), query head {idx[1]}" + (
+            f", feature {idx[2]}" if len(idx) > 2 else ""
+        )
+
+    detail = located(result, where, out, expected)
+    if contract.lse is not None:
+        _, lse_detail = check_lse(lse, expected_lse, contract, case["dtype"], where)
+        notes.append(lse_detail)
     notes += read_changes("decode", case, cache, native, contract.cache_layout, originals, inputs)
     notes += guards.corrupted()
-    ok = ok and not [n for n in notes if not n.startswith("decode_fn takes no")]
+    notes = [n for n in notes if n]
+    ok = result.passed and not [n for n in notes if not n.startswith("decode_fn takes no")]
     detail = "; ".join([detail, *notes]) if detail else "; ".join(notes)
     return CaseResult("decode", case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)

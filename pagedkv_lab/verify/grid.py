@@ -31,12 +31,16 @@ def cover(values: dict[str, list], extra: list[dict] = (), outer: int = 2) -> li
     return cases + [dict(c) for c in extra]
 
 
-def accepts(fn, name: str) -> bool:
-    """Whether callable ``fn`` takes a keyword argument ``name`` (or ``**kwargs``)."""
+def accepts(fn, name: str, named: bool = False) -> bool:
+    """Whether callable ``fn`` takes a keyword argument ``name`` (or ``**kwargs``; with
+    ``named``, only a parameter of that name: a wrapper's ``**kwargs`` is not a buffer
+    to write into)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins without a signature: assume not
         return False
+    if named:
+        return name in params
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 

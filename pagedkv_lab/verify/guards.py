@@ -13,13 +13,27 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv_lib.cache_layouts import native_tensors, to_native
+from pagedkv_lib.cache_layouts import native_from, native_tensors, to_native
 
-__all__ = ["CANARY", "Guards"]
+__all__ = ["CANARY", "Guards", "KV_STRIDES", "V_PAGE_PADDING"]
 
 CANARY = 0xA5  # the byte every guard region is filled with
 MIN_GUARD_BYTES = 4096
 _ALIGN = 256  # tensors start 256-byte aligned inside their buffer, as allocations do
+KV_STRIDES = ("shared", "distinct")
+# Elements added to V's page (or slot) stride when K and V are to have distinct strides:
+# 16 bytes or more in every dtype, so vector loads stay aligned.
+V_PAGE_PADDING = 8
+
+
+def _page_padded(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """A copy of ``t`` whose dim-0 stride is ``pad`` elements longer than contiguous (the
+    rest contiguous): the same values, other strides. The gaps hold NaN."""
+    inner = t[0].numel() if t.shape[0] else 0
+    buf = torch.full((t.shape[0], inner + pad), float("nan"), dtype=t.dtype, device=t.device)
+    out = buf[:, :inner].view(t.shape) if inner else buf[:, :0].reshape(t.shape)
+    out.copy_(t)
+    return out
 
 
 def _span_elements(t: torch.Tensor) -> int:
@@ -67,12 +81,28 @@ class Guards:
                 )
         return lines
 
-    def place_pool(self, cache: torch.Tensor, cache_layout: str, layout: str, device) -> torch.Tensor | tuple:
+    def place_pool(
+        self, cache: torch.Tensor, cache_layout: str, layout: str, device, kv_strides: str = "shared"
+    ) -> torch.Tensor | tuple:
         """The suite pool ``cache`` (5-D, in ``layout``) converted to ``cache_layout``
         (:func:`pagedkv_lib.cache_layouts.to_native`) and moved to ``device``, each of its
         tensors between guards of at least one page's bytes: the object a kernel under
-        test receives (a tensor, or a ``(k_cache, v_cache)`` tuple)."""
+        test receives (a tensor, a ``(k_cache, v_cache)`` tuple, a
+        :class:`~pagedkv_lib.cache_layouts.FlatCache`). ``kv_strides="distinct"``: for
+        ``"kv_tuple"`` and ``"flat"``, V's page (slot) stride is :data:`V_PAGE_PADDING`
+        elements longer than K's, so a kernel that addresses V with K's strides reads
+        the wrong rows (the suite's pool holds K and V in one tensor: nothing changes)."""
+        if kv_strides not in KV_STRIDES:
+            raise ValueError(f"kv_strides={kv_strides!r} must be one of {KV_STRIDES}")
         page_bytes = cache[0].numel() * cache.element_size()
         native = to_native(cache, cache_layout, layout)
-        placed = {n: self.place(n, t.to(device), page_bytes) for n, t in native_tensors(native).items()}
-        return placed["cache"] if isinstance(native, torch.Tensor) else (placed["k_cache"], placed["v_cache"])
+        tensors = {n: t.to(device) for n, t in native_tensors(native).items()}
+        if kv_strides == "distinct" and cache_layout in ("kv_tuple", "flat"):
+            tensors["v_cache"] = _page_padded(tensors["v_cache"], V_PAGE_PADDING)
+        return native_from(native, {n: self.place(n, t, page_bytes) for n, t in tensors.items()})
+
+    def place_output(self, name: str, shape, dtype, device) -> torch.Tensor:
+        """An output buffer for a kernel that writes into ``out=``: ``shape`` in ``dtype`` on
+        ``device``, filled with NaN (a row the kernel leaves unwritten shows), between
+        guards like every input."""
+        return self.place(name, torch.full(tuple(shape), float("nan"), dtype=dtype, device=device))

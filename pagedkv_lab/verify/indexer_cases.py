@@ -30,6 +30,7 @@ import torch
 
 from pagedkv_lab.verify.append_checks import append_inputs
 from pagedkv_lab.verify.compare import DTYPES, bits
+from pagedkv_lab.verify.errors import raised
 from pagedkv_lab.verify.grid import cover
 from pagedkv_lab.verify.report import CaseResult
 from pagedkv_lib import runtime
@@ -138,7 +139,7 @@ def indexer_scatter_case(scatter_fn, case: dict) -> CaseResult:
     try:
         scatter_fn(pool.cache(layer), inputs["codes"], inputs["scales"], inputs["slot_fp8"], inputs["slot_scale"])
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult("indexer_scatter", case, False, math.inf, detail=f"raised {type(err).__name__}: {err}")
+        return CaseResult("indexer_scatter", case, False, math.inf, detail=raised(err))
     got = pool.arena.cpu()
     notes = [_locate_arena_error(got, expected.arena, before, pool, layer, (slot_fp8, slot_scale), owners)]
     notes += [
@@ -208,7 +209,7 @@ def block_copy_case(copy_fn, case: dict) -> CaseResult:
         copy_fn(pools["cache"], pairs["src_blocks"], pairs["dst_blocks"], pairs["num_tokens"], layout=layout,
                 dst_cache=pools["dst_cache"])  # fmt: skip
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult("block_copy", case, False, math.inf, detail=f"raised {type(err).__name__}: {err}")
+        return CaseResult("block_copy", case, False, math.inf, detail=raised(err))
     notes = []
     for name, want in (("cache", expected), ("dst_cache", expected_dst)):
         if want is None:

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from pagedkv_lab.verify.errors import raised
 from pagedkv_lab.verify.report import CaseResult
 from pagedkv_lib import runtime
 
@@ -62,7 +63,7 @@ def _child(job: Callable[[], CaseResult], conn, parent: int) -> None:
     try:
         result = job()
     except BaseException as err:  # noqa: BLE001  (reported, not raised, in the child)
-        result = CaseResult("?", {}, False, math.inf, detail=f"raised {type(err).__name__}: {err}")
+        result = CaseResult("?", {}, False, math.inf, detail=raised(err))
     conn.send(result)
     conn.close()
     os._exit(0)  # no atexit handlers, no flushing of inherited streams

@@ -23,9 +23,10 @@ import math
 
 import torch
 
+from pagedkv_lab.verify.errors import raised
 from pagedkv_lab.verify.grid import accepts, rand
 from pagedkv_lab.verify.guards import Guards
-from pagedkv_lab.verify.report import CaseResult
+from pagedkv_lab.verify.report import CaseResult, located
 from pagedkv_lab.verify.stale import restrict_poison
 from pagedkv_lib import mla, runtime
 from pagedkv_lib.compare import DTYPES, TOLERANCES, compare, first_difference
@@ -137,7 +138,7 @@ def mla_append_case(append_fn, case: dict) -> CaseResult:
     try:
         append_fn(ckv_dev, kpe_dev, got_c, got_p, slots_dev, **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
+        return CaseResult(name, case, False, math.inf, 0.0, 0.0, raised(err))
     got_c, got_p = got_c.cpu(), got_p.cpu()
     notes, max_abs, ratio = [], 0.0, 0.0
     written = slots[slots >= 0]
@@ -288,12 +289,12 @@ def mla_decode_case(decode_fn, case: dict) -> CaseResult:
     try:
         out = decode_fn(*inputs.values(), **kwargs)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult(name, case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
+        return CaseResult(name, case, False, math.inf, math.inf, atol, raised(err))
     result = compare(out, expected, atol, rtol)
-    ok, detail = result.passed, result.detail
-    if not ok and result.worst is not None and not detail:
-        b, h = result.worst[:2]
-        detail = f"first beyond tolerance: sequence {b} (length {int(t['seq_lens'][b])}), head {h}"
+    ok = result.passed
+    lens = t["seq_lens"]
+    detail = located(result, lambda i: f"sequence {i[0]} (length {int(lens[i[0]])}), head {i[1]}, feature {i[2]}",
+                     out, expected)  # fmt: skip
     for a in _ARGS:
         count, where = first_difference(inputs[a].cpu(), t[a])
         if count:

@@ -29,10 +29,11 @@ from pagedkv_lab.verify.contract import Contract, contract_of
 from pagedkv_lab.verify.decode_checks import case_window, read_changes, write_sequence
 from pagedkv_lab.verify.grid import accepts, cover, rand
 from pagedkv_lab.verify.guards import Guards
-from pagedkv_lab.verify.report import CaseResult
+from pagedkv_lab.verify.read_call import call_read, check_lse, score_mod_cases, score_mod_kwargs
+from pagedkv_lab.verify.report import CaseResult, located
 from pagedkv_lab.verify.stale import restrict_poison
 from pagedkv_lib import reference, runtime
-from pagedkv_lib.compare import DTYPES, TOLERANCES, compare
+from pagedkv_lib.compare import DTYPES, compare
 from pagedkv_lib.draft_tree import batch_tree_mask
 from pagedkv_lib.formats import pad_block_tables, scatter_pages
 from pagedkv_lib.pool import PagedKVPool, cache_dims
@@ -47,6 +48,7 @@ __all__ = [
     "tree_prefill_cases",
     "prefill_inputs",
     "prefill_case",
+    "score_mod_prefill_cases",
     "split_new_tokens",
     "locate_row",
 ]
@@ -127,6 +129,20 @@ def tree_prefill_cases() -> list[dict]:
     ]  # fmt: skip
 
 
+def score_mod_prefill_cases() -> list[dict]:
+    """Cases with score modifiers (:func:`.read_call.score_mod_cases`), for a kernel that
+    declares them: the soft cap over a whole prompt, an empty request and a decode step;
+    ALiBi over later chunks; sinks next to a request without queries; all three over a
+    long chunk of 100 queries after 200 cached tokens."""
+    base = {"layout": "NHD", "dtype": "fp32", "head_dim": 64, "page_size": 16, "group": 2, "num_kv_heads": 2}
+    return score_mod_cases([
+        {**base, "requests": BATCHES[0]},
+        {**base, "layout": "HND", "dtype": "fp16", "page_size": 5, "requests": BATCHES[1]},
+        {**base, "dtype": "bf16", "group": 4, "num_kv_heads": 1, "requests": BATCHES[2]},
+        {**base, "requests": ((300, 100), (20, 20))},
+    ])  # fmt: skip
+
+
 def prefill_grid(full: bool = False) -> list[dict]:
     """Prefill cases: layouts x dtypes, cycling head dims, page sizes, GQA groups and the
     :data:`BATCHES`; a pool of finite stale values; a NaN in a query; then ring windows,
@@ -191,12 +207,13 @@ def locate_row(row: int, qo_indptr, seq_lens) -> tuple[int, int, int]:
     return b, i, int(seq_lens[b]) - q_len + i
 
 
-def split_new_tokens(cache, tables, qo_indptr, seq_lens, layout: str, poison=True, seed: int = 0):
+def split_new_tokens(cache, tables, qo_indptr, seq_lens, layout: str, poison=True, seed: int = 0, overwrite=True):
     """``(k_new, v_new) [total_q, num_kv_heads, head_dim]``: the new tokens' K/V (request
     ``b``'s positions ``seq_lens[b] - q_len[b] ..``, in ``q``'s row order) copied out of
-    the pool ``cache``, whose rows for them are then overwritten in place: NaN (``poison``
-    True), else finite values unlike theirs. A kernel given them apart (the separate
-    form) that reads the pool for them fails either way."""
+    the pool ``cache``, whose rows for them are then overwritten in place (unless
+    ``overwrite`` is False: the ``"both"`` form): NaN (``poison`` True), else finite
+    values unlike theirs. A kernel given them apart (the separate form) that reads the
+    pool for them fails either way."""
     dims = cache_dims(cache, layout)
     q_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     gen = torch.Generator().manual_seed(20_011 + seed)
@@ -205,7 +222,7 @@ def split_new_tokens(cache, tables, qo_indptr, seq_lens, layout: str, poison=Tru
         k, v = reference.gather_paged_kv(cache, tables[b], n, layout)
         ks.append(k[n - m :].clone())
         vs.append(v[n - m :].clone())
-        for pos in range(n - m, n):
+        for pos in range(n - m, n) if overwrite else ():
             page, row = int(tables[b, pos // dims.page_size]), pos % dims.page_size
             rows = cache[page, :, row] if layout == "NHD" else cache[page, :, :, row]
             fill = rand(rows.shape, cache.dtype, gen) + 3.0 if poison is not True else float("nan")
@@ -215,64 +232,78 @@ def split_new_tokens(cache, tables, qo_indptr, seq_lens, layout: str, poison=Tru
 
 def prefill_case(prefill_fn, case: dict, contract: Contract | None = None) -> CaseResult:
     """Run one prefill case: the output within tolerance of the float64 reference (the
-    failure detail names the first (request, query, head) beyond it), and the pool,
-    ``q`` and the index tensors bit-for-bit unchanged, nothing written next to them.
-    The pool is built in the kernel's declared cache layout. A kernel declaring
-    ``new_tokens="separate"`` gets the new tokens' K/V as ``k_new=``, ``v_new=`` and
-    their pool rows poisoned (:func:`split_new_tokens`), against the same reference,
-    computed from the whole pool first."""
+    failure detail names the first (request, query, head, feature) beyond it) and the
+    LSE for a kernel declaring one, and the pool, ``q`` and the index tensors
+    bit-for-bit unchanged, nothing written next to them or past ``out=``. The pool is
+    built in the kernel's declared cache layout (distinct K and V strides unless it
+    declares them shared). A kernel declaring ``new_tokens="separate"`` gets the new
+    tokens' K/V as ``k_new=``, ``v_new=`` and their pool rows poisoned
+    (:func:`split_new_tokens`); ``"both"``, the same without the poisoning; both
+    against the same reference, computed from the whole pool first."""
     contract = contract or contract_of(prefill_fn)
-    reason = contract.outside(case)
+    reason = contract.outside(case) or _options_outside(prefill_fn, case)
     if reason:
         return CaseResult("prefill", case, None, outside=reason)
     q, cache, qo_indptr, tables, lens, window = prefill_inputs(case)
-    layout = case["layout"]
-    causal = case.get("causal", True)
-    if not causal and not accepts(prefill_fn, "causal"):
-        return CaseResult("prefill", case, None, outside="the kernel takes no causal option")
-    if case.get("tree") is not None and not accepts(prefill_fn, "tree_mask"):
-        return CaseResult("prefill", case, None, outside="the kernel takes no tree_mask option")
+    layout, causal, mods = case["layout"], case.get("causal", True), score_mod_kwargs(case, q.shape[1])
     tree_mask = None if case.get("tree") is None else batch_tree_mask(case["tree"], qo_indptr)
-    expected = reference.paged_prefill_attention(
+    expected, expected_lse = reference.paged_prefill_attention(
         q, cache, qo_indptr, tables, lens, layout=layout, window=window, precision="fp64", causal=causal,
-        tree_mask=tree_mask,
+        return_lse=True, tree_mask=tree_mask, **mods,
     )  # fmt: skip
-    atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
+    atol, rtol = contract.tolerance(case["dtype"])
     originals = {"q": q, "qo_indptr": qo_indptr, "block_tables": tables, "seq_lens": lens}
     if tree_mask is not None:
         originals["tree_mask"] = tree_mask
-    separate = contract.new_tokens == "separate"
-    if separate:
-        poison = case.get("poison", True)
-        originals["k_new"], originals["v_new"] = split_new_tokens(cache, tables, qo_indptr, lens, layout, poison)
+    if contract.new_tokens != "cache":
+        poison, overwrite = case.get("poison", True), contract.new_tokens == "separate"
+        originals["k_new"], originals["v_new"] = split_new_tokens(
+            cache, tables, qo_indptr, lens, layout, poison, overwrite=overwrite
+        )
     dev, guards = runtime.device(), Guards()
-    native = guards.place_pool(cache, contract.cache_layout, layout, dev)
+    native = guards.place_pool(cache, contract.cache_layout, layout, dev, contract.pool_kv_strides())
     inputs = {name: guards.place(name, t.to(dev)) for name, t in originals.items()}
+    kwargs = _prefill_kwargs(prefill_fn, inputs, layout, window, causal) | mods
+    args = (inputs["q"], native, *(inputs[n] for n in ("qo_indptr", "block_tables", "seq_lens")))
+    out, lse, error = call_read(prefill_fn, args, kwargs, contract, inputs["q"], guards)
+    if error:
+        return CaseResult("prefill", case, False, math.inf, math.inf, atol, error)
+    result = compare(out, expected, atol, rtol)
+
+    def where(idx):
+        b, i, pos = locate_row(idx[0], qo_indptr, lens)
+        q_len = int(qo_indptr[b + 1] - qo_indptr[b])
+        text = f"request {b} (seq_len {int(lens[b])}, q_len {q_len}), query {i} (position {pos}), head {idx[1]}"
+        return text + (f", feature {idx[2]}" if len(idx) > 2 else "")
+
+    notes = [check_lse(lse, expected_lse, contract, case["dtype"], where)[1]] if contract.lse is not None else []
+    notes += read_changes("prefill", case, cache, native, contract.cache_layout, originals, inputs)
+    notes += guards.corrupted()
+    notes = [n for n in notes if n]
+    ok = result.passed and not notes
+    detail = "; ".join([x for x in (located(result, where, out, expected), *notes) if x])
+    return CaseResult("prefill", case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)
+
+
+def _options_outside(prefill_fn, case: dict) -> str | None:
+    """A case option the kernel takes no argument for: ``causal=False``, a draft tree."""
+    if not case.get("causal", True) and not accepts(prefill_fn, "causal"):
+        return "the kernel takes no causal option"
+    if case.get("tree") is not None and not accepts(prefill_fn, "tree_mask"):
+        return "the kernel takes no tree_mask option"
+    return None
+
+
+def _prefill_kwargs(prefill_fn, inputs: dict, layout: str, window, causal: bool) -> dict:
+    """The keyword arguments of a prefill call: ``layout`` when taken, ``k_new``/``v_new``
+    (the separate and both forms), ``window``, ``causal=False``, ``tree_mask``."""
     kwargs = {"layout": layout} if accepts(prefill_fn, "layout") else {}
-    if separate:
+    if "k_new" in inputs:
         kwargs |= {"k_new": inputs["k_new"], "v_new": inputs["v_new"]}
     if window is not None:
         kwargs["window"] = window
     if not causal:
         kwargs["causal"] = False
-    if tree_mask is not None:
+    if "tree_mask" in inputs:
         kwargs["tree_mask"] = inputs["tree_mask"]
-    try:
-        out = prefill_fn(inputs["q"], native, *(inputs[n] for n in ("qo_indptr", "block_tables", "seq_lens")), **kwargs)
-    except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult("prefill", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
-    result = compare(out, expected, atol, rtol)
-    ok, detail, notes = result.passed, result.detail, []
-    if not ok and result.worst is not None:
-        b, i, pos = locate_row(result.worst[0], qo_indptr, lens)
-        q_len = int(qo_indptr[b + 1] - qo_indptr[b])
-        where = (
-            f"first beyond tolerance: request {b} (seq_len {int(lens[b])}, q_len {q_len}), "
-            f"query {i} (position {pos}), head {result.worst[1]}"
-        )
-        detail = f"{detail}; {where}" if detail else where
-    notes += read_changes("prefill", case, cache, native, contract.cache_layout, originals, inputs)
-    notes += guards.corrupted()
-    ok = ok and not notes
-    detail = "; ".join([x for x in (detail, *notes) if x])
-    return CaseResult("prefill", case, ok, result.max_abs, result.max_rel, atol, detail, result.tol_ratio)
+    return kwargs

@@ -20,11 +20,10 @@ from __future__ import annotations
 import torch
 
 from pagedkv_lab import faults as F
-from pagedkv_lab.verify.bench import Bench, locate_output
+from pagedkv_lab.verify.bench import Bench
 from pagedkv_lab.verify.grid import rand
 from pagedkv_lab.verify.report import CaseResult
 from pagedkv_lab.verify.scenarios import attention_oracle, finish, scenario_case
-from pagedkv_lib.compare import FP32_ATOL
 from pagedkv_lib.formats import pad_block_tables, slot_mapping
 from pagedkv_lib.manager import KVCacheManager
 
@@ -37,19 +36,19 @@ def _causal(q, k, v, positions):
 
 
 def check_prefill_chunks(
-    append_fn, prefill_fn, faults, *, page_size: int = 4, cache_layout: str | None = None
+    append_fn, prefill_fn, faults, *, page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None
 ) -> CaseResult:
     """A prompt of ``2 * page_size + 3`` tokens in chunks of ``page_size + 1`` (so chunks
     start and end mid-page, the last one a single token): each chunk written, then its
     queries attend to the pool."""
-    bench, gen = Bench(append_fn, prefill_fn, cache_layout), torch.Generator().manual_seed(8)
+    bench, gen = Bench(append_fn, prefill_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(8)
     ps, hk, d = page_size, 1, 32
     n, chunk = 2 * ps + 3, ps + 1
     k, v = rand((n, hk, d), torch.float32, gen), rand((n, hk, d), torch.float32, gen)
     q = rand((n, 2, d), torch.float32, gen)
     num_pages = -(-n // ps) + 2
     tables = pad_block_tables([torch.randperm(num_pages, generator=gen)[: -(-n // ps)].tolist()])
-    pool = bench.pool(num_pages, ps, hk, d, fill=float("nan"))
+    pool = bench.pool(num_pages, ps, hk, d)
     worst, case = 0.0, scenario_case(ps, prompt_len=n, chunk=chunk)
     for step, start in enumerate(range(0, n, chunk)):
         end = min(start + chunk, n)
@@ -59,7 +58,7 @@ def check_prefill_chunks(
         expected = _causal(q[start:end], k, v, range(start, end))
         rows = [f"request 0, chunk step {step}, query at position {start + i} (pages {tables[0].tolist()})"
                 for i in range(end - start)]  # fmt: skip
-        ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
+        ok, max_abs, detail = bench.compare(out, expected, rows)
         worst = max(worst, max_abs)
         if not ok:
             return finish("prefill_chunks", bench, False, f"{detail}; the chunk sees the wrong keys", max_abs, **case)
@@ -67,16 +66,16 @@ def check_prefill_chunks(
 
 
 def check_prefix_hit(
-    append_fn, prefill_fn, faults, *, page_size: int = 4, cache_layout: str | None = None
+    append_fn, prefill_fn, faults, *, page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None
 ) -> CaseResult:
     """Request A writes ``page_size + page_size // 2 + 1`` tokens (its last page partly
     filled); B forks it (a prefix hit ending mid-page) and appends 5 tokens, A one;
     one prefill batch: A's decode step and B's 5 queries."""
-    bench, gen = Bench(append_fn, prefill_fn, cache_layout), torch.Generator().manual_seed(9)
+    bench, gen = Bench(append_fn, prefill_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(9)
     ps, hk, d = page_size, 2, 16
     hit, new = ps + ps // 2 + 1, 5
     manager = (F.NoCopyOnWriteManager if "no_copy_on_write" in faults else KVCacheManager)(12, ps)
-    pool = bench.pool(12, ps, hk, d, fill=float("nan"))
+    pool = bench.pool(12, ps, hk, d)
     keys = {"A": [], "B": []}
 
     def write(seq, m):
@@ -101,7 +100,7 @@ def check_prefix_hit(
     rows = [f"request 0 (A, its decode step at position {hit}, pages {manager.block_table('A')})"]
     rows += [f"request 1 (B, a prefix hit of {hit} tokens, query at position {hit + i}, pages "
              f"{manager.block_table('B')})" for i in range(new)]  # fmt: skip
-    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
+    ok, max_abs, detail = bench.compare(out, expected, rows)
     if not ok:
         detail += "; the queries after a mid-page prefix hit do not see exactly their own keys"
     setup = f"a hit of {hit} tokens ending mid-page, +{new} for B and +1 for A, pages of {ps}"

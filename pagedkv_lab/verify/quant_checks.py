@@ -27,9 +27,10 @@ import math
 import torch
 
 from pagedkv_lab import faults as F
+from pagedkv_lab.verify.errors import raised
 from pagedkv_lab.verify.grid import accepts, cover, rand
 from pagedkv_lab.verify.guards import Guards
-from pagedkv_lab.verify.report import CaseResult
+from pagedkv_lab.verify.report import CaseResult, located
 from pagedkv_lib import quant, quant_reference, runtime
 from pagedkv_lib.compare import DTYPES, TOLERANCES, bits, compare, first_difference, max_abs_difference
 from pagedkv_lib.formats import pad_block_tables, scatter_pages, slot_mapping
@@ -173,7 +174,7 @@ def quant_append_case(quant_append_fn, case: dict) -> CaseResult:
     try:
         quant_append_fn(k_dev, v_dev, got, slots_dev)
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult("quant_append", case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
+        return CaseResult("quant_append", case, False, math.inf, 0.0, 0.0, raised(err))
     notes = _pool_differences(got, expected) + guards.corrupted()
     for name, before, after in (("k", k, k_dev), ("v", v, v_dev)):
         count, where = first_difference(after.cpu(), before)
@@ -255,12 +256,11 @@ def quant_decode_case(quant_decode_fn, case: dict) -> CaseResult:
     try:
         out = quant_decode_fn(q_dev, got_pool, tables_dev, lens_dev, **kwargs)
     except Exception as err:
-        return CaseResult("quant_decode", case, False, math.inf, math.inf, atol, f"raised {type(err).__name__}: {err}")
+        return CaseResult("quant_decode", case, False, math.inf, math.inf, atol, raised(err))
     result = compare(out, expected, atol, rtol)
-    ok, detail = result.passed, result.detail
-    if not ok and result.worst is not None and not detail:
-        b, h = result.worst[:2]
-        detail = f"first beyond tolerance: sequence {b} (length {int(lens[b])}), query head {h}"
+    ok = result.passed
+    detail = located(result, lambda i: f"sequence {i[0]} (length {int(lens[i[0]])}), query head {i[1]}, feature {i[2]}",
+                     out, expected)  # fmt: skip
     changed = _pool_differences(got_pool, pool) + guards.corrupted()
     count, where = first_difference(q_dev.cpu(), q)
     if count:

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedkv_lab.verify.baseline import BaselineDiff
+import torch
 
-__all__ = ["CaseResult", "Report"]
+from pagedkv_lab.verify.baseline import BaselineDiff, failure_cause
+
+__all__ = ["CaseResult", "Report", "located"]
 
 _STATUSES = ("pass", "FAIL", "skip", "outside")
 
@@ -45,6 +48,12 @@ class CaseResult:
     attribution: str = ""
 
     @property
+    def cause(self) -> tuple[str, ...]:
+        """What kind of wrong this failure is, without numbers or places
+        (:func:`.baseline.failure_cause`); ``()`` unless it failed."""
+        return failure_cause(self.detail, self.attribution, self.status)
+
+    @property
     def status(self) -> str:
         """``"pass"``, ``"FAIL"``, ``"skip"`` or ``"outside"`` (the declared contract)."""
         if self.passed is None:
@@ -78,17 +87,18 @@ class CaseResult:
 class Report:
     """The results of a run. ``baseline``: the changes against a saved report when the
     run was given one (:mod:`.baseline`); the report then prints only those, and passes
-    unless there is a new failure."""
+    unless there is a new failure or a failure with a new cause."""
 
     results: list[CaseResult] = field(default_factory=list)
     baseline: BaselineDiff | None = None
 
     @property
     def passed(self) -> bool:
-        """No new failure against the baseline when there is one; else no failure at all
-        (a run that checked nothing of the kernel carries a "nothing" failure)."""
+        """No new failure and no new cause of a standing failure against the baseline
+        when there is one; else no failure at all (a run that checked nothing of the
+        kernel carries a "nothing" failure)."""
         if self.baseline is not None:
-            return not self.baseline.new_failures
+            return not self.baseline.failed
         return all(r.passed is not False for r in self.results)
 
     @property
@@ -146,6 +156,7 @@ class Report:
                     "faults": list(r.faults),
                     "kind": r.kind,
                     "attribution": r.attribution or None,
+                    "cause": list(r.cause) or None,
                     "repro": r.repro if r.passed is False else None,
                 }
                 for r in self.results
@@ -175,9 +186,12 @@ class Report:
         lines = [diff.summary()]
         for label, results in (("new failure", diff.new_failures), ("fixed", diff.fixed)):
             lines += [f"  {label:<12} {r.check:<16} {_short(r.case)}  {r.detail}" for r in results]
+        for label, triples in (("new cause", diff.new_causes), ("fewer causes", diff.fewer_causes)):
+            lines += [f"  {label:<12} {r.check:<16} {_short(r.case)}  cause {', '.join(a)} -> {', '.join(b)}; "
+                      f"{r.detail}" for r, a, b in triples]  # fmt: skip
         lines += [f"  {'margin':<12} {r.check:<16} {_short(r.case)}  err/tol {a:.2g} -> {b:.2g}"
                   for r, a, b in diff.margins]  # fmt: skip
-        lines += [f"reproduce: {r.repro}" for r in diff.new_failures]
+        lines += [f"reproduce: {r.repro}" for r in [*diff.new_failures, *(t[0] for t in diff.new_causes)]]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -208,6 +222,31 @@ class Report:
         from pagedkv_lab import viz
 
         return viz.plot_conformance(*viz.conformance_margins(self.results), title)
+
+
+def located(result, where: Callable[[tuple], str], out=None, expected=None) -> str:
+    """The detail of a failed :func:`pagedkv_lib.compare.compare` ``result``, located:
+    non-finite outputs (``result.detail``) with ``where`` of the first one; a finite
+    mismatch as ``first beyond tolerance: <where(first)>: <got> instead of <ref>, then
+    the worst: <where(worst)> (<x> x the tolerance)`` (values when ``out`` and
+    ``expected`` are given). ``where`` turns an index tuple into words (request, head,
+    feature ...). "" for a passing result or one that could not be located."""
+    if result.passed or result.worst is None:
+        return result.detail
+    first = result.first or result.worst
+    if result.detail:  # non-finite outputs, or a NaN hidden: where the first one is
+        return f"{result.detail}, the first at {where(first)}"
+
+    def value(idx):
+        if out is None or expected is None:
+            return ""
+        got = float(torch.as_tensor(out).detach().cpu()[idx])
+        return f": {got:.6g} instead of {float(expected[idx]):.6g}"
+
+    text = f"first beyond tolerance: {where(first)}{value(first)}"
+    if first != result.worst:
+        text += f"; the worst: {where(result.worst)}{value(result.worst)}"
+    return text + f" ({result.tol_ratio:.3g} x the tolerance at the worst)"
 
 
 def _short(case: dict) -> str:

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from pagedkv_lab.verify.errors import raised
 from pagedkv_lab.verify.grid import rand
 from pagedkv_lab.verify.guards import Guards
 from pagedkv_lab.verify.report import CaseResult
@@ -153,7 +154,7 @@ def rotary_append_case(append_fn, case: dict) -> CaseResult:
             q=placed["q"], rope_positions=placed["rope_positions"],
         )  # fmt: skip
     except Exception as err:  # a kernel that rejects (or crashes on) a valid case fails it
-        return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
+        return CaseResult(name, case, False, math.inf, 0.0, 0.0, raised(err))
     got_cache, got_q = placed["cache"].cpu(), placed["q"].cpu()
     atol, rtol = TOLERANCES[DTYPES[case["dtype"]]]
     pos = t["rope_positions"]

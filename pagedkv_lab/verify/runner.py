@@ -4,6 +4,7 @@ for one case of a report, and the import paths that name the callables under tes
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import warnings
@@ -15,7 +16,8 @@ from pagedkv_lab import poisoning
 from pagedkv_lab.verify.append_checks import append_case, append_grid
 from pagedkv_lab.verify.baseline import case_key, diff_against
 from pagedkv_lab.verify.contract import SUBSTITUTES, Contract, admits, contract_of
-from pagedkv_lab.verify.decode_checks import decode_case, decode_grid
+from pagedkv_lab.verify.decode_checks import decode_case, decode_grid, score_mod_decode_cases
+from pagedkv_lab.verify.errors import raised
 from pagedkv_lab.verify.generated import generated_cases
 from pagedkv_lab.verify.grid import accepts
 from pagedkv_lab.verify.indexer_cases import (
@@ -25,8 +27,9 @@ from pagedkv_lab.verify.indexer_cases import (
     indexer_scatter_grid,
 )
 from pagedkv_lab.verify.isolation import can_isolate, run_isolated
+from pagedkv_lab.verify.merge_checks import merge_case, merge_grid
 from pagedkv_lab.verify.mla_checks import mla_append_case, mla_append_grid, mla_decode_case, mla_decode_grid
-from pagedkv_lab.verify.prefill_checks import prefill_case, prefill_grid
+from pagedkv_lab.verify.prefill_checks import prefill_case, prefill_grid, score_mod_prefill_cases
 from pagedkv_lab.verify.prefill_scenarios import PREFILL_SCENARIO_NEEDS, PREFILL_SCENARIOS
 from pagedkv_lab.verify.quant_checks import (
     check_quant_scales,
@@ -41,6 +44,7 @@ from pagedkv_lab.verify.scenarios import SCENARIO_NEEDS, SCENARIOS
 from pagedkv_lab.verify.stale import UNUSED_ROWS
 from pagedkv_lib import quant_reference, reference
 from pagedkv_lib.cache_layouts import CACHE_LAYOUTS
+from pagedkv_lib.score_mods import SCORE_MODS
 
 __all__ = ["run", "run_case", "callable_path", "resolve_callable", "Family", "FAMILIES", "CHECKS", "FN_ARGS"]
 
@@ -53,7 +57,9 @@ class Family:
     draws extra cases of this family. ``cache_layouts``: the contract cache layouts the
     family builds (the MLA and quantized families pass their own pool objects, so only
     the default). ``attributes_nan``: its cases poison unused slots with NaN, and a
-    non-finite failure is re-run with finite ones (:mod:`.stale`)."""
+    non-finite failure is re-run with finite ones (:mod:`.stale`). ``score_mod_cases``:
+    cases with score modifiers, joined to the grid of a kernel that declares them
+    (``Contract.score_mods``)."""
 
     check: str
     fn_arg: str
@@ -62,14 +68,17 @@ class Family:
     generated: bool = False
     cache_layouts: tuple[str, ...] = CACHE_LAYOUTS
     attributes_nan: bool = False
+    score_mod_cases: Callable[[], list[dict]] | None = None
 
 
 FAMILIES = {
     f.check: f
     for f in (
         Family("append", "append_fn", append_grid, append_case, generated=True),
-        Family("decode", "decode_fn", decode_grid, decode_case, generated=True, attributes_nan=True),
-        Family("prefill", "prefill_fn", prefill_grid, prefill_case, attributes_nan=True),
+        Family("decode", "decode_fn", decode_grid, decode_case, generated=True, attributes_nan=True,
+               score_mod_cases=score_mod_decode_cases),
+        Family("prefill", "prefill_fn", prefill_grid, prefill_case, attributes_nan=True,
+               score_mod_cases=score_mod_prefill_cases),
         Family("mla_append", "mla_append_fn", mla_append_grid, mla_append_case, cache_layouts=("paged",)),
         Family("mla_decode", "mla_decode_fn", mla_decode_grid, mla_decode_case, cache_layouts=("paged",),
                attributes_nan=True),
@@ -80,6 +89,7 @@ FAMILIES = {
         Family("block_copy", "block_copy_fn", block_copy_grid, block_copy_case, cache_layouts=("paged",)),
         Family("rotary_append", "rotary_append_fn", rotary_append_grid, rotary_append_case,
                cache_layouts=("paged",)),
+        Family("merge", "merge_fn", merge_grid, merge_case, cache_layouts=("paged",)),
     )
 }  # fmt: skip
 # Scenarios drive a writer and a reader together: the callables under test, or the
@@ -145,14 +155,37 @@ def callable_path(fn) -> str | None:
         return None
 
 
+def _counting(fn, calls: list, arg: str):
+    """``fn`` that records ``arg`` in ``calls`` each time it is called (signature, contract
+    and attributes kept: :func:`functools.wraps`)."""
+
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        calls.append(arg)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def _judged_by_calls(result: CaseResult, args, calls: list) -> CaseResult:
+    """A verdict reached without calling any of the callables under test ``args`` is a
+    check of the suite's own code (``kind="self-check"``), never a pass of the kernel."""
+    if result.passed is not None and result.kind == "kernel" and not calls:
+        result.kind = "self-check"
+        note = f"called none of the callables under test ({', '.join(args)}): a check of the suite's own code"
+        result.detail = f"{result.detail}; {note}" if result.detail else note
+    return result
+
+
 def _guarded(name: str, scenario, writer, reader, faults, setting: dict, **case) -> CaseResult:
-    """Run a scenario (``setting``: its keyword-only ``cache_layout``); an exception
+    """Run a scenario (``setting``: its keyword-only ``cache_layout``, ``poison``,
+    ``tolerance``); an exception
     inside it (the callable under test raised or crashed in Python) is a failed check,
     not the end of the run."""
     try:
         return scenario(writer, reader, faults, **case, **setting)
     except Exception as err:
-        return CaseResult(name, case, False, math.inf, 0.0, 0.0, f"raised {type(err).__name__}: {err}")
+        return CaseResult(name, case, False, math.inf, 0.0, 0.0, raised(err))
 
 
 def scenario_page_size(contracts: list[Contract]) -> int:
@@ -224,34 +257,26 @@ class _Session:
         reason = declared.outside(case)
         if reason:
             return self._stamp(CaseResult(check, case, None, outside=reason), [family.fn_arg])
-        if accepts(family.case, "contract"):
-            return self.execute(check, case, lambda: family.case(fn, case, contract=declared), [family.fn_arg])
-        return self.execute(check, case, lambda: family.case(fn, case), [family.fn_arg])
+        arg = family.fn_arg
+
+        def job():
+            calls = []
+            counted = _counting(fn, calls, arg)
+            if accepts(family.case, "contract"):
+                return _judged_by_calls(family.case(counted, case, contract=declared), [arg], calls)
+            return _judged_by_calls(family.case(counted, case), [arg], calls)
+
+        return self.execute(check, case, job, [arg])
 
     def _attribute(self, check: str, case: dict, result: CaseResult) -> None:
-        """Re-run a case that failed on non-finite outputs with finite stale values in
-        the unused slots (:mod:`.stale`); if it then passes, say which unused rows the
-        kernel reads (NaN in only the tails, or only the free pages)."""
-        if case.get("poison", True) is not True:
-            return
-        if self._one(check, {**case, "poison": "none"}).passed is not True:
-            result.attribution = ("with finite stale values in the unused slots it still fails: "
-                                  "not (only) a read of unused rows")  # fmt: skip
-        else:
-            read = [
-                what for mode, what in UNUSED_ROWS.items() if self._one(check, {**case, "poison": mode}).passed is False
-            ]
-            which = " and ".join(read) if read else "but NaN in the tails or the free pages alone is harmless"
-            result.attribution = (
-                "passes with finite stale values in the unused slots: the kernel reads unused pool rows "
-                f"(0 * NaN is NaN), {which}"
-            )
-        result.detail = f"{result.detail}; NaN attribution: {result.attribution}"
+        """Re-run a grid case that failed on non-finite outputs with finite stale values
+        in the unused slots (:func:`attribute_nan`)."""
+        if case.get("poison", True) is True:
+            attribute_nan(result, lambda mode: self._one(check, {**case, "poison": mode}))
 
     def scenario(self, name: str, **case) -> CaseResult:
         sides = SCENARIO_SIDES[name]
         given = [arg for arg in sides if arg in self.fns]
-        writer, reader = (self.fns.get(arg, REFERENCES[arg]) for arg in sides)
         declared = [self.contracts[arg] for arg in given]
         scenario, setting = ALL_SCENARIOS[name], {}
         if accepts(scenario, "cache_layout"):
@@ -270,12 +295,28 @@ class _Session:
             reason = self.contracts[arg].outside(needs)
             if reason:
                 return self._stamp(CaseResult(name, case, None, outside=f"{arg} does not declare {reason}"), given)
-        result = self.execute(
-            name, case, lambda: _guarded(name, scenario, writer, reader, self.faults, setting, **case), given
-        )
+
+        if accepts(scenario, "tolerance"):  # the widest a kernel declares (fp16's for tf32 dots)
+            setting["tolerance"] = max((c.tolerance("fp32") for c in declared), default=None)
+        result = self._scenario_once(name, case, setting, given)
+        if result.passed is False and "non-finite" in result.detail and accepts(scenario, "poison"):
+            attribute_nan(result, lambda mode: self._scenario_once(name, case, {**setting, "poison": mode}, given))
         if name in SELF_CHECKS:
             result.kind = "self-check"
         return result
+
+    def _scenario_once(self, name: str, case: dict, setting: dict, given: list[str]) -> CaseResult:
+        """Run scenario ``name`` once (in a child when isolating), counting the calls of
+        the callables under test (a verdict without one is no pass of the kernel)."""
+        sides, scenario = SCENARIO_SIDES[name], ALL_SCENARIOS[name]
+
+        def job():
+            calls = []
+            sides_fns = [_counting(self.fns[a], calls, a) if a in self.fns else REFERENCES[a] for a in sides]
+            result = _guarded(name, scenario, *sides_fns, self.faults, setting, **case)
+            return result if name in SELF_CHECKS else _judged_by_calls(result, given, calls)
+
+        return self.execute(name, case, job, given)
 
     def generated(self, check: str, examples: int) -> list[CaseResult]:
         arg = FAMILIES[check].fn_arg
@@ -283,6 +324,23 @@ class _Session:
             check, self.fns[arg], examples, self.contracts[arg], lambda kind, case: self.case(kind, case)
         )
         return [self._stamp(r, [arg]) for r in results]
+
+
+def attribute_nan(result: CaseResult, rerun: Callable[[str], CaseResult]) -> None:
+    """Attribute a failure on non-finite outputs (a grid case's or a scenario's) by
+    re-running it (``rerun(mode)``) with the stale slots' NaN replaced by finite values
+    (:data:`.stale.POISON_MODES`): still failing, it is not (only) a read of unused rows;
+    passing, the re-runs with NaN only in the tails or only in the free pages say which
+    unused rows the kernel reads. Sets ``result.attribution`` and appends it to the detail."""
+    if rerun("none").passed is not True:
+        result.attribution = ("with finite stale values in the unused slots it still fails: "
+                              "not (only) a read of unused rows")  # fmt: skip
+    else:
+        read = [what for mode, what in UNUSED_ROWS.items() if rerun(mode).passed is False]
+        which = " and ".join(read) if read else "but NaN in the tails or the free pages alone is harmless"
+        result.attribution = ("passes with finite stale values in the unused slots: the kernel reads unused pool rows "
+                              f"(0 * NaN is NaN), {which}")  # fmt: skip
+    result.detail = f"{result.detail}; NaN attribution: {result.attribution}"
 
 
 def _check_layout_support(arg: str, declared: Contract) -> None:
@@ -307,9 +365,14 @@ def _nothing_checked(check: str, results: list[CaseResult], arg: str) -> CaseRes
 
 
 def _grid(session: _Session, check: str, full: bool) -> list[dict]:
-    """The family's grid moved inside the contract (:meth:`Contract.project`), each case once."""
+    """The family's grid moved inside the contract (:meth:`Contract.project`), each case
+    once; with the cases of the score modifiers the kernel declares."""
+    family = FAMILIES[check]
+    declared = set(session.contracts[family.fn_arg].score_mods)
+    extra = family.score_mod_cases() if declared and family.score_mod_cases else []
+    extra = [c for c in extra if {m for m in SCORE_MODS if c.get(m) is not None} <= declared]
     cases = {}
-    for case in FAMILIES[check].grid(full):
+    for case in family.grid(full) + extra:
         projected = session.project(check, case)
         cases.setdefault(case_key(check, projected), projected)
     return list(cases.values())
@@ -327,6 +390,7 @@ def run(
     indexer_scatter_fn=None,
     block_copy_fn=None,
     rotary_append_fn=None,
+    merge_fn=None,
     faults=(),
     full: bool = False,
     hypothesis_examples: int = 0,
@@ -357,7 +421,9 @@ def run(
     * ``indexer_scatter_fn`` / ``block_copy_fn``: those of ``kernels.indexer_k_cache_scatter``
       and ``kernels.copy_paged_blocks`` (:mod:`.indexer_cases`);
     * ``rotary_append_fn``: that of ``kernels.append_paged_kv_csr`` with ``rope=``, ``q=``,
-      ``rope_positions=`` (rotary positions apart from cache positions, :mod:`.rotary_checks`).
+      ``rope_positions=`` (rotary positions apart from cache positions, :mod:`.rotary_checks`);
+    * ``merge_fn``: that of ``kernels.merge_states``, or the base and form its contract
+      declares (:mod:`.merge_checks`). A declared ``lse`` is checked (:mod:`.read_call`).
 
     A scenario runs when one of its two sides is given (``append_fn`` with
     ``decode_fn`` or ``prefill_fn``, or the quantized pair for ``quant_scales``), with
@@ -375,16 +441,12 @@ def run(
     ``full``: the larger grids. ``hypothesis_examples``: generated append and decode
     cases. ``checks``: a subset of :data:`CHECKS`. ``baseline``: a saved report (a path
     to its JSON, its data, or a :class:`Report`): the report then lists only what
-    changed, and fails only on new failures (:mod:`.baseline`). ``poison_masked``: in
-    Triton's interpreter, masked ``tl.load`` lanes without ``other=`` read NaN (integers:
-    a far out-of-range value) instead of 0, as undefined as on a GPU
-    (:func:`pagedkv_lab.poisoning.masked_lanes_poisoned`; a no-op on the GPU backend);
-    ``False`` lets them read 0.
+    changed, and fails on new failures and new causes (:mod:`.baseline`).
+    ``poison_masked``: in Triton's interpreter, masked ``tl.load`` lanes without
+    ``other=`` read NaN (integers: far out of range), as undefined as on a GPU
+    (:func:`pagedkv_lab.poisoning.masked_lanes_poisoned`); ``False``: 0.
     """
-    fns = {"append_fn": append_fn, "decode_fn": decode_fn, "prefill_fn": prefill_fn}
-    fns |= {"mla_append_fn": mla_append_fn, "mla_decode_fn": mla_decode_fn, "rotary_append_fn": rotary_append_fn}
-    fns |= {"quant_append_fn": quant_append_fn, "quant_decode_fn": quant_decode_fn}
-    fns |= {"indexer_scatter_fn": indexer_scatter_fn, "block_copy_fn": block_copy_fn}
+    fns = {arg: fn for arg, fn in locals().items() if arg in FN_ARGS}  # the callables by argument name
     session = _Session(fns, faults, contracts, isolate, timeout_s)
     wanted = _wanted(checks)
     report = Report()

@@ -7,7 +7,9 @@ Each fault of :mod:`pagedkv_lab.faults` breaks one of them; the harness catches 
 exception raised inside a scenario and reports it as a failed check. The scenarios
 that drive a prefill kernel live in :mod:`.prefill_scenarios`.
 
-The pools live in the cache layout the kernels declare (:mod:`.bench`), in pages of
+The pools live in the cache layout the kernels declare (:mod:`.bench`), start with NaN
+in every slot (a failure on non-finite outputs is re-run with finite stale values and
+attributed, as the grids' cases are: :mod:`.stale`), in pages of
 ``page_size`` (4 by default; the runner picks one the kernels' contracts admit, 16 for
 a kernel whose tile is one page); a failure names the request, the step, the page and
 the first wrong element, and what the scenario believes went wrong. What each
@@ -26,7 +28,7 @@ from pagedkv_lab.verify.grid import accepts, rand
 from pagedkv_lab.verify.report import CaseResult
 from pagedkv_lib import reference, runtime
 from pagedkv_lib.cache_layouts import to_native, to_paged
-from pagedkv_lib.compare import FP32_ATOL, TOLERANCES, bit_compare, compare
+from pagedkv_lib.compare import TOLERANCES, bit_compare, compare
 from pagedkv_lib.formats import block_table_to_csr, pad_block_tables, slot_mapping
 from pagedkv_lib.indexing import element_offset
 from pagedkv_lib.manager import KVCacheManager
@@ -67,7 +69,7 @@ def finish(name: str, bench: Bench, ok: bool, detail: str, max_abs: float, **cas
     guards = bench.guard_notes()
     if guards:
         ok, detail = False, f"{detail}; {guards}" if detail else guards
-    return _scenario(name, ok, detail, max_abs, FP32_ATOL, **case)
+    return _scenario(name, ok, detail, max_abs, bench.atol, **case)
 
 
 def scenario_case(page_size: int, **case) -> dict:
@@ -77,21 +79,27 @@ def scenario_case(page_size: int, **case) -> dict:
 
 def check_chunked_prefill(
     append_fn, decode_fn, faults, prompt_len: int | None = None, chunk: int | None = None, *,
-    page_size: int = 4, cache_layout: str | None = None,
+    page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None, stop_at_pool: bool = True,
 ) -> CaseResult:  # fmt: skip
     """A prompt of ``7 * page_size + 1`` tokens written in chunks of ``2 * page_size``
     (each at ``past_len = cache_len - chunk_len``) gives the same pool as one write
-    after every chunk, and decode over it matches the contiguous oracle."""
-    bench, gen = Bench(append_fn, decode_fn, cache_layout), torch.Generator().manual_seed(1)
+    after every chunk, and decode over it matches the contiguous oracle.
+
+    The check ends at the first chunk after which the pool differs (``max_abs``: the
+    pool's difference). With ``stop_at_pool=False`` every chunk is written all the same
+    and the decode after the last one is compared: ``max_abs`` is then the decode's
+    error, and the check still fails on the pool."""
+    bench, gen = Bench(append_fn, decode_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(1)
     ps, hk, d = page_size, 2, 32
     n, chunk = prompt_len or 7 * ps + 1, chunk or 2 * ps
     k, v, q = (rand((n, hk, d), torch.float32, gen), rand((n, hk, d), torch.float32, gen),
                rand((1, 4, d), torch.float32, gen))  # fmt: skip
     num_pages = -(-n // ps) + 2
     tables = pad_block_tables([torch.randperm(num_pages, generator=gen)[: -(-n // ps)].tolist()])
-    expected = PagedKVPool(num_pages, ps, hk, d, torch.float32)
     pool = bench.pool(num_pages, ps, hk, d)
-    case = scenario_case(ps, prompt_len=n, chunk=chunk)
+    expected = PagedKVPool(num_pages, ps, hk, d, torch.float32)
+    expected.cache.copy_(pool.paged())  # the same stale values (NaN, or finite in an attribution re-run)
+    case, pool_wrong = scenario_case(ps, prompt_len=n, chunk=chunk), ""
     for step, start in enumerate(range(0, n, chunk)):
         end = min(start + chunk, n)
         b, p = F.chunk_positions(torch.tensor([0, end - start]), torch.tensor([end]), "past_len_zero" in faults)
@@ -100,14 +108,17 @@ def check_chunked_prefill(
                                   slot_mapping(tables, torch.zeros(end - start, dtype=torch.long),
                                                torch.arange(start, end), ps))  # fmt: skip
         same, max_abs, where = bit_compare(pool.paged(), expected.cache)
-        if not same:
+        if not same and not pool_wrong:
             table = tables[0].tolist()
-            detail = (f"after chunk step {step} (positions {start}..{end - 1}, pages of {ps}, table {table}): "
-                      f"the pool: {where}; the append wrote this chunk somewhere else")  # fmt: skip
-            return finish("chunked_prefill", bench, False, detail, max_abs, **case)
+            pool_wrong = (f"after chunk step {step} (positions {start}..{end - 1}, pages of {ps}, table {table}): "
+                          f"the pool: {where}; the append wrote this chunk somewhere else")  # fmt: skip
+            if stop_at_pool:
+                return finish("chunked_prefill", bench, False, pool_wrong, max_abs, **case)
     out = bench.decode(q, pool, tables, [n])
     rows = [f"request 0 (decode after {-(-n // chunk)} chunk steps, seq_len {n}, pages {tables[0].tolist()})"]
-    ok, max_abs, detail = locate_output(out, attention_oracle(q[0], k, v, list(range(n)))[None], FP32_ATOL, rows)
+    ok, max_abs, detail = bench.compare(out, attention_oracle(q[0], k, v, list(range(n)))[None], rows)
+    if pool_wrong:
+        return finish("chunked_prefill", bench, False, "; ".join(filter(None, [pool_wrong, detail])), max_abs, **case)
     if not ok:
         detail += "; the pool is right after every chunk, so the decode reads it wrongly"
     return finish("chunked_prefill", bench, ok, detail, max_abs, **case)
@@ -115,11 +126,11 @@ def check_chunked_prefill(
 
 def check_ring_window(
     append_fn, decode_fn, faults, seq_lens: tuple[int, ...] = (57, 9), *,
-    page_size: int = 4, cache_layout: str | None = None,
+    page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None,
 ) -> CaseResult:  # fmt: skip
     """Decode through a ring cache (sinks, bubble, several wraps) equals attention over
     the sinks + last ``window - sinks`` tokens of a contiguous copy."""
-    bench, gen = Bench(append_fn, decode_fn, cache_layout), torch.Generator().manual_seed(2)
+    bench, gen = Bench(append_fn, decode_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(2)
     ps, size, sinks = page_size, max(14, page_size + 6), 3
     window = RingWindow(max_attention_window=size, sink_tokens=sinks, tokens_per_block=ps)
     lens, hk, d = list(seq_lens), 2, 32
@@ -135,39 +146,43 @@ def check_ring_window(
         slots = slot_mapping(tables, torch.tensor(live), torch.full((len(live),), t), ps, window)
         bench.append(torch.stack([ks[b][t] for b in live]), torch.stack([vs[b][t] for b in live]), pool, slots)
     q = rand((len(lens), 4, d), torch.float32, gen)
+    # A reader not given the window reads the ring as linear: logical block j on page j % num_blocks.
+    linear = [[tables[b, j % blocks[b]].item() for j in range(-(-n // ps))] for b, n in enumerate(lens)]
     if "window_write_only" in faults:
-        # The reader was not given the window: it reads the cache as linear, logical
-        # block j landing on the ring's page j % num_blocks.
-        unrolled = [[tables[b, j % blocks[b]].item() for j in range(-(-n // ps))] for b, n in enumerate(lens)]
-        out = bench.decode(q, pool, pad_block_tables(unrolled), lens)
+        out = bench.decode(q, pool, pad_block_tables(linear), lens)
     else:
         out = bench.decode(q, pool, tables, lens, window=window)
     visible = [[t for t in range(n) if t < sinks or t > n - 1 - (size - sinks)] for n in lens]
     expected = torch.stack([attention_oracle(q[b], ks[b], vs[b], visible[b]) for b in range(len(lens))])
     rows = [f"request {b} (decode after {n} one-token steps, ring pages {tables[b, : blocks[b]].tolist()})"
             for b, n in enumerate(lens)]  # fmt: skip
-    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
+    ok, max_abs, detail = bench.compare(out, expected, rows)
     setup = f"window {size}, {sinks} sinks, pages of {ps}"
     detail = f"{detail}; {setup}: the decode does not see exactly the sinks and the last tokens" if detail else setup
     return finish("ring_window", bench, ok, detail, max_abs, **scenario_case(ps, seq_lens=tuple(lens)))
 
 
-def check_v_tail(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None) -> CaseResult:
+def check_v_tail(
+    append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None
+) -> CaseResult:
     """After a prefill write with ``zero_v_tail`` into a NaN-poisoned pool, the unused V
     rows of each last page are 0, so a reader that loads whole pages stays finite."""
     if not accepts(append_fn, "zero_v_tail"):
         return _scenario("v_tail", None, "append_fn takes no zero_v_tail")
-    bench, gen = Bench(append_fn, decode_fn, cache_layout), torch.Generator().manual_seed(3)
+    bench, gen = Bench(append_fn, decode_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(3)
     ps, hk, d = page_size, 2, 16
     lens = [ps + 2, 2 * ps + 1]
     tables = pad_block_tables([[3, 0], [1, 4, 2]])
-    pool = bench.pool(6, ps, hk, d, fill=float("nan"))
-    csr = block_table_to_csr(tables, torch.tensor(lens), ps)
+    pool = bench.pool(6, ps, hk, d)
+    csr = tuple(x.to(runtime.device()) for x in block_table_to_csr(tables, torch.tensor(lens), ps))
     b = torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
     pos = torch.cat([torch.arange(n) for n in lens])
     k, v = rand((sum(lens), hk, d), torch.float32, gen), rand((sum(lens), hk, d), torch.float32, gen)
-    tail = None if "v_tail_not_zeroed" in faults else tuple(x.to(runtime.device()) for x in csr)
-    bench.append(k, v, pool, slot_mapping(tables, b, pos, ps), zero_v_tail=tail)
+    slots = slot_mapping(tables, b, pos, ps)
+    if "v_tail_not_zeroed" in faults:
+        bench.append(k, v, pool, slots)
+    else:
+        bench.append(k, v, pool, slots, zero_v_tail=csr)
     paged = pool.paged()
     notes = []
     for r, n in enumerate(lens):  # the unused V rows of the last page must now be 0
@@ -181,18 +196,20 @@ def check_v_tail(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layo
     out = F.whole_page_decode(q, paged, tables, lens)
     expected = torch.stack([attention_oracle(q[i], k[b == i], v[b == i], list(range(n))) for i, n in enumerate(lens)])
     rows = [f"request {i} (a whole-page read after the prefill write, seq_len {n})" for i, n in enumerate(lens)]
-    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
+    ok, max_abs, detail = bench.compare(out, expected, rows)
     detail = "; ".join(filter(None, [detail, *notes])) or f"seq_lens {lens}, pages of {ps}, NaN pool"
     if notes:
         detail += ": the write did not zero the V tail it was given"
     return finish("v_tail", bench, ok and not notes, detail, max_abs, **scenario_case(ps))
 
 
-def check_fork(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None) -> CaseResult:
+def check_fork(
+    append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None
+) -> CaseResult:
     """Fork a prompt of ``page_size + 2`` tokens, append 3 tokens to the child, then 3 to
     the parent: both read back bit-identical to what was written for them, and the
     child's decode matches the oracle."""
-    bench, gen = Bench(append_fn, decode_fn, cache_layout), torch.Generator().manual_seed(4)
+    bench, gen = Bench(append_fn, decode_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(4)
     ps, hk, d = page_size, 2, 16
     prompt = ps + 2
     manager = (F.NoCopyOnWriteManager if "no_copy_on_write" in faults else KVCacheManager)(16, ps)
@@ -229,7 +246,7 @@ def check_fork(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout
     out = bench.decode(q, pool, torch.tensor([table], dtype=torch.int32), [prompt + 3])
     rows = [f"the child (decode after the child's and the parent's steps, seq_len {prompt + 3}, pages {table})"]
     expected = attention_oracle(q[0], k_ref, v_ref, list(range(prompt + 3)))[None]
-    ok, max_abs, detail = locate_output(out, expected, FP32_ATOL, rows)
+    ok, max_abs, detail = bench.compare(out, expected, rows)
     if detail and not changed:
         detail += "; both read back what was written for them, so the decode reads the child's pages wrongly"
     detail = "; ".join([x for x in [detail, *changed] if x]) or f"prompt {prompt}, +3 each, pages of {ps}"
@@ -237,13 +254,13 @@ def check_fork(append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout
 
 
 def check_reused_page(
-    append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None
+    append_fn, decode_fn, faults, *, page_size: int = 4, cache_layout: str | None = None, poison=True, tolerance=None
 ) -> CaseResult:
     """A request slot's table must be rebuilt when its sequence changes: A finishes,
     C takes its batch slot, D reuses A's pages; decode of C matches C's tokens. A
     failure is blamed on page reuse only when the output is what the pages its table
     names now hold."""
-    bench, gen = Bench(append_fn, decode_fn, cache_layout), torch.Generator().manual_seed(5)
+    bench, gen = Bench(append_fn, decode_fn, cache_layout, poison, tolerance), torch.Generator().manual_seed(5)
     ps, hk, d = page_size, 2, 16
     n = 2 * ps
     manager, pool = KVCacheManager(6, ps), bench.pool(6, ps, hk, d)
@@ -259,16 +276,20 @@ def check_reused_page(
         manager.add_sequence(seq)
         data[seq] = (rand((n, hk, d), torch.float32, gen), rand((n, hk, d), torch.float32, gen))
         bench.append(*data[seq], pool, torch.tensor(manager.append_tokens(seq, n)))
-    table, own = (stale if "stale_block_table" in faults else manager.block_table("C")), manager.block_table("C")
+    if "stale_block_table" in faults:
+        table = stale
+    else:
+        table = manager.block_table("C")
+    own = manager.block_table("C")
     q = rand((1, 4, d), torch.float32, gen)
     out = bench.decode(q, pool, torch.tensor([table], dtype=torch.int32), [n])
     rows = [f"request C (decode after A was freed and D reused its pages; table {table})"]
-    ok, max_abs, detail = locate_output(out, attention_oracle(q[0], *data["C"], list(range(n)))[None], FP32_ATOL, rows)
+    ok, max_abs, detail = bench.compare(out, attention_oracle(q[0], *data["C"], list(range(n)))[None], rows)
     reused = sorted(set(stale) & set(manager.block_table("D")))
     if ok:
         return finish("reused_page", bench, ok, f"A freed; its pages {reused} now hold D", max_abs, **scenario_case(ps))
     k_t, v_t = reference.gather_paged_kv(pool.paged(), table, n)
-    what_it_names = compare(out, attention_oracle(q[0], k_t, v_t, list(range(n)))[None], FP32_ATOL)
+    what_it_names = compare(out, attention_oracle(q[0], k_t, v_t, list(range(n)))[None], bench.atol, bench.rtol)
     in_d = sorted(set(table) & set(manager.block_table("D")))
     if table != own and in_d and what_it_names.passed:
         reason = (f"the table it read names pages {table}, of which {in_d} now hold D's tokens (C's own pages "

@@ -17,7 +17,9 @@ Notebooks call the package (``viz.line_plot(...)``); its modules, by what they s
   category grids.
 - :mod:`.bookkeeping`: pages and their owners, block tables, address maps, ring windows.
 - :mod:`.kernels`: what kernels do: exact matches, rows a program touches, rows a wrong
-  write got wrong, prefill masks, a kernel's source and its lesson lines, margins by the pass rule.
+  write got wrong, prefill masks, margins by the pass rule.
+- :mod:`.listing`: code shown to a learner: a kernel's lesson lines with context, the
+  signature folded, the whole source collapsed; never a listing of more than 40 lines.
 - :mod:`.quant`: quantized KV: the E2M1 grid, error histograms and bars.
 - :mod:`.conformance`: a conformance report's margins by the pass rule.
 - :mod:`.source`: a fault's wrong line, as a diff of the correct and the faulty part.
@@ -41,15 +43,14 @@ from pagedkv_lab.viz.charts import bar_plot, line_plot, plot_categories, plot_gr
 from pagedkv_lab.viz.conformance import conformance_margins, plot_conformance
 from pagedkv_lab.viz.kernels import (
     find_lines,
-    lesson_lines,
     plot_access_pattern,
     plot_chunk_masks,
     plot_exact_match,
     plot_margins,
     plot_wrong_rows,
     row_status,
-    source_code,
 )
+from pagedkv_lab.viz.listing import MAX_SHOWN_LINES, Listing, kernel_listing, lesson_lines, source_code
 from pagedkv_lab.viz.positions import (
     ROTARY_ROWS,
     SPECULATIVE_ROWS,
@@ -60,7 +61,7 @@ from pagedkv_lab.viz.positions import (
     speculative_rows,
 )
 from pagedkv_lab.viz.quant import plot_e2m1_grid, plot_error_bars, plot_error_histograms
-from pagedkv_lab.viz.source import SourceDiff, fault_diff, marked_source, show_fault, source_diff
+from pagedkv_lab.viz.source import SourceDiff, fault_branch, fault_diff, marked_source, show_fault, source_diff
 from pagedkv_lab.viz.style import (
     FAIL_RED,
     FREE,
@@ -119,10 +120,14 @@ __all__ = [
     "row_status",
     "plot_wrong_rows",
     "plot_chunk_masks",
-    "source_code",
     "find_lines",
-    "lesson_lines",
     "plot_margins",
+    # code shown to a learner: the lesson lines, the rest collapsed
+    "MAX_SHOWN_LINES",
+    "Listing",
+    "kernel_listing",
+    "source_code",
+    "lesson_lines",
     # quantized KV
     "plot_e2m1_grid",
     "plot_error_histograms",
@@ -135,6 +140,7 @@ __all__ = [
     "source_diff",
     "fault_diff",
     "marked_source",
+    "fault_branch",
     "show_fault",
     # the write path's extras: indexer-K bytes, block copies, a two-level pool
     "INDEXER_BYTES",

@@ -198,17 +198,6 @@ def plot_chunk_masks(masks: Mapping[str, torch.Tensor], past_len: int, correct: 
     return fig
 
 
-def source_code(obj):
-    """``obj``'s source as an ``IPython.display.Code`` (syntax-highlighted in a notebook,
-    plain text elsewhere). Works on Triton kernels too (``@triton.jit`` objects keep the
-    Python function as ``.fn``), so a notebook shows a module's code, never a copy."""
-    import inspect
-
-    from IPython.display import Code
-
-    return Code(inspect.getsource(getattr(obj, "fn", obj)), language="python")
-
-
 def _source(obj) -> tuple[list[str], int]:
     """``obj``'s source lines and the file line number of the first (a module, a function
     or a ``@triton.jit`` kernel)."""
@@ -224,21 +213,6 @@ def find_lines(obj, needle: str) -> list[int]:
     asserts where a lesson line sits (e.g. inside the tile loop) with these."""
     lines, start = _source(obj)
     return [start + i for i, line in enumerate(lines) if needle in line]
-
-
-def lesson_lines(obj, needles: Sequence[str]):
-    """The lines of ``obj``'s source that contain one of ``needles``, each with its file
-    line number, as an ``IPython.display.Code``: the lines of a kernel that are the
-    lesson, called out from the module's own text. Raises ``ValueError`` naming a needle
-    no line contains (the kernel changed: the notebook's call-out must follow)."""
-    from IPython.display import Code
-
-    lines, start = _source(obj)
-    missing = [n for n in needles if not any(n in line for line in lines)]
-    if missing:
-        raise ValueError(f"needles {missing} are in no line of {getattr(obj, '__name__', obj)}'s source")
-    picked = [f"{start + i:4d}  {line.rstrip()}" for i, line in enumerate(lines) if any(n in line for n in needles)]
-    return Code("\n".join(picked), language="python")
 
 
 def plot_margins(labels: Sequence[str], ratios: Sequence[float], title: str, limit_label: str = "pass rule"):

@@ -9,12 +9,14 @@ and in an offline HTML export.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import html
 import inspect
+import textwrap
 from dataclasses import dataclass
 
-__all__ = ["SourceDiff", "source_diff", "fault_diff", "marked_source", "show_fault"]
+__all__ = ["SourceDiff", "source_diff", "fault_diff", "marked_source", "fault_branch", "show_fault"]
 
 # How the faulty copies mark their wrong lines.
 MARKERS = ("# the fault", "# the wrong line")
@@ -117,28 +119,87 @@ def _override_diff(base, sub, context: int, title: str) -> SourceDiff:
     return SourceDiff(title or f"{base.__name__}  ->  {sub.__name__}", tuple(lines))
 
 
-def marked_source(obj, title: str = "") -> SourceDiff:
-    """``obj``'s whole source with its marked lines (a comment from :data:`MARKERS`)
-    highlighted as ``+`` lines: for a fault with no correct part to diff against (a
-    wrapper, or the scenario function that builds the faulty input)."""
-    lines = tuple(("+" if any(m in line for m in MARKERS) else " ") + line for line in _source(obj).splitlines())
-    return SourceDiff(title or _name(obj), lines)
+def marked_source(obj, title: str = "", context: int | None = None) -> SourceDiff:
+    """``obj``'s source with its marked lines (a comment from :data:`MARKERS`) highlighted
+    as ``+`` lines: for a fault with no correct part to diff against (a wrapper). With
+    ``context``, only the ``def`` line, a ``⋮`` for each gap, and the lines within
+    ``context`` of a marked line. ValueError if ``context`` < 0."""
+    if context is not None and context < 0:
+        raise ValueError(f"context={context} must be >= 0")
+    source = _source(obj).splitlines()
+    marked = [i for i, line in enumerate(source) if any(m in line for m in MARKERS)]
+    keep = set(range(len(source)))
+    if context is not None and marked:
+        keep = {0} | {j for i in marked for j in range(i - context, i + context + 1) if 0 <= j < len(source)}
+    lines: list[str] = []
+    for i, line in enumerate(source):
+        if i not in keep:
+            if lines and lines[-1] != " ⋮":
+                lines.append(" ⋮")
+            continue
+        lines.append(("+" if i in marked else " ") + line)
+    return SourceDiff(title or _name(obj), tuple(lines))
 
 
-def show_fault(fault) -> list[SourceDiff]:
+def _is_fault_test(node: ast.AST, name: str) -> bool:
+    """``node`` is the test ``"name" in faults``."""
+    return (
+        isinstance(node, ast.Compare)
+        and isinstance(node.left, ast.Constant)
+        and node.left.value == name
+        and len(node.ops) == 1
+        and isinstance(node.ops[0], ast.In)
+    )
+
+
+def fault_branch(func, name: str, context: int = 2, title: str = "") -> SourceDiff:
+    """Where a scenario plants fault ``name`` itself, as a diff: ``func`` (a harness
+    scenario) holds ``if "name" in faults: <wrong> else: <right>``; the ``else`` branch
+    is shown as the removed (correct) lines and the ``if`` branch as the added (wrong)
+    ones, at the indent of the ``if``, with ``context`` lines of ``func`` around.
+    ValueError if ``func`` has no such ``if``/``else`` or ``context`` < 0."""
+    if context < 0:
+        raise ValueError(f"context={context} must be >= 0")
+    source = textwrap.dedent(_source(func))
+    lines = source.splitlines()
+    found = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.If) and _is_fault_test(n.test, name)]
+    if len(found) != 1 or not found[0].orelse:
+        raise ValueError(f"name={name!r}: {_name(func)} has no one `if {name!r} in faults: ... else: ...`")
+    node = found[0]
+    indent = node.col_offset
+
+    def branch(body, sign):
+        block = lines[body[0].lineno - 1 : body[-1].end_lineno]
+        return [sign + " " * indent + line.strip() for line in block]  # one statement a line
+
+    before = lines[max(node.lineno - 1 - context, 0) : node.lineno - 1]
+    after = lines[node.end_lineno : node.end_lineno + context]
+    first = inspect.getsourcelines(getattr(func, "fn", func))[1]
+    header = f"@@ {func.__module__}.{_name(func)}, line {first + node.lineno - 1} @@"
+    shown = [header, *(" " + x for x in before), *branch(node.orelse, "-"), *branch(node.body, "+")]
+    shown += [" " + x for x in after]
+    return SourceDiff(title or f"{name}: {_name(func)}", tuple(shown))
+
+
+def show_fault(fault, context: int = 2) -> list[SourceDiff]:
     """What notebook 08 shows for ``fault``: for each of its parts, the diff against the
-    part it replaces (:func:`fault_diff`) or, for a wrapper, its marked source; for a fault
-    with no parts, the source of the scenario function named in ``fault.where``."""
+    part it replaces (:func:`fault_diff`) or, for a wrapper, its marked lines
+    (:func:`marked_source`); for a fault with no parts, the ``if``/``else`` of the
+    scenario function named in ``fault.where`` (:func:`fault_branch`). Each with
+    ``context`` lines around the changed one."""
     from pagedkv_lab.faults import load
 
+    title = f"{fault.name}: {fault.wrong}"
     if not fault.parts:
         path = fault.where.split(" ")[0]
         module, _, attr = path.rpartition(".")
-        return [marked_source(load(f"{module}:{attr}"), title=f"{fault.name}: {fault.where}")]
+        return [fault_branch(load(f"{module}:{attr}"), fault.name, context=context, title=title)]
     shown = []
     for role in fault.parts:
         if role in fault.replaces:
-            shown.append(fault_diff(fault, role))
+            shown.append(fault_diff(fault, role, context=context))
         else:
-            shown.append(marked_source(fault.part(role), title=f"{fault.name} ({role}): {fault.wrong}"))
+            shown.append(
+                marked_source(fault.part(role), title=f"{fault.name} ({role}): {fault.wrong}", context=context)
+            )
     return shown

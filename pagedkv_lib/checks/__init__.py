@@ -12,6 +12,9 @@ Every check raises ValueError naming the argument, before anything is written,
 allocated or launched, and returns the index tensors it read as host int64 tensors.
 Callers use the package (``checks.check_decode_args(...)``); its modules, by family:
 
+- :mod:`.scalars`: an int that is not a bool, a number that is not a bool, and the
+  ValueError of a count below its least value (it imports nothing, so the pools and
+  windows the other rules build on use it too).
 - :mod:`.shared`: rules every family builds on: float dtypes, the windows (ring and
   linear), the softmax scale, query and K/V tensors, slots inside the pool, the RoPE
   options.
@@ -72,6 +75,7 @@ from pagedkv_lib.checks.quant import (
     quant_widths,
     scale_pool_shape,
 )
+from pagedkv_lib.checks.scalars import check_int, check_positive_int, is_int, is_number
 from pagedkv_lib.checks.shared import (
     FLOAT_DTYPES,
     MAX_SCALE,
@@ -91,6 +95,11 @@ from pagedkv_lib.checks.shared import (
 )
 
 __all__ = [
+    # scalars: ints and numbers that are not bools
+    "is_int",
+    "is_number",
+    "check_int",
+    "check_positive_int",
     # constants and building blocks (shared)
     "FLOAT_DTYPES",
     "ROPE_STYLES",

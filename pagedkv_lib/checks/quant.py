@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from pagedkv_lib.checks.scalars import is_number
 from pagedkv_lib.checks.shared import check_kv_rows, check_slots, check_window
 from pagedkv_lib.formats import csr_slot_mapping, index_tensor
 from pagedkv_lib.pool import CacheDims, cache_dims
@@ -46,7 +47,7 @@ def check_global_scale(name: str, value) -> float:
         if value.numel() != 1:
             raise ValueError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise ValueError(f"{name}={value!r} must be a positive finite number")
     as32 = torch.tensor(float(value), dtype=torch.float32)
     if not (math.isfinite(float(value)) and float(as32) > 0 and math.isfinite(float(as32 * 6))):

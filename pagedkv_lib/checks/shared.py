@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from pagedkv_lib.checks.scalars import is_number
 from pagedkv_lib.formats import PAD, index_tensor
 from pagedkv_lib.pool import CacheDims, cache_dims
 from pagedkv_lib.window import LinearWindow, RingWindow, Window
@@ -68,7 +69,7 @@ def check_scale(scale) -> float | None:
     use ``1 / sqrt(head_dim)`` (0.04 to 0.2; MLA's YaRN factor keeps it below 1)."""
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if not is_number(scale) or not math.isfinite(scale):
         raise ValueError(f"scale={scale!r} must be a finite number or None")
     if abs(scale) > MAX_SCALE:
         raise ValueError(
@@ -170,7 +171,7 @@ def check_rope_positions(
     every token that is written (``slots >= 0``, host int64 ``[num_tokens]``). ``name``
     is the argument the positions came in as (``"rope_positions"`` when given apart
     from the cache positions, :func:`rope_position_source`)."""
-    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not math.isfinite(rope_theta):
+    if not is_number(rope_theta) or not math.isfinite(rope_theta):
         raise ValueError(f"rope_theta={rope_theta!r} must be a finite number")
     if rope_theta <= 1:
         raise ValueError(f"rope_theta={rope_theta!r} must be > 1")

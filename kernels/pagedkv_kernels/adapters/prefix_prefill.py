@@ -20,6 +20,7 @@ from pagedkv_lib import runtime  # noqa: F401  (must run before triton is import
 # isort: split
 import torch
 
+from pagedkv_lib import checks
 from pagedkv_lib.window import LinearWindow
 
 from ..prefill import PrefillPlan, plan_prefill, run_prefill
@@ -45,7 +46,7 @@ def _check_unit_scale(name: str, value) -> None:
     if isinstance(value, torch.Tensor):
         ok = value.numel() == 1 and float(value.reshape(()).cpu()) == 1.0
     else:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1.0
+        ok = checks.is_number(value) and value == 1.0
     if not ok:
         raise ValueError(
             f"{name}={value!r}: with kv_cache_dtype='auto' the cache is stored unscaled; only 1.0 is meaningful "

@@ -16,7 +16,9 @@ gather kernels (and the kernels added later) can never disagree:
   vLLM's ``slot_mapping`` or from FlashInfer's ``batch_indices`` / ``positions`` and CSR
   page table (the write kernels of every family address tokens through it); its
   host-side twin is :class:`pagedkv_kernels.host.launch.TokenIndex`, the five tensors a write plan
-  holds for it.
+  holds for it; :func:`kv_write_start`: everything a program of the MHA or the quantized
+  K/V write starts from (its tokens, their rows, their rotary positions, its head block),
+  in one call.
 
 Every index is widened to int64 *before* it is multiplied by a stride, so pools past
 2**31 elements are addressed exactly; int32 arithmetic would wrap silently.
@@ -33,6 +35,8 @@ import triton.language as tl
 
 from pagedkv_lib.window import RingWindow
 
+from .rope import rotary_positions
+
 __all__ = [
     "ring_params",
     "row_offset",
@@ -41,6 +45,7 @@ __all__ = [
     "table_row_offset",
     "kv_token_idx",
     "token_rows",
+    "kv_write_start",
 ]
 
 
@@ -139,3 +144,33 @@ def token_rows(
         page = slot // page_size
         row = slot % page_size
     return page, row, valid
+
+
+@triton.jit
+def kv_write_start(
+    num_tokens, num_kv_heads, page_size, sink_tokens, bubble_len, cyclic_cache_len,
+    slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, rope_pos_ptr,
+    CSR: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr, ROPE_POS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Where program ``(t, hb)`` of a K/V write starts, in one call (the MHA and the
+    quantized write; grid ``(cdiv(num_tokens, BLOCK_T), kv_head_blocks [+ q_head_blocks])``).
+
+    Returns ``(tok, page, row, valid, pos, rotated, hb, kv_blocks)``: the program's tokens
+    ``t * BLOCK_T ...`` as int64 ``tok [BLOCK_T]``, their ``(page, row, valid)``
+    (:func:`token_rows`), their rotary positions and whether their Q rotates
+    (:func:`pagedkv_kernels.device.rope.rotary_positions`; without ``ROPE`` the tokens and
+    ``valid``, unused), the head block ``hb`` and the number of KV head blocks
+    ``kv_blocks`` (head blocks from ``kv_blocks`` on rotate Q)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    page, row, valid = token_rows(
+        tokens, num_tokens,
+        slot_mapping_ptr, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+        page_size, sink_tokens, bubble_len, cyclic_cache_len,
+        CSR, HAS_WINDOW,
+    )  # fmt: skip
+    if ROPE != 0:
+        pos, rotated = rotary_positions(tokens, num_tokens, valid, rope_pos_ptr, ROPE_POS)
+    else:
+        pos, rotated = tokens, valid
+    return tokens.to(tl.int64), page, row, valid, pos, rotated, tl.program_id(1), tl.cdiv(num_kv_heads, BLOCK_H)

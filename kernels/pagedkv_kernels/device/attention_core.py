@@ -13,7 +13,9 @@ share are the ``@triton.jit`` helpers below, each kernel keeping only what is it
    visible, enumerated ``0 .. n_vis - 1`` (the sinks, then the recent range), and the
    cache row of each (through the ring for a ring window, the position itself for a
    linear window, which has no sinks);
-3. :func:`split_tiles`: the tiles of one split-KV split;
+3. :func:`split_tiles`: the tiles of one split-KV split, and :func:`decode_split_start`:
+   everything a split-KV decode program starts from (program ids, span, visible range,
+   tiles, the GQA group's lanes and queries), in one call;
 4. :func:`load_scaled_queries` and :func:`load_kv_tile`: a head group's queries in
    fp32 times ``scale * log2(e)``, and one K/V tile, K and V each from its own base and
    strides (the suite's pool, FlashInfer's K/V tuple, vLLM's x-packed pair), and
@@ -63,7 +65,7 @@ from .addressing import kv_token_idx, row_offset, table_page
 
 __all__ = [
     "sequence_span",
-    "decode_split_range",
+    "decode_split_start",
     "visible_range",
     "visible_keys",
     "split_tiles",
@@ -135,24 +137,42 @@ def visible_range(end, first_end, sink_tokens, window_recent, WINDOW: tl.constex
 
 
 @triton.jit
-def decode_split_range(
-    b, split, num_splits,
-    block_tables_ptr, seq_lens_ptr, stride_table,
-    kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
-    page_size, sink_tokens, window_recent,
-    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, IS_CSR: tl.constexpr,
+def decode_split_start(
+    q_ptr, stride_qb, stride_qh, stride_qd, qk_scale, group, head_dim,
+    block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
+    page_size, num_splits, sink_tokens, window_recent,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
+    IS_CSR: tl.constexpr,
 ):  # fmt: skip
-    """What a split-KV decode program ``(b, ., split)`` reads, in one call:
-    ``(table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi)`` (:func:`sequence_span`,
-    then :func:`visible_range` for the one query at position ``seq_len - 1``, then
-    :func:`split_tiles`). The MHA and quantized decodes start with it."""
+    """Where program ``(b, kv_head, split)`` of a split-KV decode starts, in one call (the
+    MHA and the quantized decode; grid ``(batch, num_kv_heads, num_splits)``).
+
+    Returns, for the queries: ``b``, ``kv_head``, ``split`` (the program ids), ``heads
+    [BLOCK_G]`` (the query heads of the KV head's GQA group), ``g_mask [BLOCK_G]`` and
+    ``d_mask [BLOCK_D]`` (the lanes inside the group and the head_dim: group 5 runs in
+    ``BLOCK_G = 8`` lanes, head_dim 80 in ``BLOCK_D = 128``) and ``q [BLOCK_G, BLOCK_D]``
+    (:func:`load_scaled_queries`); for the keys: ``table_row``, ``n_sink``,
+    ``recent_start``, ``n_vis`` (:func:`sequence_span`, then :func:`visible_range` for the
+    one query at position ``seq_len - 1``), ``tile_lo``, ``tile_hi`` (:func:`split_tiles`),
+    and the lanes ``offs_n [BLOCK_N]``, ``offs_d [BLOCK_D]``."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len, table_row = sequence_span(
         b, block_tables_ptr, seq_lens_ptr, stride_table, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
         page_size, IS_CSR,
     )  # fmt: skip
     n_sink, recent_start, n_vis = visible_range(seq_len, seq_len, sink_tokens, window_recent, WINDOW)
     tile_lo, tile_hi = split_tiles(n_vis, split, num_splits, BLOCK_N)
-    return table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < group
+    d_mask = offs_d < head_dim
+    heads = kv_head * group + offs_g
+    q = load_scaled_queries(q_ptr, b, heads, offs_d, g_mask, d_mask, stride_qb, stride_qh, stride_qd, qk_scale)
+    return (b, kv_head, split, heads, g_mask, d_mask, q,
+            table_row, n_sink, recent_start, n_vis, tile_lo, tile_hi, offs_n, offs_d)  # fmt: skip
 
 
 @triton.jit

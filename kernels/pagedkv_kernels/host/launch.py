@@ -13,7 +13,8 @@ prefill, quantized and MLA modules cannot drift apart:
 * :func:`memory_key`: the fingerprints plus the addresses of the tensors a plan checked,
   so that a run given those very tensors need not check their memory again;
 * :class:`TokenIndex` and :class:`PageTable`: the index tensors a write plan addresses
-  its tokens with, and a read plan's page table, as the kernels take them.
+  its tokens with (by name from :func:`slot_index` or :func:`csr_index`), and a read
+  plan's page table, as the kernels take them.
 
 A plan owns the index tensors it validated: every one of them goes through
 :func:`owned_copy`, which always copies (``.to(...).contiguous()`` returns the caller's
@@ -42,6 +43,8 @@ __all__ = [
     "fingerprint",
     "memory_key",
     "TokenIndex",
+    "slot_index",
+    "csr_index",
     "PageTable",
 ]
 
@@ -156,6 +159,25 @@ class TokenIndex:
         given = self.slot_mapping if self.slot_mapping is not None else self.batch_indices
         rope = self.rope_positions if self.rope_positions is not None else self.positions
         return (*(given if t is None else t for _, t in self.named()[:5]), given if rope is None else rope)
+
+
+def slot_index(slot_mapping, positions=None) -> dict:
+    """The index tensors of a write in the slot form, by name (``positions`` only with
+    RoPE, else None), in the order of their launch checks; :meth:`TokenIndex.of` takes them."""
+    return {"slot_mapping": slot_mapping, "positions": positions}
+
+
+def csr_index(batch_indices, positions, kv_indices, kv_indptr, rope_positions=None) -> dict:
+    """The index tensors of a write in the CSR form, by name (``rope_positions`` None when
+    the rotary positions are the cache positions), in the order of their launch checks;
+    :meth:`TokenIndex.of` takes them."""
+    return {
+        "batch_indices": batch_indices,
+        "positions": positions,
+        "kv_indices": kv_indices,
+        "kv_indptr": kv_indptr,
+        "rope_positions": rope_positions,
+    }
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ __all__ = [
     "host_copy",
     "check_kernel_dtype",
     "check_index_tensor",
+    "check_write_index",
     "check_head_dim",
     "check_num_splits",
     "max_element_offset",
@@ -94,6 +95,18 @@ def check_index_tensor(name: str, t, fits_int32: bool = True) -> None:
             raise ValueError(f"{name} has values outside int32 ({lo}..{hi})")
 
 
+def check_write_index(index: dict) -> list[tuple[str, torch.Tensor]]:
+    """Launch checks of a write's index tensors ``{name: tensor or None}``, in the dict's
+    order (:func:`check_index_tensor`; None: absent). The CSR page table (``kv_indptr``,
+    ``kv_indices``) must fit int32, as every page table the kernels take; the per-token
+    tensors (slots, requests, positions) need not, the write kernels widen them. Returns
+    the given ones as ``(name, tensor)`` pairs, for :func:`check_disjoint`."""
+    given = [(name, t) for name, t in index.items() if t is not None]
+    for name, t in given:
+        check_index_tensor(name, t, fits_int32=name in ("kv_indptr", "kv_indices"))
+    return given
+
+
 def check_head_dim(head_dim: int) -> None:
     """One head must fit one register tile of ``next_pow2(head_dim)`` lanes."""
     if not 0 < head_dim <= MAX_HEAD_DIM:
@@ -102,9 +115,7 @@ def check_head_dim(head_dim: int) -> None:
 
 def check_num_splits(num_splits) -> None:
     """``num_splits`` is None (the heuristic) or an int in ``[1, MAX_SPLITS]``."""
-    if num_splits is not None and (
-        isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS
-    ):
+    if num_splits is not None and (not checks.is_int(num_splits) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits={num_splits!r} must be None or an int in [1, {MAX_SPLITS}]")
 
 

@@ -296,6 +296,10 @@ def _run_foreign() -> None:
         peer_conventions.decode_kv_tuple(q, kc, vc, table, lens)
         qp = torch.randn((n, 2 * heads, dim), generator=gen).to(dtype)
         peer_conventions.prefill_kv_tuple(qp, kc, vc, torch.tensor([0, n], dtype=torch.int32), table, lens)
+        # the unified-attention peer, plain and with every option (tf32 dots for fp32)
+        peer_conventions.decode_paged(q, kc, vc, table, lens)
+        mods = {"sinks": torch.zeros(2 * heads), "alibi_slopes": torch.ones(2 * heads), "softcap": 30.0}
+        peer_conventions.decode_paged(q, kc, vc, table, lens, tf32=dtype == torch.float32, **mods)
 
 
 def _run_vllm_layouts() -> None:
