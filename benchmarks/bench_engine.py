@@ -1,7 +1,7 @@
 """Tokens per second of pagedkv_engine against transformers' generate, same prompts, same run.
 
     python benchmarks/bench_engine.py --out benchmarks/results [--attention torch|triton|reference]
-        [--tokens 32] [--threads 1] [--repeats 3] [--profile 15] [--speculative 4]
+        [--tokens 32] [--threads 1] [--repeats 3] [--profile 15] [--speculative 4] [--lock-turns 5]
 
 The prompts are those of the standard batch (:func:`pagedkv_engine.check.standard_batch`,
 seven requests, one with two samples: eight sequences). One process, one torch thread
@@ -31,6 +31,14 @@ count, these rows:
   (the second sample of the fork: prompt plus its forced first token), as the oracle
   runs it (its time from the checks above).
 
+``--lock-turns N`` (default 5; 0 leaves it out) adds what the block manager's lock
+(:mod:`pagedkv_lib.locking`) costs the single-threaded engine: the same-work run with
+the correct manager and with the fault ``no_lock``'s (a lock that excludes nobody), in
+``N`` turns, their median step times and the median of the per-turn ratios; and, as a
+bound that no timing noise blurs, the lock round trips one run takes per step times
+what :func:`~pagedkv_lib.locking.locked` adds to a method call (measured: a locked
+call's time minus a plain call's) over the step time.
+
 ``--profile N`` prints the top ``N`` Python functions (cProfile) and torch operators
 (torch profiler), by own time, of one more same-work engine run each. The report ends
 with this machine's limit for the same-work schedule (:func:`matmul_replays`, timed
@@ -55,6 +63,7 @@ import os
 import platform
 import pstats
 import statistics
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -67,6 +76,10 @@ from pagedkv_engine import Engine, SamplingParams, weights
 from pagedkv_engine import check as oracle
 from pagedkv_engine.memory import compare_caches, summary_rows
 from pagedkv_engine.model import PROJECTIONS, row_major_weights
+from pagedkv_engine.parts import EngineParts
+from pagedkv_lab import faults
+from pagedkv_lib.locking import locked
+from pagedkv_lib.manager import KVCacheManager
 
 ROOMY = dict(num_pages=256, page_size=16, max_num_batched_tokens=256)
 
@@ -111,16 +124,16 @@ def same_work_prompts(standard: dict) -> list[list[int]]:
     return [prompt for reqs in standard.values() for prompt, _ in reqs]
 
 
-def same_work(loaded, attention, prompts, tokens) -> tuple[Engine, dict]:
+def same_work(loaded, attention, prompts, tokens, parts=None) -> tuple[Engine, dict]:
     """An engine with the roomy pool and its arrivals: every prompt at step 0, exactly
     ``tokens`` new tokens each (``ignore_eos``)."""
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    return Engine(loaded.model, attention, **ROOMY), {0: [(p, params) for p in prompts]}
+    return Engine(loaded.model, attention, parts=parts, **ROOMY), {0: [(p, params) for p in prompts]}
 
 
-def engine_same_work(loaded, attention, prompts, tokens) -> tuple[Engine, float]:
+def engine_same_work(loaded, attention, prompts, tokens, parts=None) -> tuple[Engine, float]:
     """:func:`same_work`, served; returns the engine and the seconds ``run`` took."""
-    engine, arrivals = same_work(loaded, attention, prompts, tokens)
+    engine, arrivals = same_work(loaded, attention, prompts, tokens, parts)
     _, wall = timed(lambda: engine.run(arrivals))
     assert engine.stats.generated_tokens == len(prompts) * tokens, "the engine stopped early"
     return engine, wall
@@ -190,6 +203,92 @@ def in_turns(loaded, attention, prompts, tokens, repeats) -> dict:
             gemm_flops_per_s=2 * 1024**3 / seconds["gemm 1024^3"],
         ),
     }
+
+
+class CountingLock:
+    """An RLock that counts its acquisitions (how many lock round trips a run makes)."""
+
+    count = 0
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        CountingLock.count += 1
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class CountingManager(KVCacheManager):
+    lock_type = CountingLock
+
+
+class _Probe:
+    """A method plain and the same method under :func:`pagedkv_lib.locking.locked`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def plain(self) -> None:
+        return None
+
+    held = locked(plain)
+
+
+def round_trip_seconds(n: int = 200_000) -> float:
+    """What :func:`~pagedkv_lib.locking.locked` adds to one method call (the wrapper and
+    an RLock round trip): seconds, the median of five loops of ``n`` calls each way."""
+    probe = _Probe()
+
+    def loop(call) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        return time.perf_counter() - start
+
+    return statistics.median(loop(probe.held) - loop(probe.plain) for _ in range(5)) / n
+
+
+def lock_rows(loaded, attention, prompts, tokens, turns: int) -> dict:
+    """The rows ``engine, same work, lock`` and ``engine, same work, no lock`` and the
+    lock's cost (module docstring, ``--lock-turns``)."""
+    no_lock = faults.faults_of("concurrency")["no_lock"]
+    parts = {"lock": None, "no lock": EngineParts(manager=no_lock.part("manager"))}
+    CountingLock.count = 0
+    counted, _ = engine_same_work(loaded, attention, prompts, tokens, EngineParts(manager=CountingManager))
+    per_step = CountingLock.count / counted.stats.steps
+    runs = {name: [] for name in parts}
+    for _ in range(turns):
+        for name, p in parts.items():
+            engine, wall = engine_same_work(loaded, attention, prompts, tokens, p)
+            runs[name].append(wall / engine.stats.steps)
+    step = {name: statistics.median(times) for name, times in runs.items()}
+    trip = round_trip_seconds()
+    rows = {f"engine, same work, {name}": dict(step_seconds=step[name], steps_each=[*runs[name]]) for name in parts}
+    rows["lock cost"] = dict(
+        median_ratio=statistics.median(a / b for a, b in zip(runs["lock"], runs["no lock"])),
+        acquisitions_per_step=per_step,
+        round_trip_seconds=trip,
+        bound_fraction=per_step * trip / step["lock"],
+    )
+    return rows
+
+
+def lock_line(cost: dict) -> str:
+    return (
+        f"the manager's lock: step time with / without {cost['median_ratio']:.3f}x (median of turns); "
+        f"{cost['acquisitions_per_step']:.0f} acquisitions per step x {1e9 * cost['round_trip_seconds']:.0f} ns "
+        f"= {100 * cost['bound_fraction']:.3f} % of a step"
+    )
 
 
 def step_shapes(engine: Engine) -> list[tuple[int, int]]:
@@ -305,6 +404,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="turns of engine vs batched generate (default 3)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N of an engine run")
     p.add_argument("--speculative", type=int, default=4, metavar="N", help="drafts per step of the repetitive rows")
+    p.add_argument("--lock-turns", type=int, default=5, metavar="N", help="turns of the lock's cost (0: none)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_start = time.perf_counter()
@@ -336,6 +436,7 @@ def main() -> None:
     rows["transformers, one prompt at a time"] = dict(tokens=report.hf_tokens, seconds=report.hf_seconds)
     if args.speculative:
         rows |= speculative_rows(loaded, args.attention, args.tokens, args.speculative, references)
+    locks = lock_rows(loaded, args.attention, prompts, args.tokens, args.lock_turns) if args.lock_turns else {}
     print("\n".join(table_lines(rows)))
     ratio, limit = turns["ratio"], turns["limit"]
     print(
@@ -344,6 +445,8 @@ def main() -> None:
     )
     print(limit_line(limit, rows["engine, same work"]["tokens"]))
     print("\n".join(memory_lines))
+    if locks:
+        print(lock_line(locks["lock cost"]))
     profile = profile_lines(loaded, args.attention, prompts, args.tokens, args.profile) if args.profile else []
     print("\n".join(profile))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -359,6 +462,7 @@ def main() -> None:
         engine_over_batched_generate=ratio,
         limit=limit,
         memory_bytes=memory,
+        lock=locks,
         profile=profile,
     )
     (args.out / "bench_engine.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -29,6 +29,7 @@ from pagedkv_lib.formats import (
     pad_block_tables,
     slot_mapping,
 )
+from pagedkv_lib.global_manager import GlobalKVCacheManager
 from pagedkv_lib.indexing import element_offset, locate, locate_pow2
 from pagedkv_lib.manager import KVCacheManager
 from pagedkv_lib.memory import PRESETS, ModelSpec, kv_bytes_per_token, kv_cache_bytes, max_tokens
@@ -45,6 +46,7 @@ __all__ = [
     "BlockAllocator",
     "OutOfBlocksError",
     "KVCacheManager",
+    "GlobalKVCacheManager",
     "PagedKVPool",
     "RingWindow",
     "LinearWindow",

@@ -1,5 +1,5 @@
 """Per-sequence block tables over a shared allocator: growth, copy-on-write forks,
-ring windows and prefix sharing.
+ring windows and prefix sharing, safe to call from several threads.
 
 The manager only does bookkeeping. Where a write needs a page copied first (the
 first write into a page another sequence still shares), it records a
@@ -22,36 +22,51 @@ Two levels (``secondary_blocks > 0``, :mod:`pagedkv_lib.offload`): a cached bloc
 evicted from the primary pool is copied to a secondary block (every layer) that stays
 findable by its hash; an :meth:`~KVCacheManager.admit` that hits it restores it into a
 free primary block first. Those copies, and copy-on-write, then go through the
-``copy_fn`` the manager is given, at once (while it plans, before the step writes
-anything), so :meth:`~KVCacheManager.pop_copies` only reports copies already made.
+``copy_fn`` the manager is given, during the call (before the step writes anything),
+so :meth:`~KVCacheManager.pop_copies` only reports copies already made.
+
+Threads: every public method is one critical section under the manager's one lock,
+which its allocator, prefix cache and secondary pool share; ``copy_fn`` runs with the
+lock released, while the operation's reservations keep its half-done state out of
+sight (:mod:`pagedkv_lib.locking` has the rules, :mod:`pagedkv_lib.flight` the three
+steps). A sequence whose operation is running its copies is *busy*: another call naming
+it raises ValueError. With several threads, give the manager a ``copy_fn``, or apply
+:meth:`~KVCacheManager.pop_copies` in one place before any write (it returns every
+thread's pending copies).
 
 A copy function may fail (an exception, a ``KeyboardInterrupt`` in a notebook): an
-:meth:`~KVCacheManager.admit` or :meth:`~KVCacheManager.append_tokens` whose copy raises
-is undone whole, and the exception propagates. The manager is then exactly as before the
-call, except that a cached block whose storage a started copy was writing is forgotten
-(a prefix-cache entry whose page was the destination of a restore or copy-on-write, a
+:meth:`~KVCacheManager.admit`, :meth:`~KVCacheManager.append_tokens` or
+:meth:`~KVCacheManager.evict` whose copy raises is undone whole, and the exception
+propagates. Single-threaded, the manager is then exactly as before the call, except
+that a cached block whose storage a started copy was writing is forgotten (a
+prefix-cache entry whose page was the destination of a restore or copy-on-write, a
 secondary entry whose block was the destination of an offload, counted as a drop): its
 bytes may be half overwritten, and a later hit must never restore them. Nothing leaks,
-no secondary entry names bytes that were never copied, no sequence is half admitted.
+no secondary entry names bytes that were never copied, no sequence is half admitted;
+with other threads at work, their changes meanwhile stay.
 
-(About 600 lines: one class whose operations share the invariants that
+(About 680 lines: one class whose operations share the invariants that
 :meth:`~KVCacheManager.check_integrity` holds them to.)
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+import threading
+from typing import ClassVar, NamedTuple
 
 from pagedkv_lib.allocator import BlockAllocator, OutOfBlocksError
 from pagedkv_lib.checks.scalars import check_int, is_int
+from pagedkv_lib.flight import Flight
 from pagedkv_lib.indexing import check_page_size, locate, slot_of
-from pagedkv_lib.offload import COPY_KINDS, SecondaryPool
+from pagedkv_lib.locking import deepcopy_locked, locked
+from pagedkv_lib.offload import SecondaryPool
+from pagedkv_lib.sequence import SequenceState
 from pagedkv_lib.sharing import PrefixCache, as_token_ids, block_hash
 from pagedkv_lib.window import RingWindow
 
 __all__ = ["KVCacheManager", "Admission"]
+
+_NO_SEQ = object()  # the sequence of an operation that changes none (evict)
 
 
 class Admission(NamedTuple):
@@ -61,23 +76,6 @@ class Admission(NamedTuple):
 
     num_cached_tokens: int
     slots: list[int]
-
-
-@dataclass
-class _Sequence:
-    block_table: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-    # Ids of the tracked prefix. An append without ids stops tracking for good: later ids
-    # could not be placed after the gap, so blocks past the prefix are never cached.
-    token_ids: list[int] = field(default_factory=list)
-    tracked: bool = True
-    num_committed: int = 0  # leading tokens whose K/V the caller has declared written
-    # Hash chain of the committed full blocks that have ids, in order (prefix cache only).
-    block_hashes: list[int] = field(default_factory=list)
-    # Leading tokens shared with a fork (as its parent or as its child) when it was made:
-    # their pages are shared, so the other side's commit may cache them while this
-    # sequence's own committed count lags.
-    fork_shared: int = 0
 
 
 class KVCacheManager:
@@ -90,11 +88,16 @@ class KVCacheManager:
 
     ``copy_fn(kind, src_blocks, dst_blocks, num_tokens)`` (kinds in
     :data:`~pagedkv_lib.offload.COPY_KINDS`; lists of ints, ``num_tokens <= 0`` the
-    whole block) makes the manager apply its copies itself, as it plans them.
+    whole block) makes the manager apply its copies itself, with its lock released.
     ``secondary_blocks > 0`` (needs ``prefix_cache`` and ``copy_fn``) adds a secondary
     pool of that many blocks under the prefix cache (:attr:`secondary`);
     ``block_bytes`` (bytes of one block, every layer) feeds its byte counter.
+
+    Safe to share between threads (module docstring); a deep copy gets its own lock.
     """
+
+    #: Makes the one lock that guards a manager's books (shared with its parts).
+    lock_type: ClassVar = threading.RLock
 
     def __init__(
         self,
@@ -122,16 +125,22 @@ class KVCacheManager:
         check_int("secondary_blocks", secondary_blocks)
         if secondary_blocks and not (prefix_cache and copy_fn is not None):
             raise ValueError("secondary_blocks > 0 needs prefix_cache=True and a copy_fn to move the blocks")
-        self.secondary = SecondaryPool(secondary_blocks, block_bytes) if secondary_blocks else None
+        self._lock = type(self).lock_type()
+        self.secondary = SecondaryPool(secondary_blocks, block_bytes, self._lock) if secondary_blocks else None
         self.copy_fn = copy_fn
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, self._lock)
         self.page_size = page_size
         self.window = window
-        self.prefix_cache = PrefixCache() if prefix_cache else None
-        self._seqs: dict[object, _Sequence] = {}
+        self.prefix_cache = PrefixCache(self._lock) if prefix_cache else None
+        self._seqs: dict[object, SequenceState] = {}
         self._copies: list[tuple[int, int, int]] = []
-        # While an operation that copies runs: its snapshot and the destinations of the copies started.
-        self._undo: tuple[tuple, list[tuple[str, list[int]]]] | None = None
+        self._flights: list[Flight] = []  # operations running their copies (flight.held are owners too)
+        self._busy: set = set()  # the sequences they change (an admitted one is not in _seqs yet)
+
+    def __deepcopy__(self, memo: dict):
+        if self._flights:
+            raise ValueError("cannot copy a KVCacheManager while an operation is running its block copies")
+        return deepcopy_locked(self, memo, type(self).lock_type)
 
     # ------------------------------------------------------------------ queries
 
@@ -145,28 +154,42 @@ class KVCacheManager:
         return self.allocator.num_free
 
     @property
+    @locked
     def num_allocatable(self) -> int:
         """Blocks an append could get now: the free list plus cached blocks nobody uses."""
         return self.allocator.num_free + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
 
     @property
+    @locked
     def sequences(self) -> list:
         return list(self._seqs)
 
-    def _get(self, seq_id) -> _Sequence:
+    def _get(self, seq_id) -> SequenceState:
+        if seq_id in self._busy:
+            raise ValueError(
+                f"seq_id={seq_id!r} is busy: an operation on it is running its block copies "
+                "(on another thread, or its copy function called back)"
+            )
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"seq_id={seq_id!r} is not a live sequence") from None
 
+    def _check_new(self, seq_id) -> None:
+        if seq_id in self._seqs or seq_id in self._busy:
+            raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
+
+    @locked
     def seq_len(self, seq_id) -> int:
         """Tokens in the sequence (appended so far), written or not."""
         return self._get(seq_id).num_tokens
 
+    @locked
     def committed_len(self, seq_id) -> int:
         """Leading tokens of the sequence whose K/V is declared written (see :meth:`commit`)."""
         return self._get(seq_id).num_committed
 
+    @locked
     def block_table(self, seq_id) -> list[int]:
         """Physical page of every logical block of the sequence (a copy)."""
         return list(self._get(seq_id).block_table)
@@ -174,6 +197,7 @@ class KVCacheManager:
     def refcount(self, block: int) -> int:
         return self.allocator.refcount(block)
 
+    @locked
     def pop_copies(self) -> list[tuple[int, int, int]]:
         """Return and clear the pending ``(src, dst, num_rows)`` page copies (with a
         ``copy_fn``: the copy-on-write copies it already made, for the record)."""
@@ -194,78 +218,95 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @locked
     def add_sequence(self, seq_id) -> None:
         """Start an empty sequence; ValueError if ``seq_id`` is live already."""
-        if seq_id in self._seqs:
-            raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
-        self._seqs[seq_id] = _Sequence()
+        self._check_new(seq_id)
+        self._seqs[seq_id] = SequenceState()
 
-    # ------------------------------------------------------------------ failed copies
+    # ------------------------------------------------------------------ operations that copy
 
-    @contextmanager
-    def _undone_on_failure(self, copies: bool):
-        """Run the body as one transaction when it may call ``copy_fn`` (``copies``): on
-        any exception, put the state back as it was and forget the cached blocks whose
-        storage a started copy was writing (see the module docstring), then re-raise.
-        A body without copies changes nothing before its checks pass, so it needs no
-        snapshot (the decode steps' appends, which would pay for one on every token)."""
-        if not copies or self._undo is not None:  # nothing to undo, or an outer transaction has it
-            yield
-            return
-        secondary = None if self.secondary is None else self.secondary.snapshot()
-        cache = None if self.prefix_cache is None else self.prefix_cache.snapshot()
-        seqs = {k: replace(v, block_table=list(v.block_table), token_ids=list(v.token_ids),
-                           block_hashes=list(v.block_hashes)) for k, v in self._seqs.items()}  # fmt: skip
-        self._undo = ((self.allocator.snapshot(), cache, secondary, seqs, list(self._copies)), [])
+    def _fly(self, seq_id, plan, publish):
+        """Run an operation that copies (:mod:`pagedkv_lib.flight`): ``plan(flight)``
+        under the lock, the flight's copies with the lock released, then
+        ``publish(flight, planned)`` under the lock; return what it returns. ``seq_id``
+        is busy meanwhile. If the plan or a copy raises, the flight is undone under the
+        lock and the exception propagates."""
+        flight = Flight(self.allocator, self.prefix_cache, self.secondary)
+        self._flights.append(flight)
+        self._busy.add(seq_id)
         try:
-            yield
-        except BaseException:
-            (allocator, cache, secondary, seqs, copies), started = self._undo
-            self.allocator.restore(allocator)
-            if cache is not None:
-                self.prefix_cache.restore(cache)
-            if secondary is not None:
-                self.secondary.restore(secondary)
-            self._seqs, self._copies = seqs, copies
-            self._forget_overwritten(started)
-            raise
+            try:
+                planned = plan(flight)
+                if flight.copies:
+                    self._lock.release()  # no callback under the lock
+                    try:
+                        flight.run(self.copy_fn)
+                    finally:
+                        self._lock.acquire()
+            except BaseException:
+                flight.undo()
+                raise
+            return publish(flight, planned)
         finally:
-            self._undo = None
+            self._flights.remove(flight)
+            self._busy.discard(seq_id)
 
-    def _forget_overwritten(self, started: list[tuple[str, list[int]]]) -> None:
-        """After an undo: forget what the destinations of the started copies held before the
-        call. An offload writes secondary blocks; a restore or copy-on-write writes fresh
-        primary blocks, which were free or cached blocks nobody used (evictable)."""
-        for kind, dst in started:
-            for block in dst:
-                if kind == "offload":
-                    if self.secondary.holds(block):
-                        self.secondary.forget(block)
-                elif self.prefix_cache is not None and block in self.prefix_cache:
-                    self.prefix_cache.forget(block)
-                    self.allocator.decref(block)  # the cache's own reference: the block is free
+    def _copies_needed(self, copy_blocks: bool, need: int) -> bool:
+        """Whether an operation taking ``need`` blocks calls ``copy_fn``: it copies shared
+        blocks (``copy_blocks``), or it evicts and the evicted blocks are offloaded."""
+        evicts = need > self.allocator.num_free
+        return self.copy_fn is not None and (copy_blocks or (evicts and self.secondary is not None))
 
-    def _reserve(self, n: int) -> list[int]:
-        """Allocate ``n`` blocks, evicting cached blocks nobody uses if the free list is
-        short. All or nothing: raises OutOfBlocksError before anything changes."""
+    def _reserve(self, n: int, flight: Flight | None) -> list[int]:
+        """Take ``n`` blocks (refcount 1 each, the caller's), evicting cached blocks nobody
+        uses if the free list is short. All or nothing: raises OutOfBlocksError before
+        anything changes. Under a ``flight`` they are held by it (and evictions offloaded)."""
         evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
         if n > self.allocator.num_free + evictable:
             raise OutOfBlocksError(n, self.allocator.num_free + evictable)
-        while self.allocator.num_free < n:
-            block, h, tokens = self.prefix_cache.pop_lru_entry()
-            if self.secondary is not None:
-                slot = self.secondary.place(h, tokens)
-                if slot is not None:  # before the block is handed out and overwritten
-                    self._copy("offload", [block], [slot], [0])
-            self.allocator.decref(block)  # the cache's own reference
-        return self.allocator.allocate_many(n)
+        blocks = self.allocator.allocate_many(min(n, self.allocator.num_free))
+        if flight is not None:
+            flight.claim(blocks)
+        while len(blocks) < n:
+            blocks.append(self._evict_one(flight))
+        return blocks
 
-    def _copy(self, kind: str, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
-        assert kind in COPY_KINDS
-        assert self._undo is not None, "a copy outside a transaction could not be undone"
-        self._undo[1].append((kind, list(dst)))  # before the call: a failing copy may have written some of dst
-        self.copy_fn(kind, src, dst, num_tokens)
+    def _evict_one(self, flight: Flight | None) -> int:
+        """Unmap the least recently used evictable block and return it, its reference now
+        the caller's (under a ``flight``, held by it and offloaded first)."""
+        block, h, tokens = self.prefix_cache.pop_lru_entry()
+        if flight is not None:
+            flight.evicted(block, h, tokens)
+        else:
+            assert self.secondary is None, "an eviction that offloads runs in a flight"
+        return block
 
+    @locked
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` cached blocks that no sequence uses, least recently
+        used first; return how many were freed (0 without a prefix cache). With a
+        secondary pool each is offloaded first, as an eviction by an append would
+        (SGLang's ``RadixCache.evict``; vLLM's ``reset_prefix_cache`` drops them all).
+        ValueError unless ``num_blocks`` is an int >= 0; a ``copy_fn`` that raises undoes it."""
+        check_int("num_blocks", num_blocks)
+        k = min(num_blocks, self.prefix_cache.num_evictable) if self.prefix_cache else 0
+        if not self._copies_needed(False, self.allocator.num_free + k):
+            for _ in range(k):
+                self.allocator.decref(self._evict_one(None))
+            return k
+
+        def publish(flight: Flight, blocks: list[int]) -> int:
+            flight.publish()
+            for block in blocks:
+                self.allocator.decref(block)  # offloaded: free now
+            return k
+
+        return self._fly(_NO_SEQ, lambda flight: [self._evict_one(flight) for _ in range(k)], publish)
+
+    # ------------------------------------------------------------------ growth
+
+    @locked
     def append_tokens(self, seq_id, n: int, token_ids: list[int] | None = None) -> list[int]:
         """Grow a sequence by ``n`` tokens; return the flat slot of each new token.
 
@@ -277,8 +318,8 @@ class KVCacheManager:
 
         Raises KeyError for an unknown ``seq_id``; ValueError, before anything changes,
         if ``n`` is not an int >= 0, a token id is not an int (``token_ids[i]`` named), the
-        count of ids is not ``n``, or ``n`` exceeds a ring window's chunk; and
-        OutOfBlocksError with the manager unchanged. A ``copy_fn`` that raises (a
+        count of ids is not ``n``, ``n`` exceeds a ring window's chunk or the sequence is
+        busy; and OutOfBlocksError with the manager unchanged. A ``copy_fn`` that raises (a
         copy-on-write, an eviction's offload) undoes the append and propagates (the module
         docstring says what is forgotten).
         """
@@ -293,23 +334,53 @@ class KVCacheManager:
                 f"n={n} tokens at once would overwrite ring slots still needed; this window allows "
                 f"{self.window.max_chunk_len()}"
             )
+        plan = self._plan_append(seq, n)
+        if not self._copies_needed(bool(plan[2]), plan[1] + len(plan[2])):
+            return self._grow(seq, n, token_ids, plan, None)
+
+        def grow(flight: Flight) -> tuple[SequenceState, list[int]]:
+            grown = seq.copy()
+            return grown, self._grow(grown, n, token_ids, plan, flight)
+
+        return self._fly(seq_id, grow, self._publish_sequence(seq_id))
+
+    def _publish_sequence(self, seq_id):
+        """The publish step of an operation that built ``seq_id``'s new state: the
+        sequence (its table names the flight's held blocks now), then the flight's
+        shared changes; returns the slots."""
+
+        def publish(flight: Flight, planned: tuple[SequenceState, list[int]]) -> list[int]:
+            self._seqs[seq_id], slots = planned
+            self._copies += flight.cow_records
+            flight.publish()
+            for src in flight.cow_sources:
+                self._drop_reference(src)  # the old table's references
+            return slots
+
+        return publish
+
+    def _grow(
+        self, seq: SequenceState, n: int, token_ids: list[int] | None, plan: tuple, flight: Flight | None
+    ) -> list[int]:
+        """Append ``n`` tokens to ``seq`` as :meth:`_plan_append` planned (fits: raises
+        OutOfBlocksError before any change otherwise); return their slots. Under a
+        ``flight`` (``seq`` is then the sequence's future state) copy-on-write is planned;
+        without one it is recorded for :meth:`pop_copies` (no ``copy_fn``)."""
+        targets, new_blocks, to_copy = plan
         start, ps = seq.num_tokens, self.page_size
-        targets, new_blocks, to_copy = self._plan_append(seq, n)
-        need = new_blocks + len(to_copy)
-        copies = self.copy_fn is not None and (bool(to_copy) or need > self.allocator.num_free)
-        with self._undone_on_failure(copies):  # a copy-on-write, or an eviction's offload
-            filled = self._rows(start)
-            fresh = self._reserve(need)
-            for j in to_copy:
-                src, dst = seq.block_table[j], fresh.pop()
-                rows = min(ps, max(filled - j * ps, 0))
+        filled = self._rows(start)
+        fresh = self._reserve(new_blocks + len(to_copy), flight)
+        for j in to_copy:
+            src, dst = seq.block_table[j], fresh.pop()
+            rows = min(ps, max(filled - j * ps, 0))
+            if flight is not None:
+                flight.cow(src, dst, rows)
+            else:
                 if rows:
                     self._copies.append((src, dst, rows))
-                    if self.copy_fn is not None:
-                        self._copy("cow", [src], [dst], [rows])
-                self.allocator.decref(src)
-                seq.block_table[j] = dst
-            seq.block_table.extend(fresh)
+                self._drop_reference(src)  # a page a fork committed after a rollback may be the cache's alone now
+            seq.block_table[j] = dst
+        seq.block_table.extend(fresh)
         seq.num_tokens += n
         if token_ids is not None and seq.tracked:
             seq.token_ids.extend(token_ids)
@@ -317,7 +388,7 @@ class KVCacheManager:
             seq.tracked = False
         return [slot_of(seq.block_table[j], off, ps) for j, off in targets]
 
-    def _plan_append(self, seq: _Sequence, n: int) -> tuple[list[tuple[int, int]], int, list[int]]:
+    def _plan_append(self, seq: SequenceState, n: int) -> tuple[list[tuple[int, int]], int, list[int]]:
         """``(targets, new_blocks, to_copy)`` of appending ``n`` tokens to ``seq``: the
         (logical block, row) of each new token, the blocks to add at the end of the
         table, and the shared blocks to copy first (logical indices)."""
@@ -327,12 +398,14 @@ class KVCacheManager:
         to_copy = sorted({j for j, _ in targets if j < len(seq.block_table) and self._needs_copy(seq.block_table[j])})
         return targets, new_blocks, to_copy
 
+    @locked
     def blocks_needed(self, seq_id, n: int) -> int:
         """Blocks :meth:`append_tokens` ``(seq_id, n)`` would take now: new blocks at the end
         of the table plus copies of shared blocks (compare with :attr:`num_allocatable`)."""
         _, new_blocks, to_copy = self._plan_append(self._get(seq_id), n)
         return new_blocks + len(to_copy)
 
+    @locked
     def commit(self, seq_id, num_tokens: int | None = None) -> None:
         """Declare the K/V of the sequence's first ``num_tokens`` tokens (default: every
         token appended so far) written in the pool; its full blocks among them that have
@@ -361,7 +434,7 @@ class KVCacheManager:
         seq.num_committed = num_tokens
         self._cache_committed_blocks(seq)
 
-    def _cache_committed_blocks(self, seq: _Sequence) -> None:
+    def _cache_committed_blocks(self, seq: SequenceState) -> None:
         """Register the sequence's committed full blocks that have ids and are not
         registered yet. A hash already cached (another page holds that prefix) is kept
         in the chain but this page stays uncached."""
@@ -378,6 +451,7 @@ class KVCacheManager:
                 if self.secondary is not None:
                     self.secondary.discard(h)
 
+    @locked
     def admit(self, seq_id, prompt_token_ids: list[int]) -> Admission:
         """Add a sequence for a prompt, reusing the longest run of cached full blocks;
         return how many prompt tokens came from the cache and the slots of the rest.
@@ -397,8 +471,7 @@ class KVCacheManager:
         """
         if self.prefix_cache is None:
             raise ValueError("admit() needs KVCacheManager(..., prefix_cache=True)")
-        if seq_id in self._seqs:
-            raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
+        self._check_new(seq_id)
         prompt = as_token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids is empty")
@@ -415,33 +488,47 @@ class KVCacheManager:
         room = self.allocator.num_free + cache.num_evictable - reused
         if need > room:
             raise OutOfBlocksError(need, room)
-        copies = self.copy_fn is not None and (restores > 0 or need > self.allocator.num_free)
-        with self._undone_on_failure(copies):  # restores, evictions' offloads
-            slots = self._admit_hits(seq_id, prompt, hits, queries, found)
+        admission = (prompt, hits, queries, found)
+        if not self._copies_needed(restores > 0, need):
+            seq, slots = self._admit_hits(None, *admission)
+            self._seqs[seq_id] = seq
+        else:
+            slots = self._fly(
+                seq_id, lambda flight: self._admit_hits(flight, *admission), self._publish_sequence(seq_id)
+            )
         return Admission(len(hits) * ps, slots)
 
-    def _admit_hits(self, seq_id, prompt: list[int], hits: list, queries: int, found: int) -> list[int]:
-        """The changes of an admission that fits (:meth:`admit`): the sequence made of the
-        cache hits (secondary ones restored), then the rest of the prompt appended; returns
-        the slots of the rest."""
+    def _admit_hits(
+        self, flight, prompt: list[int], hits: list, queries: int, found: int
+    ) -> tuple[SequenceState, list[int]]:
+        """The new sequence of an admission that fits (:meth:`admit`): the cache hits
+        (secondary ones restored, under the ``flight`` that restores need), then the rest
+        of the prompt appended; returns it and the slots of the rest."""
         cache, ps = self.prefix_cache, self.page_size
-        cache.record_lookups(queries, found)
         # Secondary hits leave the secondary map first (so no offload below drops them),
         # primary hits are held first (so no restore below evicts them).
-        taken = {h: self.secondary.take(h) for h, _, block in hits if block is None}
+        taken = {h: flight.take(h, tokens) for h, tokens, block in hits if block is None}
         for _, _, block in hits:
-            if block is not None and self.allocator.incref(block) == 2:  # was held by the cache alone
+            if block is not None and flight is not None:
+                flight.hold_hit(block)
+            elif block is not None and self.allocator.incref(block) == 2:  # was held by the cache alone
                 cache.unmark_evictable(block)
-        seq = self._seqs[seq_id] = _Sequence()
+        if flight is None:
+            cache.record_lookups(queries, found)
+        else:
+            flight.lookups = (queries, found)
+        seq = SequenceState()
         for h, tokens, block in hits:
             if block is None:
-                block = self._restore(h, tokens, taken[h])
+                (block,) = self._reserve(1, flight)
+                flight.restore(h, tokens, taken[h], block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
         cached = len(hits) * ps
         seq.num_tokens = seq.num_committed = cached
         seq.token_ids = prompt[:cached]
-        return self.append_tokens(seq_id, len(prompt) - cached, prompt[cached:])  # fits: checked above
+        rest = len(prompt) - cached
+        return seq, self._grow(seq, rest, prompt[cached:], self._plan_append(seq, rest), flight)
 
     def _plan_hits(self, prompt: list[int]) -> tuple[list[tuple[int, list[int], int | None]], int]:
         """The prompt's leading run of cached full blocks, with peeks only (nothing may
@@ -459,27 +546,17 @@ class KVCacheManager:
             parent = h
         return hits, queries
 
-    def _restore(self, h: int, tokens: list[int], slot: int) -> int:
-        """Copy secondary block ``slot`` (hash ``h``) into a fresh primary block, cache it
-        there and return it, held by the caller's table and the cache (fits: the caller
-        counted it in its admission's room)."""
-        (block,) = self._reserve(1)
-        self._copy("restore", [slot], [block], [0])
-        self.secondary.release(slot)
-        self.prefix_cache.insert(h, tokens, block)
-        self.allocator.incref(block)  # the cache's reference
-        return block
-
+    @locked
     def fork(self, parent_id, child_id) -> None:
         """Make ``child_id`` share every page of ``parent_id`` (refcounts up, nothing
         allocated); the first write into a shared page copies it. The child inherits the
         parent's token ids and committed count."""
         parent = self._get(parent_id)
-        self.add_sequence(child_id)
+        self._check_new(child_id)
         parent.fork_shared = parent.num_tokens
         for block in parent.block_table:
             self.allocator.incref(block)
-        self._seqs[child_id] = _Sequence(
+        self._seqs[child_id] = SequenceState(
             block_table=list(parent.block_table),
             num_tokens=parent.num_tokens,
             token_ids=list(parent.token_ids),
@@ -489,6 +566,7 @@ class KVCacheManager:
             fork_shared=parent.num_tokens,
         )
 
+    @locked
     def rollback(self, seq_id, num_tokens: int) -> list[int]:
         """Drop the sequence's last ``num_tokens`` tokens, as if they had never been
         appended; return the pages released (emptied tail pages, in table order).
@@ -524,31 +602,38 @@ class KVCacheManager:
         released = seq.block_table[keep:]
         del seq.block_table[keep:]
         for block in reversed(released):
-            if self.allocator.decref(block) == 1 and self.prefix_cache is not None and block in self.prefix_cache:
-                self.prefix_cache.mark_evictable(block)
+            self._drop_reference(block)
         if len(seq.token_ids) >= seq.num_tokens:  # the tail without ids (if any) is gone
             del seq.token_ids[seq.num_tokens :]
             seq.tracked = True
         return released
 
+    @locked
     def free_sequence(self, seq_id) -> None:
         """Drop a sequence: every page loses one reference; pages nobody holds are freed,
         cached pages nobody uses become evictable (tail blocks evicted first)."""
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         for block in reversed(seq.block_table):
-            count = self.allocator.decref(block)
-            if count == 1 and self.prefix_cache is not None and block in self.prefix_cache:
-                self.prefix_cache.mark_evictable(block)
+            self._drop_reference(block)
+
+    def _drop_reference(self, block: int) -> None:
+        """A table lets go of ``block``: freed at refcount 0; a cached page nobody else
+        uses becomes the most recently used evictable block."""
+        if self.allocator.decref(block) == 1 and self.prefix_cache is not None and block in self.prefix_cache:
+            self.prefix_cache.mark_evictable(block)
 
     # ------------------------------------------------------------------ invariants
 
+    @locked
     def check_integrity(self) -> None:
         """Assert the bookkeeping invariants (tests and notebooks call this):
 
-        * every page's refcount equals the number of block-table entries naming it,
-          plus one while the prefix cache maps it;
-        * free + referenced by a table + cached only == all pages;
+        * every page's refcount equals its owners: the block-table entries naming it,
+          one while the prefix cache maps it, and the references operations in flight
+          hold (:mod:`pagedkv_lib.flight`; a busy sequence's table is its state before);
+        * free + owned + cached only == all pages; the evictable pages are exactly the
+          cached pages nobody else owns;
         * every table spans exactly the pages its length needs;
         * committed <= tokens; the ids cover the tracked prefix (all tokens while tracked);
           the hash chain covers exactly the committed full blocks that have ids;
@@ -557,50 +642,34 @@ class KVCacheManager:
           rolled-back token is in it), holds that table's
           ids for the block, and sits under its chain hash;
         * with a secondary pool: its own invariants
-          (:meth:`~pagedkv_lib.offload.SecondaryPool.check_integrity`), and no hash in
-          both levels.
+          (:meth:`~pagedkv_lib.offload.SecondaryPool.check_integrity`), no hash in both
+          levels, and no secondary block held while no operation is in flight.
         """
         self.allocator.check_integrity()
-        ps, cache = self.page_size, self.prefix_cache
+        cache = self.prefix_cache
         named = [0] * self.num_blocks
         for seq_id, seq in self._seqs.items():
-            need = -(-self._rows(seq.num_tokens) // ps)
-            assert len(seq.block_table) == need, f"{seq_id!r}: {len(seq.block_table)} pages, needs {need}"
+            seq.check(seq_id, self.page_size, self._rows(seq.num_tokens), cache)
             for block in seq.block_table:
                 named[block] += 1
-            assert 0 <= seq.num_committed <= seq.num_tokens, f"{seq_id!r}: {seq.num_committed} committed"
-            ids = len(seq.token_ids)
-            assert ids <= seq.num_tokens and (ids == seq.num_tokens or not seq.tracked), f"{seq_id!r}: {ids} ids"
-            if cache is None:
-                assert not seq.block_hashes, f"{seq_id!r} has block hashes without a prefix cache"
-                continue
-            full = min(seq.num_committed, ids) // ps
-            assert len(seq.block_hashes) == full, f"{seq_id!r}: {len(seq.block_hashes)} hashes, {full} committed blocks"
-            for j, h in enumerate(seq.block_hashes):
-                want = block_hash(seq.block_hashes[j - 1] if j else None, seq.token_ids[j * ps : (j + 1) * ps])
-                assert h == want, f"{seq_id!r}: block {j} hash breaks the chain"
-            for j, block in enumerate(seq.block_table):
-                if block not in cache:
-                    continue
-                h, tokens = cache._entry_of[block]
-                assert (j + 1) * ps <= seq.num_tokens, f"cached page {block} is the partial block {j} of {seq_id!r}"
-                # Only written, accepted tokens may be shared: never a draft that may be rolled back.
-                # Pages shared with a fork may be cached by the other side's later commit.
-                uncommitted = f"cached page {block} is the uncommitted block {j} of {seq_id!r}"
-                assert (j + 1) * ps <= max(seq.num_committed, seq.fork_shared), uncommitted
-                assert tokens == tuple(seq.token_ids[j * ps : (j + 1) * ps]), f"cached page {block}: other ids"
-                assert j >= len(seq.block_hashes) or h == seq.block_hashes[j], f"cached page {block}: other hash"
-        cached = set(cache._entry_of) if cache else set()
+        for flight in self._flights:
+            for block in flight.held:
+                named[block] += 1
+        cached = {b for b in range(self.num_blocks) if b in cache} if cache else set()
         for block in range(self.num_blocks):
             want = named[block] + (block in cached)
             got = self.allocator.refcount(block)
-            assert got == want, f"block {block}: refcount {got}, but {named[block]} tables + cache {block in cached}"
+            assert got == want, f"block {block}: refcount {got}, but {named[block]} owners + cache {block in cached}"
         referenced = sum(1 for c in named if c)
         cached_only = sum(1 for b in cached if not named[b])
         assert self.num_free + referenced + cached_only == self.num_blocks
-        if self.prefix_cache:
-            assert set(self.prefix_cache.evictable_blocks()) == {b for b in cached if not named[b]}
+        if cache:
+            evictable, unused = set(cache.evictable_blocks()), {b for b in cached if not named[b]}
+            assert evictable == unused, (
+                f"evictable {sorted(evictable - unused)} in use, {sorted(unused - evictable)} not evictable"
+            )
         if self.secondary is not None:
             self.secondary.check_integrity()
-            both = self.prefix_cache.hashes() & {h for _, h, _ in self.secondary.entries()}
+            both = cache.hashes() & {h for _, h, _ in self.secondary.entries()}
             assert not both, f"hashes {sorted(both)} are in both levels"
+            assert self._flights or not self.secondary.num_held, "a secondary block is held by no operation"

@@ -9,6 +9,9 @@ used first.
 
 Token ids are ints. :func:`as_token_ids` is the one place that decides what counts as
 one; every entry point that takes token ids calls it before changing anything.
+
+:class:`PrefixCache` is safe to call from several threads: every method holds its lock
+(its own RLock, or its manager's, which guards the whole manager: :mod:`pagedkv_lib.locking`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import hashlib
 import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from pagedkv_lib.locking import deepcopy_locked, locked, new_lock
 
 __all__ = ["as_token_ids", "block_hash", "PrefixCache"]
 
@@ -70,15 +75,20 @@ class PrefixCache:
     """Maps block hashes to physical blocks and orders evictable blocks by last use.
 
     The cache only keeps the maps; reference counts live in the allocator and the
-    :class:`~pagedkv_lib.manager.KVCacheManager` keeps both consistent.
+    :class:`~pagedkv_lib.manager.KVCacheManager` keeps both consistent. ``lock``: the
+    lock guarding it (default: its own RLock; a manager passes its own).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lock=None) -> None:
+        self._lock = new_lock() if lock is None else lock
         self._block_of: dict[int, int] = {}
         self._entry_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.queries = 0  # blocks looked up
         self.hits = 0  # blocks found
+
+    def __deepcopy__(self, memo: dict):
+        return deepcopy_locked(self, memo)  # a new lock for the copy (or its manager's new one)
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -90,6 +100,7 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
+    @locked
     def peek(self, h: int, token_ids: Sequence[int]) -> int | None:
         """Block cached under hash ``h`` holding exactly ``token_ids``, or None.
 
@@ -102,17 +113,20 @@ class PrefixCache:
             return None
         return block
 
+    @locked
     def lookup(self, h: int, token_ids: Sequence[int]) -> int | None:
         """:meth:`peek`, counted in :attr:`queries` and :attr:`hits`."""
         block = self.peek(h, token_ids)
         self.record_lookups(1, int(block is not None))
         return block
 
+    @locked
     def record_lookups(self, queries: int, hits: int) -> None:
         """Count ``queries`` block lookups of which ``hits`` found a block (for :meth:`hit_rate`)."""
         self.queries += queries
         self.hits += hits
 
+    @locked
     def insert(self, h: int, token_ids: Sequence[int], block: int) -> bool:
         """Map ``h`` to ``block``; False (and nothing changed) if ``h`` or ``block`` is
         already cached. The caller vouches that ``block`` holds the written K/V of
@@ -124,15 +138,36 @@ class PrefixCache:
         self._entry_of[block] = (h, tokens)
         return True
 
+    def block_for(self, h: int) -> int | None:
+        """Block cached under hash ``h`` (whatever its tokens), or None."""
+        return self._block_of.get(h)
+
+    @locked
     def hash_of(self, block: int) -> int | None:
         entry = self._entry_of.get(block)
         return None if entry is None else entry[0]
 
-    def mark_evictable(self, block: int) -> None:
-        """No sequence uses ``block`` any more; it is now the most recently used evictable block."""
-        self._evictable[block] = None
-        self._evictable.move_to_end(block)
+    @locked
+    def mark_evictable(self, block: int, index: int | None = None) -> None:
+        """No sequence uses ``block`` any more; it is now the most recently used evictable
+        block, or the ``index``-th least recently used (an undo putting it back where it
+        was; clamped to the list)."""
+        self._evictable.pop(block, None)
+        if index is None or index >= len(self._evictable):
+            self._evictable[block] = None
+            return
+        order = list(self._evictable)
+        order.insert(max(index, 0), block)
+        self._evictable = OrderedDict.fromkeys(order)
 
+    @locked
+    def evictable_index(self, block: int) -> int | None:
+        """Position of ``block`` among the evictable blocks (0: least recently used), or None."""
+        if block not in self._evictable:
+            return None
+        return list(self._evictable).index(block)
+
+    @locked
     def unmark_evictable(self, block: int) -> None:
         self._evictable.pop(block, None)
 
@@ -140,6 +175,7 @@ class PrefixCache:
         """Forget the least recently used evictable block and return its id."""
         return self.pop_lru_entry()[0]
 
+    @locked
     def pop_lru_entry(self) -> tuple[int, int, tuple[int, ...]]:
         """Forget the least recently used evictable block; return ``(block, hash, token
         ids)`` (what an offload needs to keep it findable elsewhere)."""
@@ -148,32 +184,36 @@ class PrefixCache:
         del self._block_of[h]
         return block, h, tokens
 
+    @locked
     def forget(self, block: int) -> None:
         """Drop ``block``'s entry (evictable or not): its bytes are no longer its hash's K/V."""
         h, _ = self._entry_of.pop(block)
         del self._block_of[h]
         self._evictable.pop(block, None)
 
-    def snapshot(self) -> tuple:
-        """The cache's whole state (maps, LRU order, lookup counters), for :meth:`restore`."""
-        return dict(self._block_of), dict(self._entry_of), OrderedDict(self._evictable), self.queries, self.hits
+    @locked
+    def reinstate(self, block: int, h: int, token_ids: Sequence[int], index: int = 0) -> None:
+        """Put an entry :meth:`pop_lru_entry` removed back, evictable at LRU position
+        ``index`` (an operation whose copy failed gives back the blocks it evicted)."""
+        if not self.insert(h, token_ids, block):
+            raise ValueError(f"reinstate of block {block} (hash {h}): the block or the hash is cached already")
+        self.mark_evictable(block, index)
 
-    def restore(self, state: tuple) -> None:
-        """Put back a :meth:`snapshot` (in place: references to this cache stay valid)."""
-        block_of, entry_of, evictable, self.queries, self.hits = state
-        self._block_of, self._entry_of, self._evictable = dict(block_of), dict(entry_of), OrderedDict(evictable)
-
+    @locked
     def entry_of(self, block: int) -> tuple[int, tuple[int, ...]] | None:
         """``(hash, token ids)`` cached for ``block``, or None."""
         return self._entry_of.get(block)
 
+    @locked
     def hashes(self) -> set[int]:
         """Every hash the cache maps."""
         return set(self._block_of)
 
+    @locked
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first."""
         return list(self._evictable)
 
+    @locked
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0

@@ -19,8 +19,8 @@ from pagedkv_lab import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The test that catches each fault of the engine, peer-kernel and caches families (the harness
-# families are held to their checks by tests/test_verify.py::test_every_fault_has_a_check).
+# The test that catches each fault of the engine, peer-kernel, caches, read-route and concurrency families (the
+# harness families are held to their checks by tests/test_verify.py::test_every_fault_has_a_check).
 CAUGHT_IN = {
     ("read route", "page_pointers_element_stride"): (
         "test_kernel_read_routes.py",
@@ -48,6 +48,7 @@ CAUGHT_IN = {
         "test_verify_foreign.py",
         "test_an_off_by_one_block_index_is_located_by_sequence_and_head",
     ),
+    ("concurrency", "no_lock"): ("test_manager_threads.py", "test_planted_no_lock_is_caught_by_the_stress_test"),
     ("peer kernel", "whole_page_loads"): (
         "test_vllm_verify.py",
         "test_a_kernel_that_reads_the_unwritten_tail_of_a_last_page_is_told_so",
@@ -146,8 +147,8 @@ def test_a_faulty_kernel_copy_differs_from_the_correct_kernel_only_in_its_marked
     assert len(changed) <= 8, f"{name}: a diff of {len(changed)} lines is more than the wrong line(s)"
 
 
-def test_every_engine_peer_kernel_and_cache_fault_has_a_test_that_catches_it():
-    families = ("engine", "peer kernel", "caches", "read route")
+def test_every_engine_peer_kernel_cache_route_and_concurrency_fault_has_a_test_that_catches_it():
+    families = ("engine", "peer kernel", "caches", "read route", "concurrency")
     assert set(CAUGHT_IN) == {(f.family, f.name) for f in faults.REGISTRY if f.family in families}
     for (family, name), (path, test) in CAUGHT_IN.items():
         assert f"def {test}(" in (ROOT / "tests" / path).read_text(), f"{family} fault {name}: {path}::{test} is gone"

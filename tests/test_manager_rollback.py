@@ -177,3 +177,30 @@ def test_blocks_needed_counts_new_and_copied_blocks_without_changing_anything():
     m.free_sequence("a")  # page 0 stays cached, evictable: still allocatable
     assert m.num_free == 7 and m.num_allocatable == 8
     m.check_integrity()
+
+
+@pytest.mark.parametrize("copy_fn", [None, lambda kind, src, dst, n: None], ids=["pop_copies", "copy_fn"])
+def test_rolling_back_into_a_page_the_fork_committed_keeps_it_cached_and_leaks_nothing(copy_fn):
+    # Found by the thread stress test, single-threaded. Pages of 2 rows. "a" has 6 tokens,
+    # 4 committed; it forks "b", which commits all 6: page 2 (tokens 4-5) is cached now.
+    m = KVCacheManager(8, 2, prefix_cache=True, copy_fn=copy_fn)
+    m.add_sequence("a")
+    m.append_tokens("a", 6, [1, 2, 3, 4, 5, 6])
+    m.commit("a", 4)
+    m.fork("a", "b")
+    m.commit("b")
+    page = m.block_table("a")[2]
+    assert m.prefix_cache.entry_of(page) is not None
+    # "a" rejects its token 5: page 2 stays in its table, a prefix of the cached block.
+    assert m.rollback("a", 1) == []
+    m.check_integrity()
+    # "b" goes first: the cache and "a" hold the page. The next append of "a" copies it
+    # (never writes a cached page), and the page is then the cache's alone: evictable.
+    m.free_sequence("b")
+    m.append_tokens("a", 1, [9])
+    assert m.block_table("a")[2] != page and m.refcount(page) == 1
+    assert page in m.prefix_cache.evictable_blocks(), "the copied-from page is cached, unused and not evictable"
+    m.check_integrity()
+    m.free_sequence("a")
+    m.check_integrity()
+    assert m.evict(8) == 3 and m.num_free == 8

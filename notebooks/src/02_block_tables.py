@@ -16,7 +16,8 @@
 # **You will learn to**
 # * follow a block table from a sequence's logical blocks to physical pages and slots;
 # * explain where paging wastes memory (only in last pages) and show that nothing leaks;
-# * convert between vLLM's padded block tables, FlashInfer's CSR page table and slot mappings.
+# * convert between vLLM's padded block tables, FlashInfer's CSR page table and slot mappings;
+# * see why a block manager shared between threads needs a lock, on a timeline of a lost block.
 #
 # **Before this:** [01 · The KV-cache memory formula](01_memory_formula.ipynb) and
 # [01b · The caches before paging](01b_caches_before_paging.ipynb) (why pages).
@@ -225,6 +226,58 @@ assert mapping[len(seqs) :].tolist() == [-1, -1], "padding tokens must map to sl
 step_mgr.check_integrity()
 
 # %% [markdown]
+# ## Two threads, one free list
+#
+# A server calls the manager from several threads: one admits requests while another
+# appends decode tokens and frees finished ones. `allocate_many(n)` is a
+# *check-then-act*: it reads how many blocks are free, then takes them one by one. Below,
+# two threads each ask for 2 of 3 free blocks, their steps interleaved in a fixed order
+# (`pagedkv_lab.race` makes every touch of the lock or the free list wait for its turn,
+# so the picture is the same on every run). First with the fault `no_lock`'s lock, which
+# excludes nobody, then with the allocator's real lock (an `RLock`).
+
+# %%
+import threading
+
+from pagedkv_lab import faults
+from pagedkv_lab.race import draw_timeline, two_threads_allocating
+
+no_lock = faults.faults_of("concurrency")["no_lock"]
+unlocked = two_threads_allocating(no_lock.part("lock")())
+locked = two_threads_allocating(threading.RLock())
+fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), constrained_layout=True)
+draw_timeline(unlocked, axes[0], f"no lock: t0 got {unlocked.got['t0']}, t1 got {unlocked.got['t1']}")
+draw_timeline(locked, axes[1], f"with the lock: t0 got {locked.got['t0']}, t1 got {locked.got['t1']}")
+plt.show()
+print("no lock:  lost blocks", unlocked.lost, "| check_integrity:", unlocked.integrity)
+print("the lock: lost blocks", locked.lost, "| check_integrity:", locked.integrity or "holds")
+
+# %% [markdown]
+# Without the lock both threads read `len(free) = 3` before either took a block, so both
+# passed the room check; they took blocks 0, 1, 2 in turns, and `t1`'s second `popleft`
+# found the list empty. The `IndexError` threw away the block `t1` had already taken:
+# block 1 is off the free list, at refcount 0, in nobody's hands: lost, and only the
+# integrity check notices. With the lock, `t1` waits until `t0` has finished, reads the
+# truth (1 free block) and is refused with `OutOfBlocksError`, nothing changed.
+#
+# One lock per allocator call is not enough for the manager: an `admit` looks a cached
+# block up, counts room, then takes blocks, and another thread must not evict that block
+# in between. So the `KVCacheManager` holds **one lock for its whole books** (allocator,
+# prefix cache, secondary pool, block tables) across each operation, and never while it
+# calls your copy function (`pagedkv_lib.locking` has the rules).
+# `tests/test_manager_threads.py` runs 8 threads of 2000 random operations each
+# (admit with prefix hits, append, fork, commit, rollback, evict, free) and checks every
+# book; without the lock it fails in 100 of 100 seeded runs (`benchmarks/bench_race.py`).
+
+# %%
+assert unlocked.got["t1"] == "IndexError" and unlocked.lost == [1] and unlocked.integrity, (
+    "without the lock, t1 should pop an empty free list and block 1 should be lost"
+)
+assert locked.got == {"t0": [0, 1], "t1": "OutOfBlocksError"} and not locked.lost and locked.integrity is None, (
+    "with the lock, t1 should wait, see 1 free block and be refused with nothing lost"
+)
+
+# %% [markdown]
 # ## What was verified
 #
 # | claim | check |
@@ -235,6 +288,7 @@ step_mgr.check_integrity()
 # | a failed request leaves the manager unchanged | snapshot equal after `OutOfBlocksError` |
 # | padded <-> CSR round trip, CSR lengths | `torch.equal` both ways |
 # | slot mapping = the manager's slots, `-1` padding kept | asserted per token |
+# | two threads allocating lose a block without the lock, none with it | lost blocks, `check_integrity` |
 #
 # ## Try this
 #

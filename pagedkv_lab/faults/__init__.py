@@ -23,13 +23,16 @@ Who switches faults on, by name:
   correct part of :mod:`pagedkv_lib.contiguous_cache` with its wrong line;
 * the page-pointer route's tests (family ``read route``): faulty host parts of
   :mod:`pagedkv_kernels.decode_page_pointers`, swapped in where the correct part is
-  looked up.
+  looked up;
+* the thread stress test, its rate script and notebook 02, for bookkeeping shared between
+  threads (family ``concurrency``): a manager or allocator whose lock is a no-op.
 
 Nothing is patched globally, so a fault never leaks into the next cell or test.
 
 Modules: :mod:`~pagedkv_lab.faults.harness` (the harness's parts and wrappers),
 :mod:`~pagedkv_lab.faults.quantized` (quantized pools), :mod:`~pagedkv_lab.faults.engine`
 (engine parts), :mod:`~pagedkv_lab.faults.caches` (the caches before paging),
+:mod:`~pagedkv_lab.faults.concurrency` (locks that exclude nobody),
 :mod:`~pagedkv_lab.faults.peer_kernels` (faulty Triton kernels; imports triton and
 :mod:`pagedkv_kernels`, so nothing here imports it),
 :mod:`~pagedkv_lab.faults.read_routes` (the page-pointer route's host parts).
@@ -40,6 +43,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from pagedkv_lab.faults.concurrency import NoLock, UnlockedManager
 from pagedkv_lab.faults.harness import (
     AbsolutePositionWindow,
     NoCopyOnWriteManager,
@@ -78,13 +82,16 @@ __all__ = [
     "chunk_local_mask",
     "rotary_at_cache_position",
     "tree_mask_ignored",
+    # locks that exclude nobody
+    "NoLock",
+    "UnlockedManager",
     # quantized pools
     "nvfp4_quantize_unrounded_scale",
     "unrounded_block_scale",
     "shared_kv_scale",
 ]
 
-FAMILIES = ("harness", "quantized", "engine", "peer kernel", "caches", "read route")
+FAMILIES = ("harness", "quantized", "engine", "peer kernel", "caches", "read route", "concurrency")
 
 
 def load(path: str):
@@ -125,6 +132,7 @@ _H = "pagedkv_lab.faults.harness:"
 _Q = "pagedkv_lab.faults.quantized:"
 _E = "pagedkv_lab.faults.engine:"
 _K = "pagedkv_lab.faults.peer_kernels:"
+_T = "pagedkv_lab.faults.concurrency:"  # threads
 _PEER = "pagedkv_lab.peer_kernels:"
 _R = "pagedkv_lab.faults.read_routes:"
 _MANAGER = {"manager": "pagedkv_lib.manager:KVCacheManager"}
@@ -248,6 +256,14 @@ REGISTRY: tuple[Fault, ...] = (
         "attention reads the first rejected draft's stale K/V at that token's position (with speculative > 0)",
         parts={"manager": f"{_E}RollbackKeepsDrafts"},
         replaces=_MANAGER,
+    ),
+    Fault(
+        "no_lock",
+        "concurrency",
+        "the block manager's lock is a no-op: its operations' check-then-act steps (room, lookup, take, "
+        "refcount) interleave between threads, and blocks are lost, handed out twice or freed while in use",
+        parts={"manager": f"{_T}UnlockedManager", "lock": f"{_T}NoLock"},
+        replaces={**_MANAGER, "lock": "threading:RLock"},
     ),
     _peer(
         "no_minus_one_guard",
