@@ -165,8 +165,9 @@ def _restore(mine, theirs, done: dict) -> None:
     elif f"{type(mine).__module__}.{type(mine).__qualname__}" in OBJECT_CLASSES:
         if type(theirs) is not type(mine):
             raise WireError(f"a {type(mine).__name__} came back as a {type(theirs).__name__}")
+        kept = {k: v for k, v in vars(mine).items() if k not in theirs.__getstate__()}  # its lock stays its own
         mine.__dict__.clear()
-        mine.__dict__.update(theirs.__dict__)
+        mine.__dict__.update(theirs.__getstate__(), **kept)
 
 
 def _reseat(value, storages: dict):

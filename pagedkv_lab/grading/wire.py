@@ -152,7 +152,8 @@ class _Encoder:
             blob = self.blob(data.tobytes())
             return {"$": "ndarray", "dtype": data.dtype.str, "shape": list(data.shape), "blob": blob}
         if _qualname(type(x)) in OBJECT_CLASSES:
-            return {"$": "object", "class": _qualname(type(x)), "state": self.value(dict(vars(x)), depth + 1)}
+            state = dict(x.__getstate__())  # the class says what crosses (an allocator: not its lock)
+            return {"$": "object", "class": _qualname(type(x)), "state": self.value(state, depth + 1)}
         return self.opaque(x)
 
 
@@ -232,7 +233,7 @@ class _Decoder:
         if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() for k in state):
             raise WireError(f"the state of a {cls_name} must be a dict of attribute names")
         obj = cls.__new__(cls)
-        obj.__dict__.update(state)
+        obj.__setstate__(state)  # the class rebuilds what did not cross (an allocator's lock)
         return obj
 
     def value(self, node, depth: int = 0):
