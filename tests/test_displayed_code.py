@@ -35,7 +35,7 @@ SHOWN_IN_08 = {*(n for n, f in faults.faults_of("harness").items()), "no_minus_o
 ADDED = "background:#d9f2dd"  # SourceDiff's style of an added (wrong) line
 # Committed outputs older than viz.kernel_listing (IPython Code blocks of whole kernels):
 # they pass once re-executed (`make refresh NAMES=..`); then drop them from this list.
-STALE_OUTPUTS = {"06_triton_write", "09_quantized_kv", "11_mla_latent_cache"}
+STALE_OUTPUTS: set[str] = set()
 
 _ROW = re.compile(r'<div style="[^"]*white-space:pre[^"]*">|<div style="color:#888">')
 _PRE = re.compile(r"<pre[^>]*>(.*?)</pre>", re.S)

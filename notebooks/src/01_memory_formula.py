@@ -16,7 +16,7 @@
 #
 # **Before this:** Python; knowing that attention keeps a key and a value per token helps.
 #
-# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 15 minutes to read.
+# **Time:** 5 s to run (Restart and Run All, 2 CPU cores), 15 minutes to read.
 # Nothing here needs a GPU or Triton.
 
 # %%

@@ -25,7 +25,7 @@
 #
 # **Before this:** [01 · The KV-cache memory formula](01_memory_formula.ipynb).
 #
-# **Time:** 10 s to run (Restart and Run All, 2 CPU cores), 25 minutes to read.
+# **Time:** 5 s to run (Restart and Run All, 2 CPU cores), 25 minutes to read.
 # No GPU or Triton needed.
 
 # %%

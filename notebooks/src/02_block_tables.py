@@ -22,7 +22,7 @@
 # **Before this:** [01 · The KV-cache memory formula](01_memory_formula.ipynb) and
 # [01b · The caches before paging](01b_caches_before_paging.ipynb) (why pages).
 #
-# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
+# **Time:** 4-5 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
 # No GPU or Triton needed.
 
 # %%

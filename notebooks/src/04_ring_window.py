@@ -27,7 +27,7 @@
 #
 # **Before this:** [03 · Divmod indexing](03_divmod_indexing.ipynb).
 #
-# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
+# **Time:** 5 s to run (Restart and Run All, 2 CPU cores), 20 minutes to read.
 # No GPU or Triton needed.
 
 # %%

@@ -25,7 +25,7 @@
 # **Before this:** [02 · Block tables](02_block_tables.ipynb) (slot mapping, CSR page tables)
 # and [03 · Divmod indexing](03_divmod_indexing.ipynb) (divmod, strides).
 #
-# **Time:** 4 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
+# **Time:** 5 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook): the kernels run compiled
 # on a GPU, or in Triton's interpreter on a CPU.
 

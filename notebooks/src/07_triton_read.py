@@ -31,7 +31,7 @@
 # [03 · Divmod indexing](03_divmod_indexing.ipynb) and
 # [06 · The Triton write kernel](06_triton_write.ipynb) (a kernel in the page).
 #
-# **Time:** 25 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
+# **Time:** 15-20 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook): the kernels run compiled
 # on a GPU, or in Triton's interpreter on a CPU.
 

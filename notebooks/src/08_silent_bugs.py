@@ -28,7 +28,7 @@
 # [05](05_cow_forking.ipynb); [06](06_triton_write.ipynb) and [07](07_triton_read.ipynb)
 # introduce the kernels tested here. Needs Triton (Linux, WSL, a container or a hosted notebook).
 #
-# **Time:** 35 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
+# **Time:** 40 s to run (Restart and Run All, 2 CPU cores), 40 minutes to read.
 
 # %%
 try:  # the set-up, one call; a Python without the suite says how to install it instead

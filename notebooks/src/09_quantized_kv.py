@@ -35,7 +35,7 @@
 # [07 · The Triton read kernel](07_triton_read.ipynb) (the kernels quantized here);
 # [08 · The silent-bug zoo](08_silent_bugs.ipynb) introduces the harness.
 #
-# **Time:** 10 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
+# **Time:** 15 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook).
 
 # %%

@@ -42,7 +42,7 @@
 # [04 · Ring windows](04_ring_window.ipynb), [05 · Copy-on-write forking](05_cow_forking.ipynb)
 # and [07 · The Triton read kernel](07_triton_read.ipynb) (attention in the page).
 #
-# **Time:** 15 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
+# **Time:** 25 s to run (Restart and Run All, 2 CPU cores), 30 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook).
 
 # %%

