@@ -106,12 +106,12 @@ lab: setup
 	@mkdir -p $(dir $(LAB_OVERRIDES)) && cp scripts/lab/overrides.json $(LAB_OVERRIDES)
 	$(if $(INSTRUCTOR),,JUPYTER_CONFIG_PATH=$(CURDIR)/scripts/lab/learner) $(BIN)/jupyter lab \
 	  --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root) \
-	  --ServerApp.root_dir=$(CURDIR) --ServerApp.default_url=/lab/tree/notebooks/README.md
+	  --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks/README.md
 
 # Each notebook is executed once, by nbval (which keeps its executed copy); the browser test
 # then opens those copies, beside the compile check (the browser mostly waits on JupyterLab
 # and Chromium, the compile check keeps both cores busy meanwhile).
-BROWSER_TESTS := tests/test_browser.py tests/test_browser_mutants.py
+BROWSER_TESTS := tests/test_browser.py tests/test_browser_mutants.py tests/test_browser_lab_root.py
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target setup $(TRITON_OLDEST)/.installed
 	$(BIN)/ruff check .

@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import signal
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -83,12 +84,27 @@ def _place(root: str, path: str) -> str:
 
 
 def _scratch_mounts(spec: dict, root: str = "") -> None:
-    """Fresh, small tmpfs folders for the learner's home, ``/tmp`` and ``/dev/shm``."""
+    """Fresh, small tmpfs folders for the learner's home, ``/tmp`` and ``/dev/shm``.
+
+    A bind that lies inside one of them (a checkout or venv under ``/tmp``) would be
+    hidden by the fresh tmpfs: it is held open (``O_PATH``) across the mount and bound
+    again from its descriptor, its own hidden files with it (a recursive bind)."""
     owner = spec["uid"] if spec["level"] == "full" else 0
     for path, mode in (("/tmp", "1777"), (HOME, "0700"), ("/dev/shm", "1777")):
         os.makedirs(root + path, exist_ok=True)
+        inside = [b for b in spec["binds"] if b.startswith(path + "/") and not os.path.islink(root + b)]
+        held = [(b, os.open(root + b, os.O_PATH)) for b in inside]
         _mount("tmpfs", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={TMPFS_SIZE}")
         os.chown(root + path, owner, owner)
+        for b, fd in held:
+            target = root + b
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.makedirs(target, exist_ok=True)
+            else:
+                open(target, "w").close()
+            _bind_read_only(f"/proc/self/fd/{fd}", target)
+            os.close(fd)
 
 
 def build_root(spec: dict) -> None:

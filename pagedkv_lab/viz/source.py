@@ -13,6 +13,7 @@ import ast
 import difflib
 import html
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -116,7 +117,15 @@ def _override_diff(base, sub, context: int, title: str) -> SourceDiff:
             before = inspect.getsource(getattr(base, name)).splitlines()
             diff = difflib.unified_diff(before, inspect.getsource(member).splitlines(), n=context, lineterm="")
             lines += [line for line in diff if not line.startswith(("---", "+++"))]
+        elif not name.startswith("__") and name in vars(base) and vars(base)[name] is not member:
+            lines += [f"-{_attribute_line(base, name)}", f"+{_attribute_line(sub, name)}"]  # a class attribute
     return SourceDiff(title or f"{base.__name__}  ->  {sub.__name__}", tuple(lines))
+
+
+def _attribute_line(cls, name: str) -> str:
+    """The line of ``cls``'s source that assigns the class attribute ``name``."""
+    pattern = re.compile(rf"^\s+{re.escape(name)}\s*(:[^=]*)?=")
+    return next(line for line in inspect.getsource(cls).splitlines() if pattern.match(line))
 
 
 def marked_source(obj, title: str = "", context: int | None = None) -> SourceDiff:
