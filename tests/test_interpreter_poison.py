@@ -129,6 +129,20 @@ def test_poisoned_block_names_the_masked_load_and_restores_the_state_before_it(r
 
 
 @interpreted
+def test_a_poisoned_load_is_named_by_its_kernel_line_under_the_access_recording_too(restore_poison):
+    """The access map's recording wraps the same interpreter load (once installed, for
+    the rest of the process): the line named is still the kernel's, not the wrapper's."""
+    from pagedkv_kernels.interpreter import access
+
+    poison.enable()  # installed first, as in a run where poisoning came before any access map
+    with access.recorded(), poison.poisoned() as seen:
+        _copied(_copy_lanes, torch.float32)
+    assert [(s.lineno, s.source) for s in seen] == [
+        (_copy_lanes.fn.__code__.co_firstlineno + 3, "tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n))")
+    ], [str(s) for s in seen]
+
+
+@interpreted
 def test_environment_switch_is_read_when_kernels_enable_it(monkeypatch, restore_poison):
     poison.disable()
     monkeypatch.setenv(runtime.POISON_ENV_VAR, "0")

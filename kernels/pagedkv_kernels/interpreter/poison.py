@@ -130,10 +130,12 @@ def poison_value(dtype) -> tuple[np.dtype, object]:
 
 
 def _where_loaded() -> PoisonedLoad:
-    """The innermost frame outside triton and this module: the kernel's ``tl.load`` line."""
+    """The innermost frame outside triton and the suite's interpreter hooks (this module,
+    and the access recording that may wrap the same load): the kernel's ``tl.load`` line."""
     frame = sys._getframe(2)
+    hooks = os.path.dirname(__file__)
     while frame is not None and (
-        frame.f_code.co_filename.startswith(_TRITON_DIR) or frame.f_code.co_filename == __file__
+        frame.f_code.co_filename.startswith(_TRITON_DIR) or os.path.dirname(frame.f_code.co_filename) == hooks
     ):
         frame = frame.f_back
     if frame is None:
