@@ -152,9 +152,10 @@ compile-check: setup
 # grid on the suite's kernels once (in-process, tests/test_verify.py). Left to `make test`:
 # the browser, the notebooks, the real model, the compile check, the harness's own mutants
 # and foreign kernels, the grader, the engine on the Triton path, the instructor commands.
-QUICK_IGNORE := $(addprefix --ignore=tests/,test_browser.py test_browser_mutants.py test_engine.py test_notebooks.py \
+QUICK_IGNORE := $(addprefix --ignore=tests/,test_browser.py test_browser_mutants.py test_browser_lab_root.py test_engine.py test_notebooks.py \
 	test_compile_check.py test_verify_foreign.py test_verify_mutants.py test_vllm_verify.py test_reference_honesty.py \
-	test_mla_verify.py test_quant_verify.py test_nbgrader.py test_packaging.py test_doctor.py test_instructor_notes.py)
+	test_mla_verify.py test_quant_verify.py test_nbgrader.py test_packaging.py test_doctor.py test_instructor_notes.py \
+	test_verify_merge_lse.py)
 QUICK_SELECT := not triton and not instructor_command and not cli and not hypothesis and not fault_is_caught
 check: setup
 	$(BIN)/ruff check .
