@@ -47,6 +47,7 @@ __all__ = [
     "decode_write",
     "broadcast_kv_for_gqa",
     "varlen_attention",
+    "full_causal_attention",
 ]
 
 
@@ -464,3 +465,17 @@ class MHAWithCache(torch.nn.Module):
         k_all, v_all = self.cache.append(self.layer, seq_id, k, v)  # write first: a token attends to itself
         cu_q, cu_k = torch.tensor([0, q.shape[0]]), torch.tensor([0, k_all.shape[0]])
         return varlen_attention(q, k_all, v_all, cu_q, cu_k)
+
+
+def full_causal_attention(layer: MHAWithCache, x: torch.Tensor) -> torch.Tensor:
+    """The oracle of an :class:`MHAWithCache`: its projections of the whole of ``x [batch,
+    n, d_model]`` and one causal ``torch.nn.functional.scaled_dot_product_attention`` over
+    them (K/V heads repeated for GQA), without any cache; ``[batch, n, d_model]``, ``x``'s
+    dtype. Whatever path a layer served the tokens by, its output must equal this."""
+    b, n, _ = x.shape
+    q = layer.q_proj(x).view(b, n, layer.num_heads, layer.head_dim).transpose(1, 2)
+    k, v = (p(x).view(b, n, layer.num_kv_heads, layer.head_dim).transpose(1, 2) for p in (layer.k_proj, layer.v_proj))
+    group = layer.num_heads // layer.num_kv_heads
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return layer.o_proj(out.transpose(1, 2).reshape(b, n, -1))

@@ -136,6 +136,20 @@ def _executed_copies(folder: Path) -> None:
         nbformat.write(nb, folder / "executed" / copy.name)
 
 
+def wait_until_serving(proc: subprocess.Popen, url: str, log: Path) -> None:
+    """Return once the JupyterLab ``proc`` answers at ``url``; fail the test, with the end
+    of its ``log``, if it exits first or does not answer within 120 s."""
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"{url}/api/status", timeout=2)
+            return
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"JupyterLab exited: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+    pytest.fail(f"JupyterLab did not start within 120 s: {log.read_text()[-2000:]}")
+
+
 @pytest.fixture(scope="module")
 def lab():
     """A JupyterLab server on 127.0.0.1 over a copy of the notebooks; yields (url, folder)."""
@@ -186,18 +200,7 @@ def lab():
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"{url}/api/status", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    break
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"JupyterLab did not start within 120 s; see {work / 'lab.log'}")
-        if proc.poll() is not None:
-            pytest.fail(f"JupyterLab exited: {(work / 'lab.log').read_text()[-2000:]}")
+        wait_until_serving(proc, url, work / "lab.log")
         yield url, folder
     finally:
         proc.terminate()

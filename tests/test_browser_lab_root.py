@@ -21,13 +21,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-from test_browser import CHROMIUM, FLAGS, _free_port, _gate
+from test_browser import CHROMIUM, FLAGS, _free_port, _gate, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARNER_CONFIG = ROOT / "scripts" / "lab" / "learner"
@@ -77,16 +75,7 @@ def _lab(instructor: bool):
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(240):
-                try:
-                    urllib.request.urlopen(f"{url}/api/status", timeout=2)
-                    break
-                except OSError:
-                    if proc.poll() is not None:
-                        pytest.fail(f"JupyterLab exited: {log_path.read_text()[-2000:]}")
-                    time.sleep(0.5)
-            else:
-                pytest.fail(f"JupyterLab did not start within 120 s: {log_path.read_text()[-2000:]}")
+            wait_until_serving(proc, url, log_path)
             yield url, log_path
         finally:
             proc.terminate()

@@ -24,6 +24,7 @@ from pagedkv_lib.contiguous_cache import (
     append_write,
     broadcast_kv_for_gqa,
     decode_write,
+    full_causal_attention,
     prefill_write,
     varlen_attention,
 )
@@ -175,17 +176,6 @@ def test_a_meta_pool_gives_reserved_bytes_without_memory():
 # --------------------------------------------------------------------------- attention through a cache
 
 
-def _full_attention(m: MHAWithCache, x: torch.Tensor) -> torch.Tensor:
-    """The oracle: one causal attention over the whole sequence, by torch's SDPA."""
-    b, n, _ = x.shape
-    q = m.q_proj(x).view(b, n, m.num_heads, m.head_dim).transpose(1, 2)
-    k, v = (p(x).view(b, n, m.num_kv_heads, m.head_dim).transpose(1, 2) for p in (m.k_proj, m.v_proj))
-    group = m.num_heads // m.num_kv_heads
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return m.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
 @pytest.mark.parametrize("kind", ["prealloc", "simple"])
 def test_prefill_chunks_then_decode_through_the_cache_equal_full_causal_attention(heads, kv_heads, kind):
@@ -200,7 +190,7 @@ def test_prefill_chunks_then_decode_through_the_cache_equal_full_causal_attentio
     x = torch.randn(2, 11, 4 * heads, dtype=F64)
     steps = [(0, 4), (4, 7)] + [(t, t + 1) for t in range(7, 11)]  # two prompt chunks, then decode
     out = torch.cat([m(x[:, lo:hi], ["a", "b"]) for lo, hi in steps], dim=1)
-    torch.testing.assert_close(out, _full_attention(m, x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, full_causal_attention(m, x), rtol=0, atol=1e-12)
     assert cache.seq_len("b") == 11
 
 
@@ -316,7 +306,7 @@ def test_planted_read_before_write_leaves_a_token_blind_to_itself():
         torch.manual_seed(3)
         m.load_state_dict(MHAWithCache(16, 4, cache, num_kv_heads=2, dtype=F64).state_dict())
         outs[cls] = torch.cat([m(x[:, :4], ["s"]), m(x[:, 4:5], ["s"]), m(x[:, 5:], ["s"])], dim=1)
-    want = _full_attention(m, x)
+    want = full_causal_attention(m, x)
     torch.testing.assert_close(outs[MHAWithCache], want, rtol=0, atol=1e-12)
     assert (outs[blind][0, 4] - want[0, 4]).abs().max() > 1e-3  # the decode token missed its own K/V
 

@@ -54,7 +54,7 @@ from pagedkv_lib import (
     broadcast_kv_for_gqa,
     memory,
 )
-from pagedkv_lib.contiguous_cache import varlen_attention
+from pagedkv_lib.contiguous_cache import full_causal_attention, varlen_attention
 
 SKETCH = faults.faults_of("caches")  # the sketches' wrong lines, as replacement parts
 
@@ -339,23 +339,13 @@ assert paged[4] < 1.05 * used and paged[-1] < reserved / 2, "16-token pages wast
 # `MHAWithCache` projects Q, K and V, writes each sequence's new K/V into its cache,
 # reads the sequence back and attends causally over it. The same layer serves a prompt
 # (all its tokens at once) and decoding (one token per call). Whatever the path, the
-# result must equal one causal attention over the whole sequence, computed here by
-# torch's `scaled_dot_product_attention`, in float64: MHA (8 KV heads for 8 query heads)
-# and GQA (2 KV heads shared by 4 query heads each).
+# result must equal one causal attention over the whole sequence:
+# `full_causal_attention`, the layer's own projections and one call of torch's
+# `scaled_dot_product_attention`, no cache. In float64: MHA (8 KV heads for 8 query
+# heads) and GQA (2 KV heads shared by 4 query heads each).
 
 
 # %%
-def full_attention(m, x):
-    """The oracle: torch's causal SDPA over the whole of x [batch, n, d_model], K/V heads repeated."""
-    b, n, _ = x.shape
-    q = m.q_proj(x).view(b, n, m.num_heads, m.head_dim).transpose(1, 2)
-    k, v = (p(x).view(b, n, m.num_kv_heads, m.head_dim).transpose(1, 2) for p in (m.k_proj, m.v_proj))
-    group = m.num_heads // m.num_kv_heads
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return m.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
 def prefill_then_decode(layer_class, num_kv_heads, x, prompt=6):
     """x's first ``prompt`` tokens at once, then the rest one at a time, for two sequences."""
     cache = PreallocKVCache(1, 2, 16, num_kv_heads, 8, torch.float64)
@@ -370,7 +360,7 @@ def prefill_then_decode(layer_class, num_kv_heads, x, prompt=6):
 x = torch.randn(2, 12, 64, dtype=torch.float64)
 for name, kv_heads in (("MHA", 8), ("GQA", 2)):
     m, out = prefill_then_decode(MHAWithCache, kv_heads, x)
-    err = (out - full_attention(m, x)).abs().max().item()
+    err = (out - full_causal_attention(m, x)).abs().max().item()
     assert err < 1e-12, f"{name}: attention through the cache differs from full causal attention by {err:.1e}"
     print(f"{name}: prefill 6 + decode 6 through the cache = one causal attention (max |diff| < 1e-12)")
 
@@ -384,7 +374,7 @@ display(*viz.show_fault(SKETCH["read_before_write"]))
 
 # %%
 m, blind = prefill_then_decode(SKETCH["read_before_write"].part("attention"), 2, x)
-wrong = (blind - full_attention(m, x)).abs().amax(dim=(0, 2))
+wrong = (blind - full_causal_attention(m, x)).abs().amax(dim=(0, 2))
 print("largest error per position:", [f"{e:.1f}" for e in wrong.tolist()])
 assert wrong.min() > 1e-3, "reading before writing changes every position's output"
 
